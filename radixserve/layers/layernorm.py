@@ -1,0 +1,39 @@
+"""RMSNorm, with the residual add of the next sublayer fused in."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dimension (as in HF ``LlamaRMSNorm``).
+
+    ``forward(x)`` returns the normalised ``x``. ``forward(x, residual)`` first
+    adds ``residual`` to ``x`` and returns ``(norm(x + residual), x + residual)``,
+    the pre-norm decoder layout where the sum is the next layer's residual.
+    The statistics are computed in float32 whatever the input dtype.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        out = self._norm(x)
+        return out if residual is None else (out, residual)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"

@@ -1,0 +1,125 @@
+"""Rotary position embedding (RoPE), neox layout as in HF Llama.
+
+The cos/sin of every position up to ``max_position`` are computed once, in
+float32, with the same formulas as ``transformers`` (``inv_freq`` from
+``modeling_rope_utils``, ``freqs = position * inv_freq``, the same rotation
+arithmetic), so results match HF to float32 rounding. The neox layout rotates the pair ``(x[i], x[i + d/2])``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+_SCALED_TYPES = ("linear", "dynamic", "llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q and k given per-token positions.
+
+    ``cos_sin_cache`` is ``[max_position, head_dim]``: cos of the ``head_dim/2``
+    frequencies, then their sin. It is a (non-persistent) buffer so that it
+    follows the model's device; casting the model to bf16 casts it too, which
+    rounds exactly as HF rounds its float32 cos/sin.
+    """
+
+    def __init__(self, head_dim: int, inv_freq_by_position: torch.Tensor):
+        super().__init__()
+        self.head_dim = head_dim
+        freqs = inv_freq_by_position
+        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+
+    @property
+    def max_position(self) -> int:
+        return self.cos_sin_cache.shape[0]
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q`` ``[T, H*D]`` and ``k`` ``[T, Hkv*D]`` for ``positions`` ``[T]``."""
+        cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x1, x2 = x.view(shape[0], -1, self.head_dim).chunk(2, dim=-1)
+        # The same products and sums as HF's q*cos + rotate_half(q)*sin.
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).view(shape)
+
+
+def default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1 frequency-dependent scaling: long wavelengths are divided by
+    ``factor``, short ones kept, the band between them interpolated."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def dynamic_ntk_inv_freq(head_dim: int, base: float, factor: float, max_position: int, seq_len: int) -> torch.Tensor:
+    """NTK-aware base for a context of ``seq_len`` > ``max_position``."""
+    base = base * ((factor * seq_len / max_position) - (factor - 1)) ** (head_dim / (head_dim - 2))
+    return default_inv_freq(head_dim, base)
+
+
+def get_rope(head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None) -> RotaryEmbedding:
+    """Build the rotary embedding for ``rope_scaling`` (HF's ``rope_parameters``
+    / ``rope_scaling`` dict, or None).
+
+    Supported types: default, ``linear`` (positions divided by ``factor``; the
+    cache covers ``max_position * factor``), ``llama3``, and ``dynamic`` (NTK):
+    inside ``max_position`` it is plain RoPE, exactly as HF; beyond it the
+    cache uses the NTK base for the whole extended length
+    ``max_position * factor``. HF instead recomputes the base from the current
+    sequence length at every call, which would change the keys already in the
+    KV cache, so past ``max_position`` the two differ by design.
+    """
+    rope_type = _rope_type(rope_scaling)
+    inv_freq = default_inv_freq(head_dim, base)
+    positions = torch.arange(max_position, dtype=torch.float32)
+    if rope_type == "llama3":
+        inv_freq = llama3_inv_freq(inv_freq, rope_scaling)
+    elif rope_type == "linear":
+        inv_freq = inv_freq / rope_scaling["factor"]
+        positions = torch.arange(int(max_position * rope_scaling["factor"]), dtype=torch.float32)
+    elif rope_type == "dynamic":
+        return _dynamic_rope(head_dim, max_position, base, rope_scaling["factor"])
+    return RotaryEmbedding(head_dim, positions[:, None] * inv_freq[None, :])
+
+
+def _dynamic_rope(head_dim: int, max_position: int, base: float, factor: float) -> RotaryEmbedding:
+    total = int(max_position * factor)
+    freqs = torch.arange(total, dtype=torch.float32)[:, None] * default_inv_freq(head_dim, base)[None, :]
+    if total > max_position:
+        long_inv_freq = dynamic_ntk_inv_freq(head_dim, base, factor, max_position, total)
+        freqs[max_position:] = torch.arange(max_position, total, dtype=torch.float32)[:, None] * long_inv_freq
+    return RotaryEmbedding(head_dim, freqs)
+
+
+def _rope_type(rope_scaling: dict | None) -> str:
+    if not rope_scaling:
+        return "default"
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type != "default" and rope_type not in _SCALED_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported (supported: default, {', '.join(_SCALED_TYPES)})")
+    return rope_type
+
+
+def rope_params_from_config(config) -> tuple[float, dict | None]:
+    """``(rope_theta, scaling dict or None)`` from an HF config of either
+    transformers 5 (``rope_parameters``) or 4 (``rope_theta`` + ``rope_scaling``)."""
+    params = getattr(config, "rope_parameters", None)
+    if params and "rope_theta" in params:
+        return float(params["rope_theta"]), dict(params)
+    scaling = getattr(config, "rope_scaling", None)
+    return float(getattr(config, "rope_theta", 10000.0)), dict(scaling) if scaling else None

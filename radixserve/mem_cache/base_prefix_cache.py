@@ -1,0 +1,80 @@
+"""The contract every prefix cache (radix tree, or none) offers the scheduler.
+
+Ownership: a KV slot is owned either by the cache (it holds a token of a cached
+sequence) or by exactly one running request. A request's first
+``req.cache_protected_len`` tokens are owned by the cache and locked through
+``req.last_node``; the slots after that belong to the request until the cache
+takes them in ``cache_finished_req`` / ``cache_unfinished_req``.
+
+Slot indices returned by ``match_prefix`` stay valid only while the returned
+node is locked (``inc_lock_ref``); an unlocked node may be evicted.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+class CachedReq(Protocol):
+    """What the caches read and update on a request."""
+
+    req_pool_idx: int | None
+    origin_input_ids: list[int]
+    output_ids: list[int]
+    kv_len: int  # tokens whose KV slots are allocated in its req_to_token row
+    prefix_indices: torch.Tensor  # slots of the cache-owned prefix
+    cache_protected_len: int
+    last_node: Any
+
+
+@dataclass
+class MatchResult:
+    device_indices: torch.Tensor  # int64 KV slots of the matched prefix
+    last_node: Any  # the deepest matched node; lock it to keep the slots
+
+
+class BasePrefixCache(ABC):
+    page_size: int
+
+    @abstractmethod
+    def match_prefix(self, key: list[int]) -> MatchResult: ...
+
+    @abstractmethod
+    def insert(self, key: list[int], value: torch.Tensor) -> int: ...
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int: ...
+
+    @abstractmethod
+    def inc_lock_ref(self, node: Any) -> None: ...
+
+    @abstractmethod
+    def dec_lock_ref(self, node: Any) -> None: ...
+
+    @abstractmethod
+    def cache_finished_req(self, req: CachedReq) -> None: ...
+
+    @abstractmethod
+    def cache_unfinished_req(self, req: CachedReq) -> None: ...
+
+    @abstractmethod
+    def evictable_size(self) -> int: ...
+
+    @abstractmethod
+    def protected_size(self) -> int: ...
+
+    @abstractmethod
+    def reset(self) -> None: ...
+
+    def total_size(self) -> int:
+        return self.evictable_size() + self.protected_size()
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the cache's own bookkeeping is inconsistent."""
+
+    def pretty_print(self) -> str:
+        return f"{type(self).__name__}(evictable={self.evictable_size()}, protected={self.protected_size()})"

@@ -1,0 +1,307 @@
+"""RadixCache: a radix tree over token ids whose nodes hold KV slot indices.
+
+Keys are compared in whole pages: a match is truncated to a multiple of
+``page_size`` and every edge label (``node.key``) is page-aligned, so each node
+owns whole pages of the KV pool. Children are indexed by their first page
+(a token id when ``page_size == 1``, else a tuple of ``page_size`` ids).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Callable
+
+import torch
+
+from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
+from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, CachedReq, MatchResult
+from radixserve.mem_cache.memory_pool import ReqToTokenPool
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class TreeNode:
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "hit_count", "id")
+
+    def __init__(self, node_id: int, key: list[int], value: torch.Tensor, parent: "TreeNode | None"):
+        self.children: dict = {}
+        self.parent = parent
+        self.key = key
+        self.value = value
+        self.lock_ref = 0
+        self.last_access = 0
+        self.hit_count = 0
+        self.id = node_id
+
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.key)}, lock={self.lock_ref})"
+
+
+def _common_len(a: list[int], b: list[int], page: int) -> int:
+    """Length of the common prefix of ``a`` and ``b`` in whole pages.
+
+    Slice comparison runs in C; a binary search over page counts keeps a
+    mismatch near the end of a 4k-token key cheap.
+    """
+    n = min(len(a), len(b)) // page * page
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n // page  # lo pages match, hi pages do not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[: mid * page] == b[: mid * page]:
+            lo = mid
+        else:
+            hi = mid
+    return lo * page
+
+
+_EVICTION_PRIORITY: dict[str, Callable[[TreeNode], tuple]] = {
+    "lru": lambda n: (n.last_access,),
+    "lfu": lambda n: (n.hit_count, n.last_access),
+}
+
+
+class RadixCache(BasePrefixCache):
+    """Prefix cache over a paged KV pool (see ``base_prefix_cache`` for the
+    ownership contract). ``evictable_size`` and ``protected_size`` are counters
+    kept by every operation; :meth:`check_invariants` recomputes them."""
+
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool | None,
+        token_to_kv_pool_allocator: TokenToKVPoolAllocator | None,
+        page_size: int = 1,
+        eviction_policy: str = "lru",
+    ):
+        if eviction_policy not in _EVICTION_PRIORITY:
+            raise ValueError(f"eviction_policy must be one of {sorted(_EVICTION_PRIORITY)}, got {eviction_policy!r}")
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = token_to_kv_pool_allocator
+        self.page_size = page_size
+        self.eviction_policy = eviction_policy
+        self._priority = _EVICTION_PRIORITY[eviction_policy]
+        self.reset()
+
+    # -- basics ------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget every cached sequence (the caller clears the allocator)."""
+        self._next_id = 0
+        self._clock = 0
+        self.root = self._new_node([], _EMPTY, None)
+        self.root.lock_ref = 1  # the root is never evicted
+        self._evictable = 0
+        self._protected = 0
+
+    def _new_node(self, key: list[int], value: torch.Tensor, parent: TreeNode | None) -> TreeNode:
+        node = TreeNode(self._next_id, key, value, parent)
+        self._next_id += 1
+        return node
+
+    def _child_key(self, key: list[int]):
+        return key[0] if self.page_size == 1 else tuple(key[: self.page_size])
+
+    def _touch(self, node: TreeNode) -> None:
+        self._clock += 1
+        node.last_access = self._clock
+        node.hit_count += 1
+
+    def _aligned(self, n: int) -> int:
+        return n // self.page_size * self.page_size
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    # -- match / insert ----------------------------------------------------
+    def _descend(self, key: list[int]) -> tuple[TreeNode, int, list[torch.Tensor]]:
+        """Walk down along ``key`` (whole pages only), splitting the node the
+        match ends inside. Returns the deepest matched node, the matched length
+        and the matched nodes' slot tensors. Walks by offset: no key copies."""
+        node, pos, values, end = self.root, 0, [], self._aligned(len(key))
+        while pos < end:
+            child = node.children.get(self._child_key(key[pos : pos + self.page_size]))
+            if child is None:
+                break
+            self._touch(child)
+            n = _common_len(child.key, key[pos : pos + len(child.key)], self.page_size)
+            if n < len(child.key):
+                child = self._split(child, n)
+            values.append(child.value)
+            node, pos = child, pos + n
+        return node, pos, values
+
+    def match_prefix(self, key: list[int]) -> MatchResult:
+        """Longest cached prefix of ``key`` in whole pages; splits a node the
+        match ends inside, so the returned node covers exactly the match."""
+        node, _, values = self._descend(key)
+        indices = torch.cat(values) if values else _EMPTY
+        return MatchResult(device_indices=indices, last_node=node)
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cut ``child``'s edge after ``n`` tokens; returns the new upper node."""
+        upper = self._new_node(child.key[:n], child.value[:n], child.parent)
+        upper.lock_ref, upper.last_access, upper.hit_count = child.lock_ref, child.last_access, child.hit_count
+        upper.children[self._child_key(child.key[n:])] = child
+        child.parent.children[self._child_key(upper.key)] = upper
+        child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
+        return upper
+
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        """Insert ``key`` (truncated to whole pages) with its slots ``value``.
+
+        Returns how many leading tokens were already cached: the caller owns
+        ``value[:returned]`` still and must free the ones that differ from the
+        cached slots (duplicates)."""
+        node, present, _ = self._descend(key)
+        end = self._aligned(len(key))
+        if present < end:
+            leaf = self._new_node(list(key[present:end]), value[present:end].to(torch.int64).clone(), node)
+            self._touch(leaf)
+            node.children[self._child_key(leaf.key)] = leaf
+            self._evictable += len(leaf.key)
+        return present
+
+    # -- locks -------------------------------------------------------------
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.key)
+                self._protected += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise RuntimeError(f"RadixCache: unlocking {node} which is not locked")
+            if node.lock_ref == 1:
+                self._evictable += len(node.key)
+                self._protected -= len(node.key)
+            node.lock_ref -= 1
+            node = node.parent
+
+    # -- eviction ----------------------------------------------------------
+    def evict(self, num_tokens: int) -> int:
+        """Evict unlocked leaves (by policy) until ``num_tokens`` slots are
+        freed or nothing is evictable; returns the number freed."""
+        heap = [(self._priority(n), n.id, n) for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        self.allocator.free_group_begin()
+        try:
+            while freed < num_tokens and heap:
+                _, _, leaf = heapq.heappop(heap)
+                self.allocator.free(leaf.value)
+                freed += len(leaf.key)
+                parent = self._delete_leaf(leaf)
+                if parent is not self.root and parent.is_leaf() and parent.lock_ref == 0:
+                    heapq.heappush(heap, (self._priority(parent), parent.id, parent))
+        finally:
+            self.allocator.free_group_end()
+        return freed
+
+    def _delete_leaf(self, leaf: TreeNode) -> TreeNode:
+        parent = leaf.parent
+        del parent.children[self._child_key(leaf.key)]
+        self._evictable -= len(leaf.key)
+        return parent
+
+    def _nodes(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _leaves(self):
+        return (n for n in self._nodes() if n.is_leaf() and n is not self.root)
+
+    # -- request life cycle --------------------------------------------------
+    def _req_slots(self, req: CachedReq) -> tuple[list[int], torch.Tensor]:
+        tokens = (req.origin_input_ids + req.output_ids)[: req.kv_len]
+        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].to(torch.int64)
+        return tokens, slots
+
+    def _insert_req(self, req: CachedReq) -> tuple[list[int], torch.Tensor, int]:
+        """Insert the request's page-aligned tokens; free its duplicate slots."""
+        tokens, slots = self._req_slots(req)
+        aligned = self._aligned(len(tokens))
+        present = self.insert(tokens[:aligned], slots[:aligned])
+        # Slots before cache_protected_len already are the tree's; the request's
+        # own slots for tokens that someone else cached meanwhile are duplicates.
+        self.allocator.free(slots[req.cache_protected_len : present])
+        return tokens, slots, aligned
+
+    def cache_finished_req(self, req: CachedReq) -> None:
+        """Give a finished request's KV to the tree, free the rest and its row."""
+        _, slots, aligned = self._insert_req(req)
+        self.allocator.free(slots[aligned:])
+        self.req_to_token_pool.free(req.req_pool_idx)
+        self.dec_lock_ref(req.last_node)
+        req.req_pool_idx, req.last_node = None, None
+        req.prefix_indices, req.cache_protected_len = _EMPTY, 0
+
+    def cache_unfinished_req(self, req: CachedReq) -> None:
+        """Insert a chunked or running request's KV so far and move its lock to
+        the new deepest node; the request keeps its partial last page."""
+        tokens, slots, aligned = self._insert_req(req)
+        match = self.match_prefix(tokens[:aligned])
+        new_slots = match.device_indices
+        self.req_to_token_pool.write(req.req_pool_idx, req.cache_protected_len, new_slots[req.cache_protected_len :])
+        self.inc_lock_ref(match.last_node)
+        self.dec_lock_ref(req.last_node)
+        req.prefix_indices, req.last_node, req.cache_protected_len = new_slots, match.last_node, len(new_slots)
+
+    # -- checks --------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Recompute sizes and verify the tree's structure; raise on a violation."""
+        evictable = protected = 0
+        problems = []
+        for node in self._nodes():
+            if node is self.root:
+                continue
+            if len(node.value) != len(node.key):
+                problems.append(f"{node}: value length {len(node.value)} != key length {len(node.key)}")
+            if len(node.key) == 0 or len(node.key) % self.page_size:
+                problems.append(f"{node}: key length {len(node.key)} is not a positive multiple of {self.page_size}")
+            if node.parent.children.get(self._child_key(node.key)) is not node:
+                problems.append(f"{node}: not indexed under its first page in its parent")
+            if node.lock_ref < 0 or (node.parent is not self.root and node.parent.lock_ref < node.lock_ref):
+                problems.append(f"{node}: lock_ref {node.lock_ref} exceeds its parent's {node.parent.lock_ref}")
+            if node.lock_ref > 0:
+                protected += len(node.key)
+            else:
+                evictable += len(node.key)
+        if (evictable, protected) != (self._evictable, self._protected):
+            problems.append(
+                f"counters evictable={self._evictable} protected={self._protected} "
+                f"!= recomputed {evictable} / {protected}"
+            )
+        if problems:
+            raise AssertionError("RadixCache invariant violated: " + "; ".join(problems[:5]))
+
+    def all_values(self) -> torch.Tensor:
+        values = [n.value for n in self._nodes() if n is not self.root]
+        return torch.cat(values) if values else _EMPTY
+
+    def pretty_print(self) -> str:
+        lines = []
+
+        def walk(node: TreeNode, depth: int) -> None:
+            for child in node.children.values():
+                head = child.key[:8]
+                more = "..." if len(child.key) > 8 else ""
+                lines.append(f"{'  ' * depth}[{len(child.key)}] {head}{more} lock={child.lock_ref}")
+                walk(child, depth + 1)
+
+        walk(self.root, 0)
+        lines.append(f"#tokens: {self.total_size()} (evictable {self._evictable}, protected {self._protected})")
+        text = "\n".join(lines)
+        print(text)
+        return text

@@ -1,0 +1,88 @@
+"""What one forward pass needs, as device tensors (the last stage of
+ScheduleBatch -> ModelWorkerBatch -> ForwardBatch).
+
+Token layout for EXTEND: the new tokens of every request, concatenated in
+batch order. Request ``i`` contributes ``extend_seq_lens[i]`` tokens at
+positions ``extend_prefix_lens[i] .. seq_lens[i]-1``; its first
+``extend_prefix_lens[i]`` tokens are already in the KV pool and are read
+through ``req_to_token[req_pool_indices[i]]``. A request whose
+``extend_seq_lens[i] == 1`` is a decode riding along in a mixed batch.
+
+DECODE is the special case of one new token per request; it has its own mode
+so that backends and CUDA graphs can take a faster path.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from radixserve.layers.attention.base import AttentionBackend
+    from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = 1  # prefill of the uncached part of each prompt (chunks, mixed decodes)
+    DECODE = 2  # one new token per request
+    IDLE = 3  # nothing to run (kept for data-parallel padding)
+
+    def is_extend(self) -> bool:
+        return self == ForwardMode.EXTEND
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+
+@dataclass
+class ForwardBatch:
+    """Device tensors for one forward; built by the ModelRunner from a ModelWorkerBatch."""
+
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    req_pool_indices: torch.Tensor  # [bs] int64, rows of req_to_token
+    seq_lens: torch.Tensor  # [bs] int64, length of each request after this forward
+    out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slots the new tokens write to
+    seq_lens_cpu: list[int]
+    req_to_token_pool: "ReqToTokenPool"
+    token_to_kv_pool: "MHATokenToKVPool"
+    attn_backend: "AttentionBackend"
+
+    # EXTEND only (None for DECODE)
+    extend_prefix_lens: torch.Tensor | None = None  # [bs]
+    extend_seq_lens: torch.Tensor | None = None  # [bs]
+    extend_start_loc: torch.Tensor | None = None  # [bs], offset of each request's first new token
+    extend_prefix_lens_cpu: list[int] | None = None
+    extend_seq_lens_cpu: list[int] | None = None
+
+    # Input-token logprobs (EXTEND with return_logprob): for request i, logprobs
+    # are computed for new-token positions >= extend_logprob_start_lens_cpu[i]
+    # (relative to the request's first new token).
+    return_logprob: bool = False
+    extend_logprob_start_lens_cpu: list[int] | None = None
+    top_logprobs_nums: list[int] | None = None
+
+    # Backend-private metadata, filled by attn_backend.init_forward_metadata().
+    attn_metadata: Any = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def ragged_arange(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """``cat([arange(s, s + n) for s, n in zip(starts, lens)])`` without a Python loop.
+
+    E.g. the positions of an EXTEND batch are ``ragged_arange(extend_prefix_lens,
+    extend_seq_lens)``. ``lens`` must be non-negative; the result is on ``lens.device``.
+    """
+    total = int(lens.sum())
+    ends = torch.cumsum(lens, 0)
+    offsets = torch.repeat_interleave(starts - (ends - lens), lens, output_size=total)
+    return torch.arange(total, dtype=offsets.dtype, device=lens.device) + offsets

@@ -1,0 +1,191 @@
+"""The ModelRunner: one rank's model, KV memory and attention backend.
+
+It turns a host-side ``ModelWorkerBatch`` into a device ``ForwardBatch`` and
+runs the model on it. Sampling is the Sampler's job, scheduling the
+Scheduler's; the runner only owns the memory they share:
+
+- ``req_to_token_pool``: ``max_running_requests + 1`` rows of
+  ``max_context_len`` slots. Row 0 is taken at start-up as the padding row
+  (all zeros, i.e. the dummy KV slot 0) for padded batches such as CUDA-graph
+  decode, so exactly ``max_running_requests`` rows are free for requests.
+- ``token_to_kv_pool``: an ``MHATokenToKVPool`` of ``max_total_tokens`` slots
+  (plus the dummy page) in the model's dtype.
+- ``token_to_kv_pool_allocator``: hands out those slots in pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from radixserve.configs.model_config import ModelConfig
+from radixserve.layers.attention import create_attention_backend
+from radixserve.layers.logits_processor import LogitsProcessorOutput
+from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ragged_arange
+
+if TYPE_CHECKING:
+    from radixserve.managers.schedule_batch import ModelWorkerBatch
+
+logger = logging.getLogger(__name__)
+
+CPU_MAX_KV_TOKENS = 65536  # default cap of the CPU KV pool
+CPU_KV_RAM_FRACTION = 0.25  # share of available RAM the CPU KV pool may take by default
+
+
+class ModelRunner:
+    """Runs forwards of one model over a paged KV pool.
+
+    ``max_total_tokens`` is the KV pool size in tokens. On CUDA the pool is
+    sized from the memory free after the weights, keeping
+    ``1 - mem_fraction_static`` of the device's memory for activations, and
+    ``max_total_tokens`` (if given) caps it. On CPU it is ``max_total_tokens``
+    or, by default, ``min(CPU_KV_RAM_FRACTION * available RAM, 64k tokens)``.
+    ``max_context_len`` defaults to the model's context length; it is capped
+    by the pool size. ``model`` may be passed ready-made (tests); otherwise it
+    is loaded with ``radixserve.model_loader.get_model``.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        *,
+        device: str | torch.device = "cpu",
+        page_size: int = 1,
+        max_total_tokens: int | None = None,
+        max_running_requests: int,
+        max_context_len: int | None = None,
+        attention_backend: str = "torch_native",
+        mem_fraction_static: float = 0.8,
+        seed: int = 0,
+        model: nn.Module | None = None,
+    ):
+        if page_size < 1 or max_running_requests < 1:
+            raise ValueError(f"page_size and max_running_requests must be >= 1, got {page_size}, {max_running_requests}")
+        torch.manual_seed(seed)
+        self.model_config = model_config
+        self.device = torch.device(device)
+        self.dtype = model_config.dtype
+        self.page_size = page_size
+        self.max_running_requests = max_running_requests
+        self.model = (model if model is not None else self._load_model()).eval()
+        self.max_total_tokens = self._kv_pool_tokens(max_total_tokens, mem_fraction_static)
+        self.max_context_len = min(max_context_len or model_config.context_len, self.max_total_tokens)
+        self._init_memory_pools()
+        self.attn_backend = create_attention_backend(attention_backend, self)
+
+    # -- set-up ------------------------------------------------------------
+    def _load_model(self) -> nn.Module:
+        from radixserve.model_loader import get_model  # the loader imports the model registry
+
+        return get_model(self.model_config, self.device)
+
+    def kv_bytes_per_token(self) -> int:
+        c = self.model_config
+        return c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * self.dtype.itemsize
+
+    def _kv_pool_tokens(self, max_total_tokens: int | None, mem_fraction_static: float) -> int:
+        if self.device.type == "cuda":
+            tokens = self._cuda_kv_budget(mem_fraction_static) // self.kv_bytes_per_token()
+            tokens = min(tokens, max_total_tokens) if max_total_tokens else tokens
+        elif max_total_tokens:
+            tokens = max_total_tokens
+        else:
+            tokens = min(int(_available_ram() * CPU_KV_RAM_FRACTION) // self.kv_bytes_per_token(), CPU_MAX_KV_TOKENS)
+        tokens = tokens // self.page_size * self.page_size
+        if tokens < self.page_size:
+            raise ValueError(f"no room for a KV cache: {tokens} tokens fit (page_size {self.page_size})")
+        return tokens
+
+    def _cuda_kv_budget(self, mem_fraction_static: float) -> int:
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(free - total * (1 - mem_fraction_static))
+
+    def _init_memory_pools(self) -> None:
+        from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
+
+        c = self.model_config
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.max_context_len, self.device)
+        self.padding_req_row = self.req_to_token_pool.alloc(1)[0]
+        self.token_to_kv_pool = MHATokenToKVPool(
+            self.max_total_tokens, self.page_size, self.dtype, c.num_key_value_heads, c.head_dim,
+            c.num_hidden_layers, self.device,
+        )
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
+            size=self.max_total_tokens, page_size=self.page_size, device=self.device
+        )
+        logger.info(
+            "KV pool: %d tokens (%.2f GiB, %s), %d request rows of %d tokens",
+            self.max_total_tokens, self.token_to_kv_pool.mem_bytes() / 2**30, self.dtype,
+            self.max_running_requests, self.max_context_len,
+        )
+
+    # -- forward -----------------------------------------------------------
+    def forward_batch_from(self, batch: "ModelWorkerBatch") -> ForwardBatch:
+        """Move ``batch`` to the device and derive positions and extend offsets."""
+        dev = self.device
+        extend = self._extend_fields(batch) if batch.forward_mode.is_extend() else {}
+        positions = extend.pop("positions") if extend else batch.seq_lens - 1
+        return ForwardBatch(
+            forward_mode=batch.forward_mode,
+            batch_size=batch.batch_size,
+            input_ids=batch.input_ids.to(dev, torch.int64, non_blocking=True),
+            positions=positions.to(dev, torch.int64, non_blocking=True),
+            req_pool_indices=batch.req_pool_indices.to(dev, torch.int64, non_blocking=True),
+            seq_lens=batch.seq_lens.to(dev, torch.int64, non_blocking=True),
+            out_cache_loc=batch.out_cache_loc.to(dev, torch.int64, non_blocking=True),
+            seq_lens_cpu=list(batch.seq_lens_cpu),
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool=self.token_to_kv_pool,
+            attn_backend=self.attn_backend,
+            return_logprob=batch.return_logprob,
+            extend_logprob_start_lens_cpu=batch.extend_logprob_start_lens,
+            top_logprobs_nums=batch.top_logprobs_nums,
+            **extend,
+        )
+
+    def _extend_fields(self, batch: "ModelWorkerBatch") -> dict:
+        """Positions ``prefix_len .. seq_len-1`` of each request, concatenated,
+        and the EXTEND-only fields of :class:`ForwardBatch`."""
+        prefix, extend = list(batch.extend_prefix_lens), list(batch.extend_seq_lens)
+        if sum(extend) != len(batch.input_ids) or any(p + n != s for p, n, s in zip(prefix, extend, batch.seq_lens_cpu)):
+            raise ValueError(
+                f"inconsistent EXTEND batch: {len(batch.input_ids)} input ids, prefix lens {prefix}, "
+                f"extend lens {extend}, seq lens {batch.seq_lens_cpu}"
+            )
+        prefix_t, extend_t = torch.tensor(prefix, dtype=torch.int64), torch.tensor(extend, dtype=torch.int64)
+        to_dev = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
+        return dict(
+            positions=ragged_arange(prefix_t, extend_t),
+            extend_prefix_lens=to_dev(prefix_t),
+            extend_seq_lens=to_dev(extend_t),
+            extend_start_loc=to_dev(torch.cumsum(extend_t, 0) - extend_t),
+            extend_prefix_lens_cpu=prefix,
+            extend_seq_lens_cpu=extend,
+        )
+
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        """Run the model. Outputs are inference-mode tensors: modify them in
+        place only inside ``torch.inference_mode()`` (or copy them)."""
+        if forward_batch.forward_mode == ForwardMode.IDLE:
+            return LogitsProcessorOutput(torch.empty(0, self.model_config.vocab_size, device=self.device))
+        self.attn_backend.init_forward_metadata(forward_batch)
+        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+
+def _available_ram() -> int:
+    """Bytes of RAM available to new allocations (Linux ``MemAvailable``)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,28 @@
+"""Model sources: HF safetensors folders, GGUF files (converted, cached) and dummy configs."""
+
+from radixserve.model_loader.dummy_configs import DUMMY_MODEL_NAMES, dummy_config, is_dummy_name
+from radixserve.model_loader.gguf_loader import load_gguf
+from radixserve.model_loader.loader import (
+    LOAD_FORMATS,
+    SUPPORTED_ARCHITECTURES,
+    default_model_path,
+    get_model,
+    resolve_dtype,
+    resolve_model,
+)
+from radixserve.model_loader.weight_utils import fill_dummy_weights, iter_safetensors
+
+__all__ = [
+    "DUMMY_MODEL_NAMES",
+    "LOAD_FORMATS",
+    "SUPPORTED_ARCHITECTURES",
+    "default_model_path",
+    "dummy_config",
+    "fill_dummy_weights",
+    "get_model",
+    "is_dummy_name",
+    "iter_safetensors",
+    "load_gguf",
+    "resolve_dtype",
+    "resolve_model",
+]

@@ -1,0 +1,317 @@
+"""GGUF files (llama.cpp) turned into cached HF-style folders.
+
+A ``.gguf`` file is converted once into ``config.json``, ``model.safetensors``
+(float32, every tensor dequantized with ``gguf.quants``), the tokenizer files
+and ``generation_config.json``; afterwards the engine loads it like any HF
+checkpoint. The folder lives under ``$RADIXSERVE_CACHE_DIR`` (default
+``~/.cache/radixserve``), keyed by the file's absolute path, size and mtime,
+and appears by an atomic rename, so a crash never leaves a half-written one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+from transformers import GenerationConfig, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+
+logger = logging.getLogger(__name__)
+
+# Bump when the converted output changes, so old cache entries are not reused.
+CONVERTER_VERSION = 1
+CACHE_ENV = "RADIXSERVE_CACHE_DIR"
+MARKER_FILE = "radixserve_gguf.json"
+
+# general.architecture -> (HF architecture, HF config class)
+GGUF_ARCHITECTURES: dict[str, tuple[str, type[PretrainedConfig]]] = {
+    "llama": ("LlamaForCausalLM", LlamaConfig),
+    "qwen2": ("Qwen2ForCausalLM", Qwen2Config),
+    "qwen3": ("Qwen3ForCausalLM", Qwen3Config),
+}
+# llama.cpp's convert_hf_to_gguf.py interleaves the q/k rows of each head (its
+# rotary kernel pairs adjacent dims) only for the llama family; the qwen
+# converters write q/k as HF has them.
+_PERMUTED_ARCHITECTURES = {"llama"}
+
+_TOP_LEVEL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Not weights: llama3 rope factors, folded into config.rope_scaling instead.
+_CONFIG_ONLY_TENSORS = {"rope_freqs.weight"}
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """The HF checkpoint name of a llama.cpp tensor name (``blk.3.attn_q.weight``)."""
+    if gguf_name in _TOP_LEVEL_NAMES:
+        return _TOP_LEVEL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF counterpart")
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's per-head q/k row interleaving (works for weights and biases).
+
+    Within each head of d rows llama.cpp stores the HF rows in the order
+    0, d/2, 1, d/2+1, ...; reading them as (pair, half) and swapping the two
+    axes restores the HF order.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# --- metadata and config -------------------------------------------------------
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+def _float(reader: GGUFReader, key: str, default: float) -> float:
+    # Metadata floats are float32: 1e-5 is stored as 9.99999974e-06. The
+    # shortest decimal that round-trips through float32 is the intended value.
+    value = _field(reader, key)
+    return default if value is None else float(str(np.float32(value)))
+
+
+def _tensor(reader: GGUFReader, name: str):
+    return next((t for t in reader.tensors if t.name == name), None)
+
+
+def gguf_architecture(reader: GGUFReader) -> str:
+    """The GGUF ``general.architecture``, checked against those we convert."""
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def gguf_to_hf_config(reader: GGUFReader) -> PretrainedConfig:
+    """Build the HF config of a GGUF model from its metadata and tensor shapes."""
+    arch = gguf_architecture(reader)
+    hf_arch, config_cls = GGUF_ARCHITECTURES[arch]
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    theta = _float(reader, f"{arch}.rope.freq_base", 10000.0)
+    embed = _tensor(reader, "token_embd.weight")
+    if embed is None:
+        raise ValueError("GGUF file has no token_embd.weight; it is not a language model we can convert")
+    return config_cls(
+        architectures=[hf_arch],
+        hidden_size=hidden,
+        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        vocab_size=int(embed.shape[1]),  # GGUF shapes are (cols, rows)
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
+        rms_norm_eps=_float(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(reader, arch, theta, head_dim),
+        tie_word_embeddings=_tensor(reader, "output.weight") is None,
+        dtype="float32",
+        **_special_token_ids(reader),
+    )
+
+
+def _special_token_ids(reader: GGUFReader) -> dict[str, Any]:
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    if eot is not None and eos is not None and eot != eos:
+        eos = [int(eos), int(eot)]
+    pad = _field(reader, "tokenizer.ggml.padding_token_id")
+    return {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}
+
+
+def _rope_scaling(reader: GGUFReader, arch: str, theta: float, head_dim: int) -> dict[str, Any] | None:
+    freqs = _tensor(reader, "rope_freqs.weight")
+    if freqs is not None:
+        return _llama3_rope_from_factors(dequantize(freqs.data, freqs.tensor_type).ravel(), theta, head_dim)
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (linear, yarn, llama3 are)")
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": _float(reader, f"{arch}.rope.scaling.factor", 1.0)}
+    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def llama3_rope_factors(scaling: dict[str, Any], theta: float, head_dim: int) -> np.ndarray:
+    """Per-frequency divisors that llama3 rope scaling applies (llama.cpp's ``rope_freqs``)."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    smooth = np.clip((old_len / wavelen - low) / (high - low), 0.0, 1.0)
+    return 1.0 / ((1 - smooth) / factor + smooth)
+
+
+def _llama3_rope_from_factors(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
+    """Recognise llama3 scaling from its factor table.
+
+    The table does not store the parameters; Llama 3.x release models all use
+    low=1, high=4, original length 8192 with a varying factor (its maximum), so
+    that guess is verified against the table rather than trusted.
+    """
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(factors.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    if not np.allclose(llama3_rope_factors(scaling, theta, head_dim), factors, rtol=1e-4):
+        raise ValueError("GGUF rope_freqs.weight does not match llama3 rope scaling with low=1, high=4, original=8192")
+    return scaling
+
+
+# --- tensors -------------------------------------------------------------------
+
+
+def iter_gguf_tensors(reader: GGUFReader, config: PretrainedConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(hf_name, float32 array)`` for every weight in the GGUF file.
+
+    Quantized blocks are expanded with ``gguf.quants.dequantize``; llama-family
+    q/k rows are put back into HF order.
+    """
+    arch = gguf_architecture(reader)
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    for tensor in reader.tensors:
+        if tensor.name in _CONFIG_ONLY_TENSORS:
+            continue
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
+        array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        # F32 tensors come back as read-only views of the memory-mapped file.
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if not array.flags.writeable:
+            array = array.copy()
+        kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+        if arch in _PERMUTED_ARCHITECTURES and kind in heads:
+            array = unpermute_rows(array, heads[kind])
+        yield hf_tensor_name(tensor.name), array
+
+
+# --- conversion and cache ------------------------------------------------------
+
+
+def convert_gguf(gguf_path: str, out_dir: str) -> None:
+    """Write the HF-style folder (config, float32 safetensors, tokenizer) for a GGUF file."""
+    reader = GGUFReader(gguf_path)
+    config = gguf_to_hf_config(reader)
+    tensors = {name: torch.from_numpy(a) for name, a in iter_gguf_tensors(reader, config)}
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+    config.save_pretrained(out_dir)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    ).save_pretrained(out_dir)
+    if reader.get_field("tokenizer.ggml.model") is not None:
+        _convert_tokenizer(gguf_path, out_dir, config.max_position_embeddings)
+
+
+def _convert_tokenizer(gguf_path: str, out_dir: str, max_length: int) -> None:
+    # transformers owns the GGUF vocabulary -> tokenizers conversion (BPE and
+    # sentencepiece flavours), the special tokens and the chat template.
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(os.path.abspath(gguf_path))
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    tokenizer.model_max_length = max_length
+    # The chat template goes into tokenizer_config.json, where every
+    # transformers version looks for it.
+    tokenizer.save_pretrained(out_dir, save_jinja_files=False)
+
+
+def cache_root() -> str:
+    """Where converted models are kept: ``$RADIXSERVE_CACHE_DIR`` or ``~/.cache/radixserve``."""
+    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "radixserve")
+
+
+def _source_identity(gguf_path: str) -> dict[str, Any]:
+    path = os.path.abspath(gguf_path)
+    stat = os.stat(path)
+    return {"source": path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "converter_version": CONVERTER_VERSION}
+
+
+def converted_dir(gguf_path: str, root: str | None = None) -> str:
+    """The cache folder for ``gguf_path`` (it need not exist yet)."""
+    identity = _source_identity(gguf_path)
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    stem = os.path.splitext(os.path.basename(gguf_path))[0]
+    return os.path.join(root or cache_root(), "gguf", f"{stem}-{digest}")
+
+
+def is_converted(folder: str) -> bool:
+    """True when ``folder`` is a finished conversion (its marker is written last)."""
+    return os.path.isfile(os.path.join(folder, MARKER_FILE))
+
+
+def load_gguf(gguf_path: str, root: str | None = None) -> str:
+    """Return the converted HF-style folder for ``gguf_path``, converting on a cache miss."""
+    final = converted_dir(gguf_path, root)
+    if is_converted(final):
+        return final
+    parent = os.path.dirname(final)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(final)}-", dir=parent)
+    try:
+        start = time.perf_counter()
+        logger.info("converting %s into %s", gguf_path, final)
+        convert_gguf(gguf_path, tmp)
+        with open(os.path.join(tmp, MARKER_FILE), "w") as f:
+            json.dump(_source_identity(gguf_path), f, indent=2)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is readable like any model folder
+        _publish(tmp, final)
+        logger.info("converted %s in %.1f s", gguf_path, time.perf_counter() - start)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after a rename; cleans up after errors
+    return final
+
+
+def _publish(tmp: str, final: str) -> None:
+    """Move a finished conversion into place; a concurrent winner is kept."""
+    if os.path.isdir(final) and not is_converted(final):
+        shutil.rmtree(final)  # not ours: a folder without a marker is unfinished
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not is_converted(final):
+            raise

