@@ -36,3 +36,96 @@ class ModelWorkerBatch:
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
+
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass
+class FinishReason:
+    """Why a request stopped: ``type`` is "length", "stop" or "abort";
+    ``matched`` is the stop token id or stop string that ended it."""
+
+    type: str
+    matched: int | str | None = None
+    message: str | None = None
+
+    def to_json(self) -> dict:
+        out: dict = {"type": self.type}
+        if self.type == "stop":
+            out["matched"] = self.matched
+        if self.type == "length":
+            out["length"] = self.matched
+        if self.message:
+            out["message"] = self.message
+        return out
+
+
+class Req:
+    """One request's scheduling state: tokens, KV ownership, output so far.
+
+    KV ownership (see ``mem_cache/base_prefix_cache.py``): the first
+    ``cache_protected_len`` tokens are the radix cache's, locked through
+    ``last_node``; KV slots after that up to ``kv_len`` belong to the request.
+    """
+
+    def __init__(
+        self,
+        rid: str,
+        origin_input_ids: list[int],
+        sampling_params,
+        eos_token_ids: set[int] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+    ):
+        self.rid = rid
+        self.origin_input_ids = list(origin_input_ids)
+        self.sampling_params = sampling_params
+        self.output_ids: list[int] = []
+        stop_ids = set(sampling_params.stop_token_ids or [])
+        self.stop_token_ids_all = stop_ids | (set() if sampling_params.ignore_eos else set(eos_token_ids or ()))
+        # memory
+        self.req_pool_idx: int | None = None
+        self.kv_len = 0
+        self.prefix_indices: torch.Tensor = _EMPTY
+        self.cache_protected_len = 0
+        self.last_node = None
+        # this round's extend
+        self.extend_input_len = 0
+        self.is_chunked = False
+        # outcome
+        self.finished_reason: FinishReason | None = None
+        self.cached_tokens = 0
+        self.retractions = 0
+        self.to_abort = False
+        # logprobs
+        self.return_logprob = return_logprob
+        self.logprob_start_len = logprob_start_len
+        self.top_logprobs_num = top_logprobs_num
+        self.input_token_logprobs: list[tuple[float | None, int]] = []
+        self.input_top_logprobs: list[list[tuple[float, int]] | None] = []
+        self.output_token_logprobs: list[tuple[float, int]] = []
+        self.output_top_logprobs: list[list[tuple[float, int]]] = []
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token whose KV the request needs before it can sample next."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def reset_for_retract(self) -> None:
+        """Back to the waiting queue; output so far is kept and re-prefilled."""
+        self.req_pool_idx, self.kv_len, self.last_node = None, 0, None
+        self.prefix_indices, self.cache_protected_len = _EMPTY, 0
+        self.is_chunked = False
+        self.retractions += 1
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid}, input={len(self.origin_input_ids)}, output={len(self.output_ids)}, kv={self.kv_len})"

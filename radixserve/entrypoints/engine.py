@@ -1,0 +1,226 @@
+"""The offline ``Engine``: the Scheduler driven in-process, no HTTP.
+
+    with radixserve.Engine(model_path=...) as engine:
+        out = engine.generate("Hello", {"max_new_tokens": 8, "temperature": 0})
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from typing import Any, Iterator
+
+from tqdm import tqdm
+
+from radixserve.managers.schedule_batch import Req
+from radixserve.managers.scheduler import Scheduler
+from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.server_args import ServerArgs
+
+
+class Engine:
+    """Loads the model, owns a Scheduler and runs it until requests finish.
+
+    ``generate`` takes a prompt (or list), token ids (or list) and sampling
+    parameters (a dict, or one per prompt) with SGLang's field names, and
+    returns ``{text, output_ids, meta_info}`` per request.
+    """
+
+    def __init__(self, model_path: str | None = None, **options: Any):
+        self.server_args = ServerArgs.from_kwargs(model_path=model_path, **options)
+        self.scheduler, self.tokenizer = _build(self.server_args)
+        self._counter = itertools.count()
+
+    # -- API -------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+        rid: str | None = None,
+    ) -> dict | list[dict] | Iterator[dict]:
+        """Generate for one request (returns a dict) or a batch (a list).
+        With ``stream=True`` (one request) returns an iterator of cumulative
+        outputs, the last one with ``meta_info.finish_reason`` set."""
+        single, token_lists = self._inputs(prompt, input_ids)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(token_lists)
+        if len(params) != len(token_lists):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(token_lists)} prompts")
+        reqs = [
+            r
+            for i, (ids, p) in enumerate(zip(token_lists, params))
+            for r in self._make_reqs(ids, p, return_logprob, logprob_start_len, top_logprobs_num, rid if single else None)
+        ]
+        if stream:
+            if len(reqs) != 1:
+                raise ValueError("stream: streaming takes exactly one prompt with n=1")
+            return self._stream(reqs[0])
+        outputs = self._run(reqs)
+        return outputs[0] if single and len(outputs) == 1 else outputs
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """The model's chat template applied to ``messages`` with a generation prompt."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def flush_cache(self) -> bool:
+        return self.scheduler.flush_cache()
+
+    def get_stats(self) -> dict:
+        return self.scheduler.get_stats()
+
+    def shutdown(self) -> None:
+        self.scheduler = None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- requests ------------------------------------------------------------------
+    def _inputs(self, prompt, input_ids) -> tuple[bool, list[list[int]]]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt (text) and input_ids")
+        if prompt is not None:
+            texts = [prompt] if isinstance(prompt, str) else list(prompt)
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass input_ids")
+            return isinstance(prompt, str), [self.tokenizer.encode(t) for t in texts]
+        single = bool(input_ids) and isinstance(input_ids[0], int)
+        return single, [list(input_ids)] if single else [list(x) for x in input_ids]
+
+    def _make_reqs(self, ids, params, return_logprob, logprob_start_len, top_logprobs_num, rid) -> list[Req]:
+        sp = SamplingParams.from_dict(dict(params or {}))
+        sp.verify(self.scheduler.vocab_size)
+        sp.normalize(self.scheduler.vocab_size)
+        reqs = []
+        for i in range(sp.n):
+            p = sp if sp.n == 1 else _nth_sample(sp, i)
+            req = Req(
+                rid or uuid.uuid4().hex if sp.n == 1 else f"{rid or uuid.uuid4().hex}-{i}",
+                ids, p, self._eos_ids(), return_logprob, logprob_start_len, top_logprobs_num,
+            )
+            self.scheduler.validate(req)
+            reqs.append(req)
+        return reqs
+
+    def _eos_ids(self) -> set[int]:
+        return _eos_token_ids(self.scheduler.model_runner.model_config, self.tokenizer)
+
+    # -- driving the scheduler ---------------------------------------------------------
+    def _run(self, reqs: list[Req]) -> list[dict]:
+        start = time.perf_counter()
+        for req in reqs:
+            self.scheduler.add_request(req)
+        bar = tqdm(total=len(reqs), desc="generate", disable=self.server_args.disable_tqdm or len(reqs) < 2)
+        pending = {id(r) for r in reqs}
+        while pending:
+            for req in self.scheduler.step():
+                if req.finished() and id(req) in pending:
+                    pending.discard(id(req))
+                    bar.update(1)
+        bar.close()
+        self._drain()
+        return [self._output(r, time.perf_counter() - start) for r in reqs]
+
+    def _stream(self, req: Req) -> Iterator[dict]:
+        start = time.perf_counter()
+        self.scheduler.add_request(req)
+        try:
+            while not req.finished():
+                if any(r is req for r in self.scheduler.step()):
+                    yield self._output(req, time.perf_counter() - start)
+        finally:
+            if not req.finished():  # the consumer stopped early: abort
+                self.scheduler.abort_request(req.rid)
+            self._drain()
+
+    def _drain(self) -> None:
+        """Run until requests that only wait for their abort to land are gone."""
+        while any(r.to_abort for r in self.scheduler.live_reqs()):
+            self.scheduler.step()
+
+    def _output(self, req: Req, latency: float) -> dict:
+        sp = req.sampling_params
+        ids = req.output_ids
+        reason = req.finished_reason
+        if reason is not None and reason.type == "stop" and isinstance(reason.matched, int) and not sp.no_stop_trim:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens) if self.tokenizer else ""
+        if reason is not None and reason.type == "stop" and isinstance(reason.matched, str) and not sp.no_stop_trim:
+            text = text[: text.find(reason.matched)] if reason.matched in text else text
+        meta = {
+            "id": req.rid,
+            "prompt_tokens": len(req.origin_input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            "finish_reason": reason.to_json() if reason else None,
+            "e2e_latency": latency,
+        }
+        if req.return_logprob:
+            meta["input_token_logprobs"] = list(req.input_token_logprobs)
+            meta["output_token_logprobs"] = list(req.output_token_logprobs)
+            if req.top_logprobs_num:
+                meta["input_top_logprobs"] = list(req.input_top_logprobs)
+                meta["output_top_logprobs"] = list(req.output_top_logprobs)
+        return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+
+def _nth_sample(sp: SamplingParams, i: int) -> SamplingParams:
+    """The i-th of n samples: its own seed (derived from the request's) and n=1."""
+    import dataclasses
+
+    seed = None if sp.sampling_seed is None else sp.sampling_seed + i
+    return dataclasses.replace(sp, n=1, sampling_seed=seed)
+
+
+def _eos_token_ids(model_config, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model_config.hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(x) for x in source)
+    if model_config.tokenizer_dir:
+        try:
+            from transformers import GenerationConfig
+
+            gen = GenerationConfig.from_pretrained(model_config.tokenizer_dir)
+            eos = gen.eos_token_id
+            ids.update([eos] if isinstance(eos, int) else list(eos or []))
+        except (OSError, ValueError):
+            pass
+    return ids
+
+
+def _build(args: ServerArgs):
+    """Resolve the model, load weights and tokenizer, build the scheduler."""
+    from radixserve.model_executor.model_runner import ModelRunner
+    from radixserve.model_loader import resolve_model
+
+    device = args.resolved_device()
+    model_config = resolve_model(args.model_path, args.load_format, args.dtype, device)
+    runner = ModelRunner(
+        model_config,
+        device=device,
+        page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens,
+        max_running_requests=args.max_running_requests,
+        max_context_len=args.context_length,
+        attention_backend=args.attention_backend,
+        mem_fraction_static=args.mem_fraction_static,
+        seed=args.random_seed,
+    )
+    tokenizer = None
+    if model_config.tokenizer_dir:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer_dir)
+    return Scheduler(args, runner, tokenizer), tokenizer

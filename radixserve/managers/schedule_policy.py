@@ -1,0 +1,184 @@
+"""Which waiting requests run next (policy ordering) and how many fit
+(``PrefillAdder`` token budgets). Neither allocates KV itself."""
+
+from __future__ import annotations
+
+import enum
+from collections import defaultdict
+
+import torch
+
+from radixserve.managers.schedule_batch import Req
+from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
+from radixserve.mem_cache.radix_cache import RadixCache
+
+# Cache-aware ordering matches every waiting request; past this queue length
+# that costs more than it saves, so fall back to fcfs (as SGLang does).
+CACHE_AWARE_MAX_QUEUE = 128
+# In-batch prefix sharing: a request whose cached prefix is shorter than
+# CHECK and which shares at least DEPRIORITIZE new tokens with a request ahead
+# of it in this round waits one round, so that it can reuse that one's KV.
+IN_BATCH_PREFIX_CHECK = 32
+IN_BATCH_PREFIX_DEPRIORITIZE = 32
+# Cap of the per-request output estimate (tokens).
+CLIP_MAX_NEW_TOKENS = 4096
+
+
+def match_prefix(req: Req, tree_cache: BasePrefixCache) -> None:
+    """Set ``req.prefix_indices`` / ``last_node`` from the cache. At least one
+    input token is left to compute (it yields the next-token logits), and for
+    input logprobs the positions that need logits are not taken from cache."""
+    limit = len(req.fill_ids) - 1
+    if req.return_logprob and req.logprob_start_len >= 0:
+        limit = min(limit, max(req.logprob_start_len - 1, 0))
+    m = tree_cache.match_prefix(req.fill_ids[: max(limit, 0)])
+    req.prefix_indices, req.last_node = m.device_indices, m.last_node
+
+
+class SchedulePolicy:
+    """Orders the waiting queue: fcfs, lpm (longest cached prefix first) or
+    dfs-weight (walk the radix tree so requests sharing prefixes run
+    together), with in-batch prefix sharing for the cache-aware ones."""
+
+    def __init__(self, policy: str, tree_cache: BasePrefixCache):
+        self.policy = policy
+        self.tree_cache = tree_cache
+        self.cache_enabled = isinstance(tree_cache, RadixCache)
+
+    def calc_priority(self, waiting: list[Req]) -> set[int]:
+        """Sort ``waiting`` in place (stable). Returns the ``id``s of requests
+        that should sit out this round because a request ahead of them
+        prefills the same new prefix (in-batch prefix sharing)."""
+        if self.policy == "fcfs" or not self.cache_enabled or len(waiting) > CACHE_AWARE_MAX_QUEUE:
+            return set()
+        for req in waiting:
+            match_prefix(req, self.tree_cache)
+        deprioritized = self._in_batch_prefix_sharing(waiting)
+        if self.policy == "lpm":
+            waiting.sort(key=lambda r: (id(r) in deprioritized, -len(r.prefix_indices)))
+        else:
+            order = self._dfs_weight_order(waiting)
+            waiting.sort(key=lambda r: (id(r) in deprioritized, order[id(r)]))
+        return deprioritized
+
+    def _in_batch_prefix_sharing(self, waiting: list[Req]) -> set[int]:
+        shadow = RadixCache(None, None, page_size=1)
+        out = set()
+        for req in waiting:
+            if len(req.prefix_indices) >= IN_BATCH_PREFIX_CHECK:
+                continue
+            new_tokens = req.fill_ids[len(req.prefix_indices) :]
+            if len(shadow.match_prefix(new_tokens).device_indices) >= IN_BATCH_PREFIX_DEPRIORITIZE:
+                out.add(id(req))
+            else:
+                shadow.insert(new_tokens, torch.zeros(len(new_tokens), dtype=torch.int64))
+        return out
+
+    def _dfs_weight_order(self, waiting: list[Req]) -> dict[int, int]:
+        """Rank requests by a DFS over the tree visiting heavier subtrees
+        (more waiting requests below) first."""
+        by_node: dict[int, list[Req]] = defaultdict(list)
+        weight: dict[int, int] = defaultdict(int)
+        for req in waiting:
+            node = req.last_node
+            by_node[id(node)].append(req)
+            while node is not None:
+                weight[id(node)] += 1
+                node = node.parent
+        rank: dict[int, int] = {}
+        stack = [self.tree_cache.root]
+        while stack:
+            node = stack.pop()
+            for req in by_node.get(id(node), []):
+                rank[id(req)] = len(rank)
+            children = sorted(node.children.values(), key=lambda c: weight.get(id(c), 0))
+            stack.extend(c for c in children if weight.get(id(c), 0))
+        return rank
+
+
+class AddResult(enum.Enum):
+    CONTINUE = 1  # admitted; try the next one
+    NO_TOKEN = 2  # out of KV budget
+    OTHER = 3  # another limit (prefill tokens, running requests)
+
+
+class PrefillAdder:
+    """Admits waiting requests into one prefill batch within the KV budget
+    (free + evictable, minus the estimated future output of running
+    requests), ``max_prefill_tokens`` and ``chunked_prefill_size``."""
+
+    def __init__(
+        self,
+        tree_cache: BasePrefixCache,
+        available_tokens: int,
+        running: list[Req],
+        new_token_ratio: float,
+        max_prefill_tokens: int,
+        chunked_prefill_size: int,
+        max_new_reqs: int,
+        page_size: int,
+    ):
+        self.tree_cache = tree_cache
+        self.page_size = page_size
+        self.new_token_ratio = new_token_ratio
+        self.rem_total = available_tokens + tree_cache.evictable_size()
+        self.rem_total -= sum(self.future_tokens(r) + page_size for r in running)
+        self.idle = not running
+        self.rem_input = max_prefill_tokens
+        self.rem_chunk = chunked_prefill_size if chunked_prefill_size > 0 else 1 << 62
+        self.max_new_reqs = max_new_reqs
+        self.can_run: list[Req] = []
+        self.new_chunked_req: Req | None = None
+
+    def future_tokens(self, req: Req) -> int:
+        left = req.sampling_params.max_new_tokens - len(req.output_ids)
+        return int(min(max(left, 0), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
+
+    def _pages(self, n: int) -> int:
+        return -(-n // self.page_size) * self.page_size
+
+    def add_chunked_req(self, req: Req) -> None:
+        """Continue the request whose prefill was cut last round."""
+        left = len(req.origin_input_ids) + len(req.output_ids) - req.kv_len
+        self._take(req, left, first=False)
+
+    def add_one_req(self, req: Req) -> AddResult:
+        if len(self.can_run) >= self.max_new_reqs or self.rem_input <= 0:
+            return AddResult.OTHER
+        match_prefix(req, self.tree_cache)
+        extend = len(req.fill_ids) - len(req.prefix_indices)
+        if self.can_run and extend > self.rem_input and extend <= self.rem_chunk:
+            return AddResult.OTHER
+        if self.can_run and extend > self.rem_chunk and self.rem_chunk < self.page_size:
+            return AddResult.OTHER  # not even one page of this round's chunk budget is left
+        # Locking the matched prefix takes it out of the evictable budget.
+        evictable = self.tree_cache.evictable_size()
+        self.tree_cache.inc_lock_ref(req.last_node)
+        budget = self.rem_total - (evictable - self.tree_cache.evictable_size())
+        need = self._pages(extend) + self.future_tokens(req) + self.page_size
+        # An idle engine admits one request whose prompt fits even if its output
+        # estimate does not: retraction keeps it safe, and it cannot starve.
+        alone = self.idle and not self.can_run and self._pages(extend) + self.page_size <= budget
+        if need > budget and not alone:
+            self.tree_cache.dec_lock_ref(req.last_node)
+            return AddResult.NO_TOKEN
+        self.rem_total = budget - self.future_tokens(req) - self.page_size
+        req.cache_protected_len = len(req.prefix_indices)
+        req.kv_len = len(req.prefix_indices)
+        if len(req.output_ids) == 0 and req.retractions == 0:
+            req.cached_tokens = len(req.prefix_indices)
+        self._take(req, extend, first=True)
+        return AddResult.CONTINUE if self.new_chunked_req is None else AddResult.OTHER
+
+    def _take(self, req: Req, extend: int, first: bool) -> None:
+        n = min(extend, self.rem_chunk)
+        if n < extend:  # cut the prompt: whole pages, at least one
+            n = min(max(n // self.page_size * self.page_size, self.page_size), extend)
+        if n < extend:
+            self.new_chunked_req = req
+        req.extend_input_len = n
+        req.is_chunked = n < extend
+        self.rem_total -= self._pages(n)
+        self.rem_input -= n
+        self.rem_chunk -= n
+        self.can_run.append(req)

@@ -1,0 +1,416 @@
+"""The Scheduler: waiting queue, running batch, admission, retraction and the
+event loop (one step = schedule, run, process results)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from radixserve.layers.sampler import Sampler
+from radixserve.managers.schedule_batch import FinishReason, ModelWorkerBatch, Req
+from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
+from radixserve.mem_cache import ChunkCache, RadixCache, check_memory_invariant
+from radixserve.model_executor.forward_batch_info import ForwardMode
+from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
+from radixserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+
+
+class Scheduler:
+    """Continuous batching over one ModelRunner.
+
+    Each :meth:`step` either extends (prefill: new requests and the next chunk
+    of a chunked one) or decodes the running batch, then samples, checks stop
+    conditions and hands finished requests' KV to the prefix cache. It returns
+    the requests that got new tokens or finished in that step.
+    """
+
+    def __init__(self, server_args: ServerArgs, model_runner, tokenizer=None):
+        self.args = server_args
+        self.model_runner = model_runner
+        self.tokenizer = tokenizer
+        self.device = model_runner.device
+        self.page_size = model_runner.page_size
+        self.vocab_size = model_runner.model_config.vocab_size
+        self.context_len = model_runner.max_context_len
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.allocator = model_runner.token_to_kv_pool_allocator
+        cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
+        extra = {} if server_args.disable_radix_cache else {"eviction_policy": server_args.eviction_policy}
+        self.tree_cache = cache_cls(self.req_to_token_pool, self.allocator, self.page_size, **extra)
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache)
+        self.sampler = Sampler()
+        self.max_running = min(server_args.max_running_requests, self.req_to_token_pool.available_size())
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self._decode_info: SamplingBatchInfo | None = None
+        self._decode_info_reqs: list[Req] = []
+        self._finished_by_memory: list[Req] = []
+        self.stats = {"forward_ct": 0, "retractions": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated": 0}
+
+    # -- requests ------------------------------------------------------------
+    def validate(self, req: Req) -> None:
+        """Raise ValueError (naming the field) for a request that cannot run."""
+        n = len(req.origin_input_ids)
+        if n == 0:
+            raise ValueError("input_ids: the prompt is empty")
+        bad = [t for t in req.origin_input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if n >= self.context_len:
+            raise ValueError(
+                f"input_ids: the prompt has {n} tokens, the context window is {self.context_len} "
+                f"(prompt plus at least one output token)"
+            )
+        if n + 1 > self.allocator.size:
+            raise ValueError(f"input_ids: the prompt has {n} tokens, the KV pool only {self.allocator.size}")
+        req.sampling_params.verify(self.vocab_size)
+
+    def add_request(self, req: Req) -> None:
+        self.validate(req)
+        sp = req.sampling_params
+        sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - len(req.origin_input_ids))
+        self.stats["prompt_tokens"] += len(req.origin_input_ids)
+        self.waiting.append(req)
+
+    def abort_request(self, rid: str) -> bool:
+        """Abort a waiting or running request; its KV comes back. True if found."""
+        for i, req in enumerate(self.waiting):
+            if req.rid == rid:
+                self.waiting.pop(i)
+                req.finished_reason = FinishReason("abort", message="aborted by request")
+                return True
+        for req in self.running + ([self.chunked_req] if self.chunked_req else []):
+            if req.rid == rid:
+                req.to_abort = True
+                return True
+        return False
+
+    def is_idle(self) -> bool:
+        return not (self.waiting or self.running or self.chunked_req)
+
+    def live_reqs(self) -> list[Req]:
+        return self.running + ([self.chunked_req] if self.chunked_req else [])
+
+    def check_memory(self) -> None:
+        check_memory_invariant(self.allocator, self.tree_cache, self.live_reqs())
+
+    # -- the loop --------------------------------------------------------------
+    def step(self) -> list[Req]:
+        """Run one batch; returns the requests updated in it (finished ones too)."""
+        out = self._process_aborts()
+        batch, mode = self._next_batch()
+        out += self._finished_by_memory
+        self._finished_by_memory = []
+        if batch:
+            out += self._run(batch, mode)
+        if self.args.check_invariants or self.is_idle():
+            self.check_memory()
+        return out
+
+    def _next_batch(self) -> tuple[list[Req], ForwardMode]:
+        prefill = self._get_new_batch_prefill()
+        if prefill:
+            return prefill, ForwardMode.EXTEND
+        if self.running:
+            self._ensure_decode_memory()
+            return list(self.running), ForwardMode.DECODE
+        return [], ForwardMode.IDLE
+
+    def _get_new_batch_prefill(self) -> list[Req]:
+        if not self.waiting and self.chunked_req is None:
+            return []
+        free_rows = self.max_running - len(self.running) - (1 if self.chunked_req else 0)
+        adder = PrefillAdder(
+            self.tree_cache, self.allocator.available_size(), self.running, self.new_token_ratio,
+            self.args.max_prefill_tokens, self.args.chunked_prefill_size, max(free_rows, 0), self.page_size,
+        )
+        if self.chunked_req is not None:
+            adder.add_chunked_req(self.chunked_req)
+        sit_out = self.policy.calc_priority(self.waiting)
+        admitted = set()
+        for req in self.waiting:
+            if adder.new_chunked_req is not None:
+                break
+            if id(req) in sit_out and adder.can_run:
+                continue
+            result = adder.add_one_req(req)
+            if result != AddResult.CONTINUE and req not in adder.can_run:
+                break
+            admitted.add(id(req))
+        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        self.chunked_req = adder.new_chunked_req
+        return self._prepare_extend(adder.can_run)
+
+    # -- memory for a batch ------------------------------------------------------
+    def _alloc_with_evict(self, need: int, alloc_fn):
+        if self.allocator.available_size() < need:
+            self.tree_cache.evict(need - self.allocator.available_size())
+        return alloc_fn()
+
+    def _last_locs(self, reqs: list[Req]) -> torch.Tensor:
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        cols = torch.tensor([max(r.kv_len - 1, 0) for r in reqs], dtype=torch.int64)
+        return self.req_to_token_pool.req_to_token[rows.to(self.device), cols.to(self.device)].to(torch.int64)
+
+    def _prepare_extend(self, reqs: list[Req]) -> list[Req]:
+        for req in reqs:
+            if req.req_pool_idx is None:
+                req.req_pool_idx = self.req_to_token_pool.alloc(1)[0]
+                self.req_to_token_pool.write(req.req_pool_idx, 0, req.prefix_indices)
+        if not reqs:
+            return []
+        prefix = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        seq = prefix + torch.tensor([r.extend_input_len for r in reqs], dtype=torch.int64)
+        need = sum(-(-r.extend_input_len // self.page_size) * self.page_size for r in reqs) + self.page_size * len(reqs)
+        last = self._last_locs(reqs)
+        slots = self._alloc_with_evict(need, lambda: self.allocator.alloc_extend(prefix, seq, last))
+        if slots is None:
+            raise RuntimeError(f"KV allocation failed for an admitted prefill of {int((seq - prefix).sum())} tokens")
+        start = 0
+        for req, s in zip(reqs, (seq - prefix).tolist()):
+            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots[start : start + s])
+            start += s
+        self._batch_slots = slots
+        return reqs
+
+    def _decode_pages_needed(self) -> int:
+        p = self.page_size
+        return sum(p for r in self.running if r.kv_len % p == 0)
+
+    def _ensure_decode_memory(self) -> None:
+        """Make room for one more token per running request: evict, then
+        retract (fewest outputs first, longest prompts first among equals)."""
+        need = self._decode_pages_needed()
+        if self.allocator.available_size() < need:
+            self.tree_cache.evict(need - self.allocator.available_size())
+        retracted = []
+        while self.allocator.available_size() < self._decode_pages_needed() and len(self.running) > 1:
+            victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+            self.running.remove(victim)
+            self._release(victim)
+            victim.reset_for_retract()
+            retracted.append(victim)
+            need = self._decode_pages_needed()
+            if self.allocator.available_size() < need:
+                self.tree_cache.evict(need - self.allocator.available_size())
+        if retracted:
+            self.stats["retractions"] += len(retracted)
+            self.waiting = retracted + self.waiting
+            self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+            logger.info("retracted %d requests; running %d", len(retracted), len(self.running))
+        if self.allocator.available_size() < self._decode_pages_needed():
+            # One request alone has outgrown the pool: end it rather than fail.
+            req = self.running.pop()
+            req.finished_reason = FinishReason("length", len(req.output_ids), message="the KV cache is full")
+            self._release(req)
+            self._decode_info = None
+            self._finished_by_memory.append(req)
+
+    def _release(self, req: Req) -> None:
+        """Give a request's KV to the cache (it stays reusable, evictable)."""
+        self.tree_cache.cache_finished_req(req)
+
+    # -- running a batch ----------------------------------------------------------
+    def _run(self, reqs: list[Req], mode: ForwardMode) -> list[Req]:
+        if mode == ForwardMode.DECODE:
+            batch = self._build_decode(reqs)
+        else:
+            batch = self._build_extend(reqs)
+        fb = self.model_runner.forward_batch_from(batch)
+        logits_out = self.model_runner.forward(fb)
+        self.stats["forward_ct"] += 1
+        with torch.inference_mode():
+            return self._process(reqs, mode, batch, logits_out)
+
+    def _build_extend(self, reqs: list[Req]) -> ModelWorkerBatch:
+        input_ids, prefix, ext = [], [], []
+        for r in reqs:
+            input_ids += r.fill_ids[r.kv_len : r.kv_len + r.extend_input_len]
+            prefix.append(r.kv_len)
+            ext.append(r.extend_input_len)
+        seq = [p + e for p, e in zip(prefix, ext)]
+        want_logprob = [self._wants_input_logprobs(r) for r in reqs]
+        return ModelWorkerBatch(
+            forward_mode=ForwardMode.EXTEND,
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64),
+            seq_lens=torch.tensor(seq, dtype=torch.int64),
+            out_cache_loc=self._batch_slots,
+            seq_lens_cpu=seq,
+            extend_prefix_lens=prefix,
+            extend_seq_lens=ext,
+            return_logprob=any(want_logprob),
+            extend_logprob_start_lens=[
+                max(r.logprob_start_len - 1 - r.kv_len, 0) if w else e for r, w, e in zip(reqs, want_logprob, ext)
+            ],
+            top_logprobs_nums=[r.top_logprobs_num if w else 0 for r, w in zip(reqs, want_logprob)],
+            sampling_info=SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device),
+        )
+
+    def _build_decode(self, reqs: list[Req]) -> ModelWorkerBatch:
+        seq = torch.tensor([r.kv_len + 1 for r in reqs], dtype=torch.int64)
+        last = self._last_locs(reqs)
+        slots = self._alloc_with_evict(self._decode_pages_needed(), lambda: self.allocator.alloc_decode(seq, last))
+        if slots is None:
+            raise RuntimeError("KV allocation failed for decode after making room")
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        self.req_to_token_pool.req_to_token[rows.to(self.device), (seq - 1).to(self.device)] = slots.to(torch.int32)
+        if self._decode_info_reqs != reqs or self._decode_info is None:
+            self._decode_info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device)
+            self._decode_info_reqs = list(reqs)
+        return ModelWorkerBatch(
+            forward_mode=ForwardMode.DECODE,
+            input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64),
+            req_pool_indices=rows,
+            seq_lens=seq,
+            out_cache_loc=slots,
+            seq_lens_cpu=seq.tolist(),
+            sampling_info=self._decode_info,
+        )
+
+    def _wants_input_logprobs(self, req: Req) -> bool:
+        return (
+            req.return_logprob
+            and 0 <= req.logprob_start_len < len(req.origin_input_ids)
+            and not req.output_ids
+            and req.retractions == 0
+        )
+
+    # -- results --------------------------------------------------------------------
+    def _process(self, reqs: list[Req], mode: ForwardMode, batch: ModelWorkerBatch, out) -> list[Req]:
+        logits = out.next_token_logits
+        if mode == ForwardMode.EXTEND:
+            self._record_input_logprobs(reqs, batch, out)
+        want_lp = any(r.return_logprob for r in reqs)
+        tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
+        info = batch.sampling_info
+        sample = self.sampler(
+            logits.float().clone(), info, return_logprob=want_lp, top_logprobs_nums=tops,
+            step_positions=torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=self.device),
+        )
+        next_ids = sample.next_token_ids.tolist()
+        updated = []
+        for i, (req, tok) in enumerate(zip(reqs, next_ids)):
+            req.kv_len = batch.seq_lens_cpu[i]
+            if req.to_abort:
+                req.finished_reason = FinishReason("abort", message="aborted by request")
+                if self.chunked_req is req:
+                    self.chunked_req, req.is_chunked = None, False
+            elif req.is_chunked:
+                self.tree_cache.cache_unfinished_req(req)
+                continue
+            elif req.sampling_params.max_new_tokens == 0:
+                req.finished_reason = FinishReason("length", 0)
+            else:
+                self._append_token(req, tok, sample, i)
+            updated.append(req)
+        self._update_running(reqs, mode, next_ids, updated)
+        return updated
+
+    def _append_token(self, req: Req, tok: int, sample, i: int) -> None:
+        req.output_ids.append(tok)
+        self.stats["generated"] += 1
+        if req.return_logprob and sample.next_token_logprobs is not None:
+            req.output_token_logprobs.append((float(sample.next_token_logprobs[i]), tok))
+            if req.top_logprobs_num and sample.top_logprobs_val is not None:
+                req.output_top_logprobs.append(list(zip(sample.top_logprobs_val[i], sample.top_logprobs_idx[i])))
+        self._check_finished(req)
+
+    def _update_running(self, reqs, mode, next_ids, updated) -> None:
+        finished = [r for r in updated if r.finished()]
+        for req in finished:
+            self.tree_cache.cache_finished_req(req)
+        if mode == ForwardMode.DECODE:
+            if self._decode_info is not None and not finished:
+                self._decode_info.cumulate_output_tokens(torch.tensor(next_ids, device=self.device))
+            self.running = [r for r in self.running if not r.finished()]
+            self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+        else:
+            # Cache each prefilled prompt now, not at the end: later requests
+            # sharing it reuse its KV while it is still decoding.
+            joined = [r for r in reqs if not r.is_chunked and not r.finished()]
+            for req in joined:
+                self.tree_cache.cache_unfinished_req(req)
+            self.running += joined
+        if finished or mode == ForwardMode.EXTEND:
+            self._decode_info = None
+
+    def _check_finished(self, req: Req) -> None:
+        sp, last = req.sampling_params, req.output_ids[-1]
+        if last in req.stop_token_ids_all and len(req.output_ids) >= sp.min_new_tokens:
+            req.finished_reason = FinishReason("stop", last)
+        elif sp.stop and self.tokenizer is not None and len(req.output_ids) >= sp.min_new_tokens:
+            window = sp.stop_str_max_len(self.tokenizer) + 2
+            tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=sp.skip_special_tokens)
+            for stop in sp.stop:
+                if stop in tail:
+                    req.finished_reason = FinishReason("stop", stop)
+                    break
+        if req.finished_reason is None and (
+            len(req.output_ids) >= sp.max_new_tokens or req.seqlen >= self.context_len
+        ):
+            req.finished_reason = FinishReason("length", len(req.output_ids))
+
+    def _record_input_logprobs(self, reqs: list[Req], batch: ModelWorkerBatch, out) -> None:
+        """Input-token logprobs: position ``q`` gets log P(token_q | tokens < q);
+        position 0 gets None. The last new token of a chunk scores the next
+        chunk's first token from its next-token logits."""
+        offset = 0
+        lens = out.input_logprob_lens or [0] * len(reqs)
+        for i, req in enumerate(reqs):
+            n = lens[i]
+            if not self._wants_input_logprobs(req):
+                offset += n
+                continue
+            prefix, ext = batch.extend_prefix_lens[i], batch.extend_seq_lens[i]
+            s = batch.extend_logprob_start_lens[i]
+            if prefix == 0 and req.logprob_start_len == 0:
+                req.input_token_logprobs.append((None, req.origin_input_ids[0]))
+                req.input_top_logprobs.append(None)
+            vals = out.input_token_logprobs[offset : offset + n].tolist()
+            for j, v in enumerate(vals):
+                req.input_token_logprobs.append((v, req.origin_input_ids[prefix + s + j + 1]))
+                if req.top_logprobs_num:
+                    tv, ti = out.input_top_logprobs_val[i][j], out.input_top_logprobs_idx[i][j]
+                    req.input_top_logprobs.append(list(zip(tv, ti)))
+            nxt = prefix + ext
+            if req.is_chunked and nxt < len(req.origin_input_ids) and nxt >= req.logprob_start_len:
+                lp = torch.log_softmax(out.next_token_logits[i].float(), dim=-1)
+                req.input_token_logprobs.append((float(lp[req.origin_input_ids[nxt]]), req.origin_input_ids[nxt]))
+                if req.top_logprobs_num:
+                    v, ix = lp.topk(req.top_logprobs_num)
+                    req.input_top_logprobs.append(list(zip(v.tolist(), ix.tolist())))
+            offset += n
+
+    def _process_aborts(self) -> list[Req]:
+        """Finish running requests marked ``to_abort`` before the next batch."""
+        out = []
+        for req in [r for r in self.running if r.to_abort]:
+            self.running.remove(req)
+            req.finished_reason = FinishReason("abort", message="aborted by request")
+            self.tree_cache.cache_finished_req(req)
+            self._decode_info = None
+            out.append(req)
+        return out
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; refused (False) while requests run."""
+        if not self.is_idle():
+            return False
+        self.tree_cache.reset()
+        self.allocator.clear()
+        return True
+
+    def get_stats(self) -> dict[str, Any]:
+        return dict(self.stats, running=len(self.running), waiting=len(self.waiting),
+                    kv_free=self.allocator.available_size(), kv_cached=self.tree_cache.total_size())

@@ -1,0 +1,98 @@
+"""All start-up options of the engine and the server, validated once."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
+EVICTION_POLICIES = ("lru", "lfu")
+
+
+@dataclass
+class ServerArgs:
+    """Options shared by ``Engine``, the CLI and (later) the HTTP server.
+    Names follow SGLang's command-line flags (``--max-running-requests`` ...)."""
+
+    model_path: str | None = field(default=None, metadata={"help": "HF folder, .gguf file or dummy name (default SmolLM2)"})
+    load_format: str = field(default="auto", metadata={"help": "auto, safetensors, gguf or dummy"})
+    dtype: str = field(default="auto", metadata={"help": "auto, float32, bfloat16 or float16"})
+    device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu or cuda"})
+    context_length: int | None = field(default=None, metadata={"help": "max tokens per request (prompt + output)"})
+    page_size: int = field(default=1, metadata={"help": "KV pool page size in tokens"})
+    max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens"})
+    max_running_requests: int = field(default=256, metadata={"help": "max requests in the running batch"})
+    max_prefill_tokens: int = field(default=16384, metadata={"help": "max new tokens in one prefill batch"})
+    chunked_prefill_size: int = field(default=8192, metadata={"help": "max tokens of one request per prefill step; -1 disables"})
+    schedule_policy: str = field(default="fcfs", metadata={"help": "fcfs, lpm or dfs-weight"})
+    schedule_conservativeness: float = field(default=1.0, metadata={"help": "scales the output-length estimate"})
+    disable_radix_cache: bool = field(default=False, metadata={"help": "no prefix reuse (ablation)"})
+    eviction_policy: str = field(default="lru", metadata={"help": "lru or lfu"})
+    attention_backend: str = field(default="torch_native", metadata={"help": "attention kernels: torch_native"})
+    mem_fraction_static: float = field(default=0.8, metadata={"help": "GPU memory share for weights + KV"})
+    random_seed: int = field(default=0, metadata={"help": "seed of the global RNG"})
+    enable_mixed_chunk: bool = field(default=False, metadata={"help": "run decodes inside prefill batches"})
+    check_invariants: bool = field(default=False, metadata={"help": "check the memory invariant after every step"})
+    disable_tqdm: bool = field(default=False, metadata={"help": "no progress bar for batches"})
+
+    def __post_init__(self) -> None:
+        _one_of("load_format", self.load_format, ("auto", "safetensors", "gguf", "dummy"))
+        _one_of("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        _one_of("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
+        _one_of("device", self.device, ("auto", "cpu", "cuda"))
+        for name in ("page_size", "max_running_requests", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError(f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(f"max_total_tokens {self.max_total_tokens} is smaller than one page ({self.page_size})")
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "ServerArgs":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        for f in fields(ServerArgs):
+            flag = "--" + f.name.replace("_", "-")
+            helptext = f.metadata.get("help", "")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", help=helptext)
+            else:
+                parser.add_argument(flag, type=_cli_type(f), default=f.default, help=f"{helptext} (default {f.default})")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    def replace(self, **changes) -> "ServerArgs":
+        return dataclasses.replace(self, **changes)
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _cli_type(f: dataclasses.Field):
+    t = str(f.type)
+    if "int" in t:
+        return int
+    if "float" in t:
+        return float
+    return str

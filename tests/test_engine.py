@@ -1,0 +1,211 @@
+"""The offline Engine end to end on tiny random models, against HF
+transformers greedy decoding (CPU, float32): batches of mixed lengths, radix
+cache hits, chunked prefill, page sizes, retraction, policies, abort, seeds,
+logprobs. The memory invariant is checked after every scheduler step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+import radixserve
+
+SHAPE = dict(
+    vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
+)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**SHAPE, architectures=["LlamaForCausalLM"]),
+    "qwen2": lambda: Qwen2Config(**SHAPE, architectures=["Qwen2ForCausalLM"]),
+    "qwen3": lambda: Qwen3Config(**SHAPE, head_dim=32, tie_word_embeddings=True, architectures=["Qwen3ForCausalLM"]),
+}
+GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request, tmp_path_factory):
+    """(folder with an HF checkpoint, the HF model) for each architecture."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(CONFIGS[request.param](), dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder)
+    return str(folder), hf
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(CONFIGS["llama"](), dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    folder = tmp_path_factory.mktemp("llama")
+    hf.save_pretrained(folder)
+    return str(folder), hf
+
+
+def engine(folder, **kw):
+    kw.setdefault("max_total_tokens", 4096)
+    kw.setdefault("max_running_requests", 16)
+    return radixserve.Engine(model_path=folder, check_invariants=True, disable_tqdm=True, device="cpu", **kw)
+
+
+def prompts(lengths, seed=0, shared=()):
+    gen = torch.Generator().manual_seed(seed)
+    return [list(shared) + torch.randint(0, 320, (n,), generator=gen).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def hf_greedy(hf, ids, n):
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(ids):].tolist()
+
+
+def check_against_hf(eng, hf, batch, params=GREEDY):
+    outs = eng.generate(input_ids=batch, sampling_params=params)
+    for ids, out in zip(batch, outs):
+        assert out["output_ids"] == hf_greedy(hf, ids, params["max_new_tokens"])
+    eng.scheduler.check_memory()
+    return outs
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_greedy_batch_matches_hf(tiny, page_size):
+    folder, hf = tiny
+    with engine(folder, page_size=page_size) as eng:
+        check_against_hf(eng, hf, prompts([5, 37, 1, 80, 17]))
+
+
+def test_radix_cache_hits_keep_outputs_exact(llama):
+    folder, hf = llama
+    shared = prompts([48], seed=1)[0]
+    with engine(folder) as eng:
+        first = check_against_hf(eng, hf, [shared + [7, 8]])
+        again = check_against_hf(eng, hf, [shared + [7, 8]])
+        assert first[0]["meta_info"]["cached_tokens"] == 0
+        assert again[0]["meta_info"]["cached_tokens"] >= 48
+        outs = check_against_hf(eng, hf, prompts([3, 9, 20], seed=2, shared=shared))
+        assert all(o["meta_info"]["cached_tokens"] >= 48 for o in outs)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_chunked_prefill_with_tiny_chunks(llama, page_size):
+    folder, hf = llama
+    with engine(folder, chunked_prefill_size=8, page_size=page_size) as eng:
+        check_against_hf(eng, hf, prompts([40, 3, 29]))
+
+
+def test_retraction_under_a_tiny_pool_keeps_outputs(llama):
+    folder, hf = llama
+    params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    with engine(folder, max_total_tokens=160, max_running_requests=8) as eng:
+        check_against_hf(eng, hf, prompts([20, 25, 18, 30, 22, 16]), params)
+        assert eng.scheduler.stats["retractions"] > 0
+
+
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
+def test_cache_aware_policies(llama, policy):
+    folder, hf = llama
+    shared_a, shared_b = prompts([40], seed=3)[0], prompts([40], seed=4)[0]
+    batch = prompts([4, 6], seed=5, shared=shared_a) + prompts([5, 7], seed=6, shared=shared_b)
+    with engine(folder, schedule_policy=policy) as eng:
+        check_against_hf(eng, hf, batch[:1] + batch[2:3])
+        outs = check_against_hf(eng, hf, batch)
+        assert sum(o["meta_info"]["cached_tokens"] for o in outs) >= 4 * 40 - 80
+
+
+def test_in_batch_prefix_sharing_prefills_one_first(llama):
+    folder, hf = llama
+    shared = prompts([64], seed=7)[0]
+    with engine(folder, schedule_policy="lpm") as eng:
+        outs = check_against_hf(eng, hf, prompts([3, 4, 5, 6], seed=8, shared=shared))
+        assert sum(o["meta_info"]["cached_tokens"] >= 64 for o in outs) >= 3
+
+
+def test_stream_and_abort_return_memory(llama):
+    folder, hf = llama
+    ids = prompts([10])[0]
+    with engine(folder) as eng:
+        chunks = list(eng.generate(input_ids=ids, sampling_params=GREEDY, stream=True))
+        assert chunks[-1]["output_ids"] == hf_greedy(hf, ids, 12)
+        assert [len(c["output_ids"]) for c in chunks] == list(range(1, 13))
+        it = eng.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 100}, stream=True)
+        next(it), next(it)
+        it.close()  # the consumer goes away: the request is aborted
+        assert eng.scheduler.is_idle()
+        eng.scheduler.check_memory()
+        eng.scheduler.tree_cache.evict(10**9)
+        assert eng.scheduler.allocator.available_size() == eng.scheduler.allocator.size
+
+
+def test_abort_waiting_and_running(llama):
+    folder, _ = llama
+    from radixserve.managers.schedule_batch import Req
+    from radixserve.sampling.sampling_params import SamplingParams
+
+    with engine(folder, max_running_requests=1) as eng:
+        sched = eng.scheduler
+        reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=50, ignore_eos=True).normalize(320))
+                for i, p in enumerate(prompts([8, 9]))]
+        for r in reqs:
+            sched.add_request(r)
+        sched.step()
+        sched.step()
+        assert sched.abort_request("r1") and reqs[1].finished_reason.type == "abort"  # waiting
+        assert sched.abort_request("r0")  # running
+        while not sched.is_idle():
+            sched.step()
+        assert reqs[0].finished_reason.type == "abort" and len(reqs[0].output_ids) < 50
+        sched.check_memory()
+
+
+def test_seeds_reproduce_alone_and_in_batch(llama):
+    folder, _ = llama
+    params = {"temperature": 1.0, "max_new_tokens": 10, "ignore_eos": True, "sampling_seed": 1234}
+    ids = prompts([12])[0]
+    with engine(folder) as eng:
+        alone = eng.generate(input_ids=ids, sampling_params=params)["output_ids"]
+        other = {**params, "sampling_seed": 99}
+        batch = eng.generate(input_ids=prompts([30, 12, 7], seed=9)[:1] + [ids] + prompts([7], seed=10),
+                             sampling_params=[other, params, other])
+        assert batch[1]["output_ids"] == alone
+        assert eng.generate(input_ids=ids, sampling_params={**params, "sampling_seed": 5})["output_ids"] != alone
+
+
+def test_logprobs_match_hf(llama):
+    folder, hf = llama
+    ids = prompts([20])[0]
+    with engine(folder, chunked_prefill_size=8) as eng:
+        out = eng.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 5}, return_logprob=True,
+                           logprob_start_len=0, top_logprobs_num=3)
+    full = ids + out["output_ids"]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([full])).logits[0].float(), -1)
+    meta = out["meta_info"]
+    inp = meta["input_token_logprobs"]
+    assert inp[0] == (None, ids[0]) and len(inp) == len(ids)
+    for q, (lp, tok) in enumerate(inp[1:], start=1):
+        assert tok == ids[q] and lp == pytest.approx(float(ref[q - 1, tok]), abs=1e-4)
+    for k, (lp, tok) in enumerate(meta["output_token_logprobs"]):
+        assert lp == pytest.approx(float(ref[len(ids) - 1 + k, tok]), abs=1e-4)
+        top = meta["output_top_logprobs"][k]
+        assert [t for _, t in top] == ref[len(ids) - 1 + k].topk(3).indices.tolist()
+
+
+def test_n_samples_and_limits(llama):
+    folder, _ = llama
+    with engine(folder) as eng:
+        outs = eng.generate(input_ids=prompts([6])[0], sampling_params={"n": 3, "temperature": 1.0,
+                            "max_new_tokens": 8, "ignore_eos": True, "sampling_seed": 1})
+        assert len(outs) == 3 and len({tuple(o["output_ids"]) for o in outs}) > 1
+        out = eng.generate(input_ids=prompts([6])[0], sampling_params={"max_new_tokens": 0})
+        assert out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "length"
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            eng.generate(input_ids=[1, 2, 5000])
+        with pytest.raises(ValueError, match="context window is 512"):
+            eng.generate(input_ids=[1] * 600)
+        with pytest.raises(ValueError, match="temperature"):
+            eng.generate(input_ids=[1, 2], sampling_params={"temperature": -1})
+        with pytest.raises(ValueError, match="unknown sampling parameter"):
+            eng.generate(input_ids=[1, 2], sampling_params={"max_tokens": 3})
+        eng.scheduler.check_memory()
