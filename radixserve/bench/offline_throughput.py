@@ -201,8 +201,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def workload_from_args(args: argparse.Namespace) -> tuple[Workload, bool]:
     """The workload with the command line's overrides, and whether it is still the full one."""
     spec = WORKLOADS[args.workload]
-    overrides = {"num_prompts": args.num_prompts, "input_len": args.input_len_range, "output_len": args.output_len_range}
-    given = {k: v if isinstance(v, int) else tuple(v) for k, v in overrides.items() if v is not None}
+    given = {"num_prompts": args.num_prompts, "input_len": args.input_len_range, "output_len": args.output_len_range}
+    given = {k: v if isinstance(v, int) else tuple(v) for k, v in given.items() if v is not None}
     wl = dataclasses.replace(spec, **given)
     full_size = wl == spec and args.seed == 0 and args.model_path in (None, spec.model_path)
     return wl, full_size
