@@ -32,7 +32,6 @@ class ServerArgs:
     attention_backend: str = field(default="torch_native", metadata={"help": "attention kernels: torch_native"})
     mem_fraction_static: float = field(default=0.8, metadata={"help": "GPU memory share for weights + KV"})
     random_seed: int = field(default=0, metadata={"help": "seed of the global RNG"})
-    enable_mixed_chunk: bool = field(default=False, metadata={"help": "run decodes inside prefill batches"})
     check_invariants: bool = field(default=False, metadata={"help": "check the memory invariant after every step"})
     disable_tqdm: bool = field(default=False, metadata={"help": "no progress bar for batches"})
 

@@ -1,4 +1,4 @@
-"""Tiny Llama / Qwen2 / Qwen3 models against HF transformers (CPU, float32):
+"""Tiny Llama / Mistral / Qwen2 / Qwen3 models against HF transformers (CPU, float32):
 logits, chunked prefill + greedy decode through the KV pool, input logprobs,
 rotary scaling, the registry and weight loading."""
 
@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from radixserve.configs.model_config import ModelConfig
+from radixserve.layers import logits_processor
 from radixserve.layers.rotary_embedding import get_rope
 from radixserve.managers.schedule_batch import ModelWorkerBatch
 from radixserve.model_executor.forward_batch_info import ForwardMode
@@ -32,6 +33,7 @@ CONFIGS = {
     "llama-tied-bias": lambda: LlamaConfig(
         **SHAPE, tie_word_embeddings=True, attention_bias=True, mlp_bias=True, architectures=["LlamaForCausalLM"]
     ),
+    "mistral": lambda: MistralConfig(**SHAPE, architectures=["MistralForCausalLM"]),
     "qwen2": lambda: Qwen2Config(**SHAPE, architectures=["Qwen2ForCausalLM"]),
     "qwen3": lambda: Qwen3Config(**SHAPE, head_dim=32, tie_word_embeddings=True, architectures=["Qwen3ForCausalLM"]),
 }
@@ -157,8 +159,9 @@ def test_chunked_prefill_then_greedy_decode_matches_hf_generate(pair, page_size)
     assert b.ids[: len(expected[1])] == expected[1]
 
 
-def test_input_logprobs_match_hf(pair):
+def test_input_logprobs_match_hf(pair, monkeypatch):
     hf, model, config = pair
+    monkeypatch.setattr(logits_processor, "LOGPROB_CHUNK_ROWS", 4)  # several LM-head chunks
     runner = make_runner(config, model)
     a, b = (Request(runner, p) for p in prompts([14, 9], seed=2))
     run_extend(runner, [(a, 5)])  # a has a 5-token cached prefix
@@ -256,5 +259,5 @@ def test_load_weights_rejects_bad_checkpoints():
 
 def test_qwen_sliding_window_is_refused():
     config = Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=16, architectures=["Qwen2ForCausalLM"])
-    with pytest.raises(NotImplementedError, match="sliding"):
+    with pytest.raises(ValueError, match="sliding"):
         ModelRegistry.resolve(config.architectures)(config)

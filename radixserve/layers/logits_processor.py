@@ -10,6 +10,8 @@ from torch import nn
 
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ragged_arange
 
+LOGPROB_CHUNK_ROWS = 1024  # token rows per LM-head call when computing input logprobs
+
 
 @dataclass
 class LogitsProcessorOutput:
@@ -73,15 +75,22 @@ class LogitsProcessor(nn.Module):
 
     def _add_input_logprobs(self, out, input_ids, hidden_states, lm_head, fb: ForwardBatch) -> None:
         rows, lens = _input_logprob_rows(fb)
-        logprobs = torch.log_softmax(self._logits(hidden_states[rows], lm_head), dim=-1)
-        out.input_token_logprobs = logprobs.gather(1, input_ids[rows + 1].unsqueeze(1)).squeeze(1)
-        out.input_logprob_lens = lens
         nums = fb.top_logprobs_nums or [0] * fb.batch_size
         k = max((n for n, length in zip(nums, lens) if length > 0), default=0)
+        token_logprobs, top_val, top_idx = [], [], []
+        # In chunks, so a long prompt never holds [prompt_len, vocab] logits at once.
+        for chunk in rows.split(LOGPROB_CHUNK_ROWS):
+            logprobs = torch.log_softmax(self._logits(hidden_states[chunk], lm_head), dim=-1)
+            token_logprobs.append(logprobs.gather(1, input_ids[chunk + 1].unsqueeze(1)).squeeze(1))
+            if k > 0:
+                val, idx = logprobs.topk(k, dim=-1)
+                top_val.append(val)
+                top_idx.append(idx)
+        out.input_token_logprobs = torch.cat(token_logprobs)
+        out.input_logprob_lens = lens
         if k > 0:
-            val, idx = logprobs.topk(k, dim=-1)
-            out.input_top_logprobs_val = _split_top(val.tolist(), lens, nums)
-            out.input_top_logprobs_idx = _split_top(idx.tolist(), lens, nums)
+            out.input_top_logprobs_val = _split_top(torch.cat(top_val).tolist(), lens, nums)
+            out.input_top_logprobs_idx = _split_top(torch.cat(top_idx).tolist(), lens, nums)
 
 
 def _input_logprob_rows(fb: ForwardBatch) -> tuple[torch.Tensor, list[int]]:

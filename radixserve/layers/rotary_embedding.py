@@ -3,7 +3,8 @@
 The cos/sin of every position up to ``max_position`` are computed once, in
 float32, with the same formulas as ``transformers`` (``inv_freq`` from
 ``modeling_rope_utils``, ``freqs = position * inv_freq``, the same rotation
-arithmetic), so results match HF to float32 rounding. The neox layout rotates the pair ``(x[i], x[i + d/2])``.
+arithmetic), so results match HF to float32 rounding. The neox layout
+rotates the pair ``(x[i], x[i + d/2])``.
 """
 
 from __future__ import annotations
@@ -19,21 +20,17 @@ _SCALED_TYPES = ("linear", "dynamic", "llama3")
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q and k given per-token positions.
 
-    ``cos_sin_cache`` is ``[max_position, head_dim]``: cos of the ``head_dim/2``
-    frequencies, then their sin. It is a (non-persistent) buffer so that it
-    follows the model's device; casting the model to bf16 casts it too, which
-    rounds exactly as HF rounds its float32 cos/sin.
+    ``freqs`` are the angles ``[max_position, head_dim/2]``; ``cos_sin_cache``
+    holds their cos, then their sin, in float32. It is a non-persistent buffer,
+    so it follows the model's device. Looked-up rows are cast to the query's
+    dtype, as HF casts its float32 cos/sin (casting the whole model to bf16
+    casts the buffer first, which rounds the same way).
     """
 
-    def __init__(self, head_dim: int, inv_freq_by_position: torch.Tensor):
+    def __init__(self, head_dim: int, freqs: torch.Tensor):
         super().__init__()
         self.head_dim = head_dim
-        freqs = inv_freq_by_position
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
-
-    @property
-    def max_position(self) -> int:
-        return self.cos_sin_cache.shape[0]
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -88,7 +85,7 @@ def get_rope(head_dim: int, max_position: int, base: float, rope_scaling: dict |
     inv_freq = default_inv_freq(head_dim, base)
     positions = torch.arange(max_position, dtype=torch.float32)
     if rope_type == "llama3":
-        inv_freq = llama3_inv_freq(inv_freq, rope_scaling)
+        inv_freq = llama3_inv_freq(inv_freq, {"original_max_position_embeddings": max_position, **rope_scaling})
     elif rope_type == "linear":
         inv_freq = inv_freq / rope_scaling["factor"]
         positions = torch.arange(int(max_position * rope_scaling["factor"]), dtype=torch.float32)
@@ -109,6 +106,8 @@ def _dynamic_rope(head_dim: int, max_position: int, base: float, factor: float) 
 def _rope_type(rope_scaling: dict | None) -> str:
     if not rope_scaling:
         return "default"
+    if rope_scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
     rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
     if rope_type != "default" and rope_type not in _SCALED_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported (supported: default, {', '.join(_SCALED_TYPES)})")

@@ -122,15 +122,21 @@ class RadixCache(BasePrefixCache):
     def _descend(self, key: list[int]) -> tuple[TreeNode, int, list[torch.Tensor]]:
         """Walk down along ``key`` (whole pages only), splitting the node the
         match ends inside. Returns the deepest matched node, the matched length
-        and the matched nodes' slot tensors. Walks by offset: no key copies."""
+        and the matched nodes' slot tensors. Walks by offset (no key copies)
+        and inlines the hot path: this loop runs once per tree level."""
+        p = self.page_size
         node, pos, values, end = self.root, 0, [], self._aligned(len(key))
         while pos < end:
-            child = node.children.get(self._child_key(key[pos : pos + self.page_size]))
+            child = node.children.get(key[pos] if p == 1 else tuple(key[pos : pos + p]))
             if child is None:
                 break
-            self._touch(child)
-            n = _common_len(child.key, key[pos : pos + len(child.key)], self.page_size)
-            if n < len(child.key):
+            self._clock += 1
+            child.last_access = self._clock
+            child.hit_count += 1
+            klen = len(child.key)
+            segment = key[pos : pos + klen]
+            n = klen if segment == child.key else _common_len(child.key, segment, p)
+            if n < klen:
                 child = self._split(child, n)
             values.append(child.value)
             node, pos = child, pos + n

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-CPU_MAX_KV_TOKENS = 65536  # default cap of the CPU KV pool
+CPU_MAX_KV_TOKENS = 32768  # default cap of the CPU KV pool
 CPU_KV_RAM_FRACTION = 0.25  # share of available RAM the CPU KV pool may take by default
 
 
@@ -44,7 +44,7 @@ class ModelRunner:
     sized from the memory free after the weights, keeping
     ``1 - mem_fraction_static`` of the device's memory for activations, and
     ``max_total_tokens`` (if given) caps it. On CPU it is ``max_total_tokens``
-    or, by default, ``min(CPU_KV_RAM_FRACTION * available RAM, 64k tokens)``.
+    or, by default, ``min(CPU_KV_RAM_FRACTION * available RAM, 32k tokens)``.
     ``max_context_len`` defaults to the model's context length; it is capped
     by the pool size. ``model`` may be passed ready-made (tests); otherwise it
     is loaded with ``radixserve.model_loader.get_model``.

@@ -215,7 +215,7 @@ def _expected(params: dict[str, nn.Parameter]) -> set[tuple[str, object]]:
 
 def _check_config(config: PretrainedConfig) -> None:
     if getattr(config, "use_sliding_window", False):
-        raise NotImplementedError("sliding-window attention (use_sliding_window=True) is not supported")
+        raise ValueError("sliding-window attention (use_sliding_window=True) is not supported")
     window = getattr(config, "sliding_window", None)
     if window and not hasattr(config, "use_sliding_window") and window < config.max_position_embeddings:
         logger.warning(
