@@ -16,6 +16,11 @@ class ServerArgs:
     Names follow SGLang's command-line flags (``--max-running-requests`` ...)."""
 
     model_path: str | None = field(default=None, metadata={"help": "HF folder, .gguf file or dummy name (default SmolLM2)"})
+    served_model_name: str | None = field(default=None, metadata={"help": "model name in the OpenAI API"})
+    host: str = field(default="127.0.0.1", metadata={"help": "HTTP server address"})
+    port: int = field(default=30000, metadata={"help": "HTTP server port"})
+    api_key: str | None = field(default=None, metadata={"help": "require this key (Authorization: Bearer ...)"})
+    log_level: str = field(default="info", metadata={"help": "logging level of the server"})
     load_format: str = field(default="auto", metadata={"help": "auto, safetensors, gguf or dummy"})
     dtype: str = field(default="auto", metadata={"help": "auto, float32, bfloat16 or float16"})
     device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu or cuda"})
@@ -49,6 +54,16 @@ class ServerArgs:
             raise ValueError(f"max_total_tokens {self.max_total_tokens} is smaller than one page ({self.page_size})")
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+
+    def model_name(self) -> str:
+        """The name clients use: --served-model-name, else the model path's base name."""
+        import os
+
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model_path is None:
+            return "SmolLM2-135M-Instruct"
+        return os.path.basename(os.path.normpath(self.model_path)) or self.model_path
 
     def resolved_device(self) -> str:
         if self.device != "auto":

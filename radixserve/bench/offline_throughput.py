@@ -99,6 +99,8 @@ def _record(
         "output_tok_s": round(out_tokens / wall, 2),
         "total_tok_s": round((in_tokens + out_tokens) / wall, 2),
         "request_s": round(len(reqs) / wall, 3),
+        # Other processes on a small CPU skew the figures: the load at the end says how much.
+        "load_avg_1m": round(os.getloadavg()[0], 2),
         **extra,
     }
 

@@ -1,4 +1,5 @@
-"""``radixserve`` command line: ``radixserve generate ...`` (offline)."""
+"""``radixserve`` command line: ``radixserve serve ...`` (HTTP server) and
+``radixserve generate ...`` (offline)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--stream", action="store_true", help="print tokens as they come")
     gen.add_argument("--json", action="store_true", help="also print meta_info as JSON")
+    serve = sub.add_parser("serve", help="start the HTTP server (SGLang native API + OpenAI API)", add_help=False)
+    serve.add_argument("rest", nargs=argparse.REMAINDER)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        from radixserve.entrypoints.http_server import main as serve_main
+
+        return serve_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _generate(args)

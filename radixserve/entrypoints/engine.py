@@ -13,6 +13,7 @@ from typing import Any, Iterator
 
 from tqdm import tqdm
 
+from radixserve.managers.detokenizer_manager import DecodeStatus, NullTokenizer
 from radixserve.managers.schedule_batch import Req
 from radixserve.managers.scheduler import Scheduler
 from radixserve.sampling.sampling_params import SamplingParams
@@ -29,7 +30,7 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, **options: Any):
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **options)
-        self.scheduler, self.tokenizer = _build(self.server_args)
+        self.scheduler, self.tokenizer = build_scheduler(self.server_args)
         self._counter = itertools.count()
 
     # -- API -------------------------------------------------------------------
@@ -112,7 +113,7 @@ class Engine:
         return reqs
 
     def _eos_ids(self) -> set[int]:
-        return _eos_token_ids(self.scheduler.model_runner.model_config, self.tokenizer)
+        return eos_token_ids(self.scheduler.model_runner.model_config, self.tokenizer)
 
     # -- driving the scheduler ---------------------------------------------------------
     def _run(self, reqs: list[Req]) -> list[dict]:
@@ -133,10 +134,14 @@ class Engine:
     def _stream(self, req: Req) -> Iterator[dict]:
         start = time.perf_counter()
         self.scheduler.add_request(req)
+        status, text, sent = self._decode_status(req), "", 0
         try:
             while not req.finished():
                 if any(r is req for r in self.scheduler.step()):
-                    yield self._output(req, time.perf_counter() - start)
+                    reason = req.finished_reason.to_json() if req.finished_reason else None
+                    text += status.feed(req.output_ids[sent:], reason, req.sampling_params.no_stop_trim)
+                    sent = len(req.output_ids)
+                    yield self._output(req, time.perf_counter() - start, text)
         finally:
             if not req.finished():  # the consumer stopped early: abort
                 self.scheduler.abort_request(req.rid)
@@ -147,15 +152,16 @@ class Engine:
         while any(r.to_abort for r in self.scheduler.live_reqs()):
             self.scheduler.step()
 
-    def _output(self, req: Req, latency: float) -> dict:
+    def _decode_status(self, req: Req) -> DecodeStatus:
         sp = req.sampling_params
-        ids = req.output_ids
+        tokenizer = self.tokenizer if self.tokenizer is not None else NullTokenizer()
+        return DecodeStatus(tokenizer, sp.skip_special_tokens, sp.spaces_between_special_tokens, sp.stop, sp.no_stop_trim)
+
+    def _output(self, req: Req, latency: float, text: str | None = None) -> dict:
         reason = req.finished_reason
-        if reason is not None and reason.type == "stop" and isinstance(reason.matched, int) and not sp.no_stop_trim:
-            ids = ids[:-1]
-        text = self.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens) if self.tokenizer else ""
-        if reason is not None and reason.type == "stop" and isinstance(reason.matched, str) and not sp.no_stop_trim:
-            text = text[: text.find(reason.matched)] if reason.matched in text else text
+        if text is None:  # the whole text at once, trimmed as the detokenizer trims it
+            reason_json = reason.to_json() if reason else None
+            text = self._decode_status(req).feed(req.output_ids, reason_json, req.sampling_params.no_stop_trim)
         meta = {
             "id": req.rid,
             "prompt_tokens": len(req.origin_input_ids),
@@ -181,7 +187,7 @@ def _nth_sample(sp: SamplingParams, i: int) -> SamplingParams:
     return dataclasses.replace(sp, n=1, sampling_seed=seed)
 
 
-def _eos_token_ids(model_config, tokenizer) -> set[int]:
+def eos_token_ids(model_config, tokenizer) -> set[int]:
     ids: set[int] = set()
     for source in (getattr(model_config.hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
         if isinstance(source, int):
@@ -200,7 +206,7 @@ def _eos_token_ids(model_config, tokenizer) -> set[int]:
     return ids
 
 
-def _build(args: ServerArgs):
+def build_scheduler(args: ServerArgs):
     """Resolve the model, load weights and tokenizer, build the scheduler."""
     from radixserve.model_executor.model_runner import ModelRunner
     from radixserve.model_loader import resolve_model

@@ -54,7 +54,7 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self._decode_info: SamplingBatchInfo | None = None
         self._decode_info_reqs: list[Req] = []
-        self._finished_by_memory: list[Req] = []
+        self._finished_outside_batch: list[Req] = []
         self.stats = {"forward_ct": 0, "retractions": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated": 0}
 
     # -- requests ------------------------------------------------------------
@@ -88,6 +88,7 @@ class Scheduler:
             if req.rid == rid:
                 self.waiting.pop(i)
                 req.finished_reason = FinishReason("abort", message="aborted by request")
+                self._finished_outside_batch.append(req)
                 return True
         for req in self.running + ([self.chunked_req] if self.chunked_req else []):
             if req.rid == rid:
@@ -109,8 +110,8 @@ class Scheduler:
         """Run one batch; returns the requests updated in it (finished ones too)."""
         out = self._process_aborts()
         batch, mode = self._next_batch()
-        out += self._finished_by_memory
-        self._finished_by_memory = []
+        out += self._finished_outside_batch
+        self._finished_outside_batch = []
         if batch:
             out += self._run(batch, mode)
         if self.args.check_invariants or self.is_idle():
@@ -214,7 +215,7 @@ class Scheduler:
             req.finished_reason = FinishReason("length", len(req.output_ids), message="the KV cache is full")
             self._release(req)
             self._decode_info = None
-            self._finished_by_memory.append(req)
+            self._finished_outside_batch.append(req)
 
     def _release(self, req: Req) -> None:
         """Give a request's KV to the cache (it stays reusable, evictable)."""

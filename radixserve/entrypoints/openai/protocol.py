@@ -1,0 +1,418 @@
+"""Pydantic models of the OpenAI HTTP API: requests (validated once, here) and
+responses (shaped so that the official ``openai`` client parses them).
+
+Requests ignore unknown fields, as OpenAI clients send some we have no use for
+(``user``, ``metadata``, ...), but reject fields we know and do not support yet
+(``tools``, ``response_format``, ...) so that nobody silently gets unconstrained
+output. Every validation error names its field: FastAPI reports it in ``loc``
+and ``adapters.validation_error_to_openai`` turns it into OpenAI's ``param``.
+Cross-field errors come from model validators, which have no ``loc``; their
+messages start with ``"<field>: "`` instead.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+MAX_N = 128  # most samples per prompt
+MAX_TOP_LOGPROBS = 20  # most alternatives per position (OpenAI's limit for chat)
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's bound on one bias
+
+# Known fields we do not support yet -> values that ask for nothing and so are accepted.
+_UNSUPPORTED = {
+    "response_format": (None, {"type": "text"}),
+    "regex": (None,),
+    "json_schema": (None,),
+    "ebnf": (None,),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "audio": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "modalities": (None, ["text"]),
+}
+
+
+def _reject_unsupported(value: Any, info: ValidationInfo) -> Any:
+    if value not in _UNSUPPORTED[info.field_name]:
+        raise ValueError(f"'{info.field_name}' is not supported by this server")
+    return value
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a final chunk with the usage."""
+
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Sampling fields shared by completions and chat; ``None`` means the engine's default."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    stop: list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # Extensions with SGLang's meaning.
+    top_k: int | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    stop_token_ids: list[int] | None = None
+    no_stop_trim: bool | None = None
+    # Structured output: not yet.
+    response_format: Any = None
+    regex: Any = None
+    json_schema: Any = None
+    ebnf: Any = None
+
+    _check_unsupported = field_validator("response_format", "regex", "json_schema", "ebnf")(_reject_unsupported)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = [v]
+        if v is not None and not (isinstance(v, list) and all(isinstance(s, str) and s for s in v)):
+            raise ValueError("must be a non-empty string or a list of them")
+        return v or None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_range(cls, v: int | None) -> int | None:
+        if v is not None and v != -1 and v < 1:
+            raise ValueError("must be -1 (no limit) or >= 1")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if abs(bias) > LOGIT_BIAS_LIMIT:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
+        return v
+
+    def _check_shared(self, max_tokens: int | None) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        if max_tokens is not None and self.min_tokens is not None and self.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens: must be <= the maximum number of tokens ({max_tokens})")
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``. ``prompt`` is text, a list of texts, token ids,
+    or a list of token-id lists. ``logprobs`` (legacy) is the number of
+    alternatives per position; ``max_tokens=0`` is allowed with ``echo`` (scoring
+    a prompt without generating)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = None
+    suffix: Any = None
+
+    _check_suffix = field_validator("suffix")(_reject_unsupported)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        if isinstance(v, str) or _is_token_list(v) or _is_list_of(v, str):
+            return v
+        if _is_list_of(v, list) and all(_is_token_list(p) for p in v):
+            return v
+        raise ValueError("must be a string, a non-empty list of strings, or non-empty lists of token ids >= 0")
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> CompletionRequest:
+        self._check_shared(self.max_tokens)
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: must be >= 1 (0 is allowed only with echo)")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise ValueError("best_of: only best_of == n is supported")
+        return self
+
+
+class TextContentPart(BaseModel):
+    """One ``{"type": "text", "text": ...}`` part of a message's content."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageParam(BaseModel):
+    """One message of a chat request. ``developer`` is OpenAI's newer name for
+    ``system``; content may be omitted only by an assistant (tool calls)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = Field(None, validate_default=True)
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None and info.data.get("role", "assistant") != "assistant":
+            raise ValueError(f"required for role '{info.data['role']}'")
+        if v is None or isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise ValueError("must be a string or a list of content parts")
+        for i, part in enumerate(v):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"part {i}: only text content parts are supported, got type {kind!r}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"part {i}: a text part needs a string 'text'")
+        return v
+
+    def text(self) -> str | None:
+        """The content as one string: text parts joined by newlines."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``. ``max_completion_tokens`` wins over the
+    deprecated ``max_tokens``; with neither, the engine's limit applies.
+    ``top_logprobs`` needs ``logprobs=true``."""
+
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    modalities: Any = None
+
+    _check_unsupported_chat = field_validator(
+        "tools", "tool_choice", "functions", "function_call", "audio", "prediction", "web_search_options", "modalities"
+    )(_reject_unsupported)
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """The output limit asked for, if any."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> ChatCompletionRequest:
+        self._check_shared(self.max_new_tokens)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs to be true")
+        return self
+
+
+def _is_list_of(v: Any, kind: type) -> bool:
+    return isinstance(v, list) and len(v) > 0 and all(isinstance(x, kind) for x in v)
+
+
+def _is_token_list(v: Any) -> bool:
+    return _is_list_of(v, int) and all(type(x) is int and x >= 0 for x in v)
+
+
+# -- responses ---------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    """How many prompt tokens were served from the prefix cache."""
+
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    """Token counts of one response (all its choices)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs, one entry per token. The first prompt token
+    (with ``echo``) has no logprob: ``None`` there, as OpenAI sends it."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    """One choice; ``matched_stop`` (SGLang's extension) is the stop string or
+    token id that ended it."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Reply of a non-streaming ``/v1/completions``."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(BaseModel):
+    """One server-sent event of a streaming ``/v1/completions``: OpenAI uses the
+    same shape as the full response, with ``usage`` only on the last event."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    """An alternative token at one position (chat format)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionTokenLogprob(TopLogprob):
+    """A sampled token with its alternatives (chat format)."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    """Chat logprobs of one choice."""
+
+    content: list[ChatCompletionTokenLogprob] | None = None
+
+
+class ChatMessage(BaseModel):
+    """The assistant message of a chat choice."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    """One choice of a chat reply."""
+
+    index: int
+    message: ChatMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """Reply of a non-streaming ``/v1/chat/completions``."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    """What one chat chunk adds to a choice: the role (first chunk) and text."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    """One choice's part of a chat chunk."""
+
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    """One server-sent event of a streaming ``/v1/chat/completions``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    """One entry of ``GET /v1/models``; ``max_model_len`` is the context length."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "radixserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    """Reply of ``GET /v1/models``."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class ErrorDetail(BaseModel):
+    """OpenAI's error body; ``code`` is the HTTP status."""
+
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: int = 400
+
+
+class ErrorResponse(BaseModel):
+    """``{"error": {...}}``, the shape OpenAI clients raise ``APIError`` from."""
+
+    error: ErrorDetail

@@ -1,0 +1,2 @@
+def add_openai_routes(app, tm):
+    pass

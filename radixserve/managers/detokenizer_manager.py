@@ -1,0 +1,140 @@
+"""Incremental detokenization: token ids in, text deltas out.
+
+``DecodeStatus`` turns a growing list of ids into appendable text: it never
+emits half of a multi-byte UTF-8 character (the replacement char '\\ufffd'
+marks an incomplete one) nor the last ``len(longest stop string) - 1``
+characters while a stop string could still complete and be trimmed. The
+``DetokenizerManager`` process runs one per request between the Scheduler and
+the TokenizerManager; the offline Engine uses ``DecodeStatus`` directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import zmq
+
+from radixserve.managers.io_struct import BatchStrOut, BatchTokenIDOut, decode, encode
+
+logger = logging.getLogger(__name__)
+
+# Context tokens re-decoded before the new ones, so that tokenizers whose
+# decoding depends on the neighbour (leading spaces) produce the right text.
+CONTEXT_TOKENS = 5
+
+
+class DecodeStatus:
+    """Decoding state of one request's output."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
+                 stop: list[str] | None = None, no_stop_trim: bool = False):
+        self.tokenizer = tokenizer
+        self.kwargs = {"skip_special_tokens": skip_special_tokens}
+        if not spaces_between_special_tokens:
+            self.kwargs["spaces_between_special_tokens"] = False
+        self.ids: list[int] = []
+        self.surr_offset = 0  # ids[surr_offset:read_offset] are context
+        self.read_offset = 0  # ids before this are fully decoded into self.decoded
+        self.decoded = ""  # text of ids[:read_offset]
+        self.sent = 0  # characters of the final text already handed out
+        self.hold = max((len(s) for s in stop or []), default=1) - 1 if not no_stop_trim else 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, **self.kwargs)
+
+    def _advance(self) -> None:
+        context = self._decode(self.ids[self.surr_offset : self.read_offset])
+        full = self._decode(self.ids[self.surr_offset :])
+        if len(full) > len(context) and not full.endswith("\ufffd"):
+            self.decoded += full[len(context) :]
+            self.surr_offset = max(len(self.ids) - CONTEXT_TOKENS, 0)
+            self.read_offset = len(self.ids)
+
+    def feed(self, new_ids: list[int], finish_reason: dict | None = None, no_stop_trim: bool = False) -> str:
+        """Add ids; return the text that can be appended now (all of the rest,
+        trimmed, when ``finish_reason`` says the request is done)."""
+        self.ids.extend(new_ids)
+        if finish_reason is not None:
+            return self.finish(finish_reason, no_stop_trim)
+        self._advance()
+        ready = max(len(self.decoded) - self.hold, self.sent)
+        delta, self.sent = self.decoded[self.sent : ready], ready
+        return delta
+
+    def finish(self, finish_reason: dict | None, no_stop_trim: bool = False) -> str:
+        """The remaining text once the request finished, trimmed at a matched
+        stop string (or without a matched stop token) unless ``no_stop_trim``."""
+        matched = (finish_reason or {}).get("matched")
+        ids = self.ids
+        if (finish_reason or {}).get("type") == "stop" and isinstance(matched, int) and not no_stop_trim:
+            ids = ids[:-1] if ids and ids[-1] == matched else ids
+        text = self._decode(ids)
+        if isinstance(matched, str) and not no_stop_trim and matched in text:
+            text = text[: text.find(matched)]
+        delta = text[self.sent :] if len(text) >= self.sent else ""
+        self.sent = max(self.sent, len(text))
+        return delta
+
+
+class DetokenizerManager:
+    """Process loop: BatchTokenIDOut from the scheduler -> BatchStrOut to the
+    tokenizer manager; every other message is forwarded unchanged."""
+
+    def __init__(self, tokenizer, recv_addr: str, send_addr: str):
+        self.tokenizer = tokenizer
+        ctx = zmq.Context(2)
+        self.recv = ctx.socket(zmq.PULL)
+        self.recv.bind(recv_addr)
+        self.send = ctx.socket(zmq.PUSH)
+        self.send.connect(send_addr)
+        self.status: dict[str, DecodeStatus] = {}
+
+    def handle(self, out: BatchTokenIDOut) -> BatchStrOut:
+        deltas = []
+        for rid, ids, meta in zip(out.rids, out.new_ids, out.meta):
+            st = self.status.get(rid)
+            if st is None:
+                st = self.status[rid] = DecodeStatus(
+                    self.tokenizer, meta.get("skip_special_tokens", True),
+                    meta.get("spaces_between_special_tokens", True), meta.get("stop"), meta.get("no_stop_trim", False),
+                )
+            deltas.append(st.feed(ids, meta.get("finish_reason"), meta.get("no_stop_trim", False)))
+            if meta.get("finish_reason") is not None:
+                del self.status[rid]
+        return BatchStrOut(out.rids, deltas, out.new_ids, out.meta)
+
+    def event_loop(self) -> None:
+        parent = os.getppid()
+        while True:
+            if not self.recv.poll(1000):
+                if os.getppid() != parent:  # the server died: do not linger
+                    return
+                continue
+            msg = decode(self.recv.recv())
+            if isinstance(msg, BatchTokenIDOut):
+                msg = self.handle(msg)
+            self.send.send(encode(msg))
+
+
+def run_detokenizer_process(tokenizer_dir: str | None, recv_addr: str, send_addr: str, ready) -> None:
+    """Entry point of the detokenizer process."""
+    try:
+        tokenizer = None
+        if tokenizer_dir:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        manager = DetokenizerManager(NullTokenizer() if tokenizer is None else tokenizer, recv_addr, send_addr)
+        ready.send({"status": "ready"})
+    except Exception as exc:  # report start-up failures to the launcher
+        ready.send({"status": "error", "error": f"{type(exc).__name__}: {exc}"})
+        raise
+    manager.event_loop()
+
+
+class NullTokenizer:
+    """For models without a tokenizer (dummy weights): no text, ids only."""
+
+    def decode(self, ids, **kwargs) -> str:
+        return ""

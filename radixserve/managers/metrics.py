@@ -1,0 +1,52 @@
+"""Prometheus metrics of the server (prometheus-client, own registry),
+named like SGLang's (``radixserve:prompt_tokens_total`` ...)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r, p = self.registry, "radixserve:"
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens received", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
+        self.requests = Counter(p + "num_requests", "Requests finished", ["finish_reason"], registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between output tokens", buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge(p + "num_running_reqs", "Requests in the running batch", registry=r)
+        self.queued = Gauge(p + "num_queue_reqs", "Requests waiting", registry=r)
+        self.token_usage = Gauge(p + "token_usage", "Share of the KV pool in use (not free, not evictable)", registry=r)
+        self.cache_hit_rate = Gauge(p + "cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens", registry=r)
+
+    def on_request(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def on_tokens(self, state, n: int, now: float) -> None:
+        self.generation_tokens.inc(n)
+        if state.first_token_time is None:
+            state.first_token_time = now
+            self.ttft.observe(now - state.created)
+        elif state.last_token_time is not None:
+            gap = (now - state.last_token_time) / n
+            for _ in range(n):
+                self.itl.observe(gap)
+        state.last_token_time = now
+
+    def on_finish(self, state, now: float) -> None:
+        reason = (state.meta.get("finish_reason") or {}).get("type", "unknown")
+        self.requests.labels(finish_reason=reason).inc()
+        self.e2e.observe(now - state.created)
+
+    def update_from_state(self, state: dict) -> None:
+        self.running.set(state.get("running", 0))
+        self.queued.set(state.get("waiting", 0))
+        self.token_usage.set(state.get("kv_usage", 0.0))
+        self.cache_hit_rate.set(state.get("cache_hit_rate", 0.0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

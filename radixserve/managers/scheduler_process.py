@@ -1,0 +1,157 @@
+"""The Scheduler as a process: receive requests over ZeroMQ, step the
+Scheduler, send new tokens to the detokenizer."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import zmq
+
+from radixserve.managers.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    TokenizedGenerateReqInput,
+    decode,
+    encode,
+)
+from radixserve.managers.schedule_batch import FinishReason, Req
+from radixserve.managers.scheduler import Scheduler
+from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 1000
+
+
+def req_meta(req: Req, sent_logprobs: int) -> dict:
+    """What the detokenizer and the tokenizer manager need about a request."""
+    sp = req.sampling_params
+    meta = {
+        "prompt_tokens": len(req.origin_input_ids),
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": req.cached_tokens,
+        "finish_reason": req.finished_reason.to_json() if req.finished_reason else None,
+        "skip_special_tokens": sp.skip_special_tokens,
+        "spaces_between_special_tokens": sp.spaces_between_special_tokens,
+        "stop": list(sp.stop or []),
+        "no_stop_trim": sp.no_stop_trim,
+    }
+    if req.return_logprob:
+        meta["output_token_logprobs"] = req.output_token_logprobs[sent_logprobs:]
+        meta["output_top_logprobs"] = req.output_top_logprobs[sent_logprobs:]
+        if sent_logprobs == 0:
+            meta["input_token_logprobs"] = req.input_token_logprobs
+            meta["input_top_logprobs"] = req.input_top_logprobs
+    return meta
+
+
+class SchedulerProcess:
+    """Owns the sockets and the sent-so-far bookkeeping around a Scheduler."""
+
+    def __init__(self, scheduler: Scheduler, recv_addr: str, send_addr: str, eos_ids: set[int]):
+        self.scheduler = scheduler
+        self.eos_ids = eos_ids
+        ctx = zmq.Context(2)
+        self.recv = ctx.socket(zmq.PULL)
+        self.recv.bind(recv_addr)
+        self.send = ctx.socket(zmq.PUSH)
+        self.send.connect(send_addr)
+        self.sent: dict[str, tuple[int, int]] = {}  # rid -> (output ids sent, logprobs sent)
+
+    def event_loop(self) -> None:
+        parent = os.getppid()
+        while True:
+            idle = self.scheduler.is_idle()
+            if idle and not self.recv.poll(IDLE_POLL_MS):
+                if os.getppid() != parent:
+                    return
+                continue
+            while True:
+                try:
+                    self.handle(decode(self.recv.recv(zmq.NOBLOCK)))
+                except zmq.Again:
+                    break
+            if not self.scheduler.is_idle():
+                self.send_outputs(self.scheduler.step())
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, TokenizedGenerateReqInput):
+            self.add(msg)
+        elif isinstance(msg, AbortReq):
+            self.scheduler.abort_request(msg.rid)
+        elif isinstance(msg, FlushCacheReq):
+            self.send.send(encode(FlushCacheReqOutput(self.scheduler.flush_cache())))
+        elif isinstance(msg, GetInternalStateReq):
+            self.send.send(encode(GetInternalStateReqOutput(self.internal_state())))
+
+    def add(self, msg: TokenizedGenerateReqInput) -> None:
+        try:
+            sp = SamplingParams.from_dict(msg.sampling_params)
+            sp.verify(self.scheduler.vocab_size)
+            sp.normalize(self.scheduler.vocab_size)
+            req = Req(msg.rid, msg.input_ids, sp, self.eos_ids, msg.return_logprob, msg.logprob_start_len,
+                      msg.top_logprobs_num)
+            self.scheduler.add_request(req)
+        except ValueError as exc:  # the tokenizer manager validates first; this is the backstop
+            req = Req(msg.rid, msg.input_ids or [0], SamplingParams())
+            req.finished_reason = FinishReason("abort", message=str(exc))
+            self.send_outputs([req])
+
+    def send_outputs(self, reqs: list[Req]) -> None:
+        if not reqs:
+            return
+        rids, new_ids, metas = [], [], []
+        for req in reqs:
+            n_ids, n_lp = self.sent.get(req.rid, (0, 0))
+            rids.append(req.rid)
+            new_ids.append(req.output_ids[n_ids:])
+            metas.append(req_meta(req, n_lp))
+            if req.finished():
+                self.sent.pop(req.rid, None)
+            else:
+                self.sent[req.rid] = (len(req.output_ids), len(req.output_token_logprobs))
+        self.send.send(encode(BatchTokenIDOut(rids, new_ids, metas)))
+
+    def internal_state(self) -> dict:
+        sched = self.scheduler
+        state = sched.get_stats()
+        state["max_total_tokens"] = sched.allocator.size
+        state["kv_usage"] = 1 - (sched.allocator.available_size() + sched.tree_cache.evictable_size()) / sched.allocator.size
+        prompt = max(state["prompt_tokens"], 1)
+        state["cache_hit_rate"] = state["cached_tokens"] / prompt
+        state["memory_check"] = "busy"
+        if sched.is_idle():
+            try:
+                sched.check_memory()
+                state["memory_check"] = "ok"
+            except AssertionError as exc:
+                state["memory_check"] = str(exc)
+        return state
+
+
+def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: str, ready) -> None:
+    """Entry point of the scheduler process: load the model, report, loop."""
+    logging.basicConfig(level=logging.INFO, format="[scheduler] %(message)s")
+    try:
+        from radixserve.entrypoints.engine import build_scheduler, eos_token_ids
+
+        scheduler, tokenizer = build_scheduler(server_args)
+        proc = SchedulerProcess(scheduler, recv_addr, send_addr, eos_token_ids(scheduler.model_runner.model_config, tokenizer))
+        runner = scheduler.model_runner
+        ready.send({
+            "status": "ready",
+            "max_total_tokens": runner.max_total_tokens,
+            "context_len": runner.max_context_len,
+            "vocab_size": scheduler.vocab_size,
+            "max_running_requests": scheduler.max_running,
+        })
+    except Exception as exc:
+        ready.send({"status": "error", "error": f"{type(exc).__name__}: {exc}"})
+        raise
+    proc.event_loop()

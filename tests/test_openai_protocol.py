@@ -1,0 +1,534 @@
+"""Tests of the OpenAI API's pure part: request validation (each error names its
+param), requests -> GenerateReqInput arguments, engine outputs -> responses and
+stream chunks. Responses are checked with the official ``openai`` package: its
+types (strict) and its client (as users run it) against a test-local app."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.testclient import TestClient
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from pydantic import ValidationError
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+from radixserve.entrypoints.openai import adapters
+from radixserve.entrypoints.openai.protocol import MAX_N, ChatCompletionRequest, CompletionRequest
+from radixserve.sampling.sampling_params import SamplingParams
+
+WORDS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "hello", "world", "hi", "there", "!"]
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|> {{ m.content }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+GENERATE_FIELDS = {
+    "text", "input_ids", "sampling_params", "stream", "return_logprob",
+    "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
+}  # fmt: skip
+USER_HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A word-level tokenizer that adds a BOS on encode, as Llama's does."""
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    hf.add_special_tokens({"additional_special_tokens": ["<|system|>", "<|user|>", "<|assistant|>"]})
+    hf.chat_template = TEMPLATE
+    return hf
+
+
+def error_of(cls, body: dict) -> dict:
+    with pytest.raises(ValidationError) as exc:
+        cls.model_validate(body)
+    return adapters.validation_error_to_openai(exc.value.errors())["error"]
+
+
+# -- validation ------------------------------------------------------------------------------------
+
+COMPLETION_ERRORS = [
+    ({"temperature": 2.5}, "temperature", "less than or equal to 2"),
+    ({"temperature": -0.1}, "temperature", "greater than or equal to 0"),
+    ({"temperature": float("nan")}, "temperature", "finite"),
+    ({"top_p": 0}, "top_p", "greater than 0"),
+    ({"top_p": 1.5}, "top_p", "less than or equal to 1"),
+    ({"max_tokens": 0}, "max_tokens", "only with echo"),
+    ({"max_tokens": -1}, "max_tokens", "greater than or equal to 0"),
+    ({"n": 0}, "n", "greater than or equal to 1"),
+    ({"n": MAX_N + 1}, "n", f"less than or equal to {MAX_N}"),
+    ({"stop": [""]}, "stop", "non-empty string"),
+    ({"stop": [1]}, "stop", "non-empty string"),
+    ({"logprobs": 21}, "logprobs", "less than or equal to 20"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+    ({"top_k": 0}, "top_k", "-1 (no limit) or >= 1"),
+    ({"min_p": 2}, "min_p", "less than or equal to 1"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+    ({"presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", ">= 0"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens", "<= the maximum"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
+    ({"best_of": 3}, "best_of", "best_of == n"),
+    ({"suffix": "tail"}, "suffix", "not supported"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"regex": "a+"}, "regex", "not supported"),
+    ({"prompt": []}, "prompt", "must be a string"),
+    ({"prompt": [[]]}, "prompt", "must be a string"),
+    ({"prompt": [1, -2]}, "prompt", "token ids >= 0"),
+    ({"prompt": ["a", 1]}, "prompt", "must be a string"),
+]
+
+
+@pytest.mark.parametrize("body,param,text", COMPLETION_ERRORS)
+def test_completion_errors_name_their_param(body, param, text):
+    err = error_of(CompletionRequest, {"model": "m", "prompt": "hi", **body})
+    assert (err["param"], err["type"], err["code"]) == (param, "invalid_request_error", 400)
+    assert err["message"].startswith(f"{param}: ") and text in err["message"]
+
+
+CHAT_ERRORS = [
+    ({"messages": []}, "messages", "at least 1 item"),
+    ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role", "'user'"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "required for role 'user'"),
+    (
+        {"messages": USER_HI + [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages[1].content",
+        "only text content parts",
+    ),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "a string or a list"),
+    ({"top_logprobs": 2}, "top_logprobs", "requires logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+    ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "greater than or equal to 1"),
+    ({"max_completion_tokens": 4, "min_tokens": 5}, "min_tokens", "<= the maximum number of tokens (4)"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+    ({"tool_choice": "required"}, "tool_choice", "not supported"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "not supported"),
+    ({"modalities": ["text", "audio"]}, "modalities", "not supported"),
+    ({"n": MAX_N + 1}, "n", "less than or equal to"),
+]
+
+
+@pytest.mark.parametrize("body,param,text", CHAT_ERRORS)
+def test_chat_errors_name_their_param(body, param, text):
+    err = error_of(ChatCompletionRequest, {"model": "m", "messages": USER_HI, **body})
+    assert err["param"] == param
+    assert err["message"].startswith(f"{param}: ") and text in err["message"]
+
+
+def test_unknown_fields_ignored_and_neutral_unsupported_values_accepted():
+    req = ChatCompletionRequest.model_validate(
+        {
+            "messages": USER_HI,
+            "user": "u1",
+            "metadata": {"k": "v"},
+            "store": False,
+            "tools": [],
+            "tool_choice": "none",
+            "response_format": {"type": "text"},
+            "modalities": ["text"],
+            "temperature": None,
+        }
+    )
+    assert req.user == "u1" and not hasattr(req, "store") and req.temperature is None
+
+
+def test_prompt_shapes_accepted():
+    for prompt in ["", "hi", ["a", "b"], [1, 2], [[1], [2, 3]]]:
+        assert CompletionRequest(prompt=prompt).prompt == prompt
+    assert CompletionRequest(prompt="x", echo=True, max_tokens=0).max_tokens == 0
+
+
+def test_fastapi_loc_is_stripped_of_body():
+    errors = [{"loc": ("body", "messages", 2, "role"), "msg": "Input should be 'user'", "type": "literal_error"}]
+    assert adapters.validation_error_to_openai(errors)["error"]["param"] == "messages[2].role"
+    json_error = [{"loc": ("body", 1), "msg": "JSON decode error", "type": "json_invalid"}]
+    assert adapters.validation_error_to_openai(json_error)["error"]["param"] == "[1]"
+
+
+def test_several_errors_are_all_reported_first_param_wins():
+    err = error_of(CompletionRequest, {"prompt": "x", "temperature": 9, "top_p": 9})
+    assert err["param"] == "temperature" and "top_p: " in err["message"]
+
+
+def test_openai_error_shape_and_value_errors():
+    assert adapters.openai_error("gone", type="not_found_error", code=404) == {
+        "error": {"message": "gone", "type": "not_found_error", "param": None, "code": 404}
+    }
+    err = adapters.value_error_to_openai(ValueError("input_ids: prompt has 5000 tokens, context is 4096"))["error"]
+    assert err["param"] == "input_ids" and "5000" in err["message"]
+    assert adapters.value_error_to_openai(ValueError("something odd"))["error"]["param"] is None
+
+
+# -- requests -> GenerateReqInput ---------------------------------------------------------------------
+
+
+def test_completion_to_generate_maps_names():
+    req = CompletionRequest(
+        prompt="hello",
+        max_tokens=7,
+        min_tokens=2,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.1,
+        n=3,
+        stop="!",
+        seed=42,
+        stream=True,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.1,
+        logit_bias={"6": -100, "7": 2.5},
+        ignore_eos=True,
+        skip_special_tokens=False,
+        stop_token_ids=[2],
+        no_stop_trim=True,
+    )
+    kwargs = adapters.completion_to_generate(req)
+    assert kwargs == {
+        "text": "hello",
+        "stream": True,
+        "sampling_params": {
+            "max_new_tokens": 7,
+            "min_new_tokens": 2,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "top_k": 5,
+            "min_p": 0.1,
+            "n": 3,
+            "stop": ["!"],
+            "sampling_seed": 42,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.5,
+            "repetition_penalty": 1.1,
+            "logit_bias": {6: -100.0, 7: 2.5},
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+            "stop_token_ids": [2],
+            "no_stop_trim": True,
+        },
+    }
+    SamplingParams.from_dict(kwargs["sampling_params"]).verify(vocab_size=len(WORDS))  # real field names
+
+
+def test_completion_to_generate_defaults_and_token_prompts():
+    assert adapters.completion_to_generate(CompletionRequest(prompt="x")) == {
+        "text": "x",
+        "sampling_params": {"max_new_tokens": 16},
+        "stream": False,
+    }
+    assert adapters.completion_to_generate(CompletionRequest(prompt=[5, 6]))["input_ids"] == [5, 6]
+    assert adapters.completion_to_generate(CompletionRequest(prompt=[[5], [6, 7]]))["input_ids"] == [[5], [6, 7]]
+    assert adapters.completion_to_generate(CompletionRequest(prompt=["a", "b"]))["text"] == ["a", "b"]
+
+
+@pytest.mark.parametrize("echo,start", [(False, -1), (True, 0)])
+def test_completion_logprobs_request_input_logprobs_only_with_echo(echo, start):
+    kwargs = adapters.completion_to_generate(CompletionRequest(prompt="x", logprobs=3, echo=echo))
+    assert set(kwargs) <= GENERATE_FIELDS
+    assert (kwargs["return_logprob"], kwargs["top_logprobs_num"], kwargs["logprob_start_len"]) == (True, 3, start)
+    assert kwargs["return_text_in_logprobs"] is True
+
+
+def test_chat_to_generate_applies_template_with_one_bos(tokenizer):
+    req = ChatCompletionRequest(
+        messages=[
+            {"role": "developer", "content": "hello"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]},
+        ],
+        max_tokens=9,
+        max_completion_tokens=4,
+        temperature=0,
+    )
+    assert adapters.render_chat(req, tokenizer) == "<s><|system|> hello <|user|> hi\nthere <|assistant|>"
+    kwargs = adapters.chat_to_generate(req, tokenizer)
+    ids = kwargs.pop("input_ids")
+    assert ids == [1, 3, 6, 4, 8, 9, 5] and ids.count(tokenizer.bos_token_id) == 1
+    assert kwargs == {"sampling_params": {"max_new_tokens": 4, "temperature": 0.0}, "stream": False}
+
+
+def test_chat_to_generate_logprobs_and_no_limit(tokenizer):
+    req = ChatCompletionRequest(messages=USER_HI, logprobs=True, top_logprobs=2)
+    kwargs = adapters.chat_to_generate(req, tokenizer)
+    assert "max_new_tokens" not in kwargs["sampling_params"]  # the engine's limit applies
+    assert (kwargs["return_logprob"], kwargs["top_logprobs_num"], kwargs["logprob_start_len"]) == (True, 2, -1)
+    kwargs = adapters.chat_to_generate(ChatCompletionRequest(messages=USER_HI, logprobs=True), tokenizer)
+    assert kwargs["top_logprobs_num"] == 0
+    assert "return_logprob" not in adapters.chat_to_generate(ChatCompletionRequest(messages=USER_HI), tokenizer)
+
+
+def test_chat_without_template_or_rejected_by_it(tokenizer):
+    bare = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer)
+    with pytest.raises(ValueError, match="^messages: this model has no chat template") as exc:
+        adapters.chat_to_generate(ChatCompletionRequest(messages=USER_HI), bare)
+    assert adapters.value_error_to_openai(exc.value)["error"]["param"] == "messages"
+    strict = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer)
+    strict.chat_template = "{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}x"
+    with pytest.raises(ValueError, match="^messages: .*user first"):
+        adapters.render_chat(ChatCompletionRequest(messages=[{"role": "assistant", "content": "x"}]), strict)
+
+
+# -- outputs -> responses -------------------------------------------------------------------------
+
+
+def output(index, text, prompt_tokens=3, completion_tokens=2, cached=0, finish=None, **meta) -> dict:
+    finish = finish if finish is not None else {"type": "length", "length": completion_tokens}
+    info = {"id": f"r{index}", "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+    info.update(cached_tokens=cached, finish_reason=finish, e2e_latency=0.1, **meta)
+    return {"index": index, "text": text, "output_ids": [8] * completion_tokens, "meta_info": info}
+
+
+def test_finish_reasons():
+    assert adapters.finish_reason_to_openai(None) is None
+    assert adapters.finish_reason_to_openai({"type": "stop", "matched": 2}) == "stop"
+    assert adapters.finish_reason_to_openai({"type": "length", "length": 4}) == "length"
+    assert adapters.finish_reason_to_openai({"type": "abort", "message": "x"}) == "abort"
+
+
+def test_completion_response_usage_counts_each_prompt_once():
+    req = CompletionRequest(prompt=["hello", "hello world"], n=2)
+    outs = [
+        output(3, "d", prompt_tokens=5, completion_tokens=1, cached=5, finish={"type": "stop", "matched": "!"}),
+        output(0, "a", prompt_tokens=3, completion_tokens=2, cached=0),
+        output(2, "c", prompt_tokens=5, completion_tokens=4, cached=2),
+        output(1, "b", prompt_tokens=3, completion_tokens=3, cached=3, finish={"type": "stop", "matched": 2}),
+    ]
+    resp = adapters.build_completion_response(req, outs, "m", 1700000000, request_id="cmpl-1")
+    parsed = Completion.model_validate(resp.model_dump(mode="json"))
+    assert [c.text for c in parsed.choices] == ["a", "b", "c", "d"]
+    assert [c.finish_reason for c in parsed.choices] == ["length", "stop", "length", "stop"]
+    assert [c.matched_stop for c in resp.choices] == [None, 2, None, "!"]
+    usage = parsed.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (8, 10, 18)
+    assert usage.prompt_tokens_details.cached_tokens == 2  # min over samples: 0 for prompt 0, 2 for prompt 1
+    assert (parsed.id, parsed.created, parsed.model, parsed.object) == ("cmpl-1", 1700000000, "m", "text_completion")
+
+
+def test_completion_echo_with_logprobs(tokenizer):
+    req = CompletionRequest(prompt=[[6, 7], [8]], echo=True, logprobs=1, max_tokens=1)
+    first = output(
+        0, " hi", prompt_tokens=2, completion_tokens=1,
+        input_token_logprobs=[(None, 6, "hello"), (-1.0, 7, " world")],
+        input_top_logprobs=[None, [(-0.5, 8, " hi")]],
+        output_token_logprobs=[(-0.25, 8, " hi")],
+        output_top_logprobs=[[(-0.25, 8, " hi")]],
+    )  # fmt: skip
+    second = output(
+        1, "!", prompt_tokens=1, completion_tokens=1,
+        input_token_logprobs=[(None, 8, "hi")], input_top_logprobs=[None],
+        output_token_logprobs=[(-2.0, 10, "!")], output_top_logprobs=[[(-0.1, 9, None)]],
+    )  # fmt: skip
+    prompts = adapters.prompt_texts(req, tokenizer)
+    assert prompts == ["hello world", "hi"]
+    resp = adapters.build_completion_response(req, [first, second], "m", 0, prompts=prompts)
+    a, b = resp.choices
+    assert (a.text, b.text) == ("hello world hi", "hi!")
+    assert a.logprobs.model_dump() == {
+        "tokens": ["hello", " world", " hi"],
+        "token_logprobs": [None, -1.0, -0.25],
+        "top_logprobs": [None, {" world": -1.0, " hi": -0.5}, {" hi": -0.25}],
+        "text_offset": [0, 5, 11],
+    }
+    # The sampled token joins its alternatives (up to logprobs + 1 entries); a token without text gets its id.
+    assert b.logprobs.top_logprobs == [None, {"!": -2.0, "token_id:9": -0.1}]
+    client_view = openai.types.Completion.construct(**resp.model_dump(mode="json"))
+    assert client_view.choices[0].logprobs.token_logprobs[0] is None  # how the client parses it
+
+
+def test_completion_logprobs_without_echo_start_at_choice_text():
+    req = CompletionRequest(prompt="hello", logprobs=0)
+    out = output(0, " hi!", output_token_logprobs=[(-0.5, 8, " hi"), (-1.5, 10, "!")])
+    resp = adapters.build_completion_response(req, [out], "m", 0)
+    lp = Completion.model_validate(resp.model_dump(mode="json")).choices[0].logprobs
+    assert (lp.tokens, lp.text_offset, lp.top_logprobs) == ([" hi", "!"], [0, 3], [{" hi": -0.5}, {"!": -1.5}])
+    assert resp.id.startswith("cmpl-")
+
+
+def test_chat_response_with_logprobs():
+    req = ChatCompletionRequest(messages=USER_HI, n=2, logprobs=True, top_logprobs=2)
+    tops = [[(-0.1, 9, " there"), (-2.5, 8, " hi")], [(-0.2, 10, "é")]]
+    outs = [
+        output(1, "x", output_token_logprobs=[(-0.1, 9, " there"), (-0.2, 10, "é")], output_top_logprobs=tops),
+        output(0, "y", cached=3, finish={"type": "stop", "matched": 2}, output_token_logprobs=[]),
+    ]
+    resp = adapters.build_chat_response(req, outs, "m", 5)
+    parsed = ChatCompletion.model_validate(resp.model_dump(mode="json"))
+    assert resp.id.startswith("chatcmpl-") and parsed.object == "chat.completion"
+    assert [(c.index, c.message.role, c.message.content, c.finish_reason) for c in parsed.choices] == [
+        (0, "assistant", "y", "stop"),
+        (1, "assistant", "x", "length"),
+    ]
+    content = parsed.choices[1].logprobs.content
+    assert [(t.token, t.logprob) for t in content] == [(" there", -0.1), ("é", -0.2)]
+    assert content[1].bytes == [0xC3, 0xA9]
+    assert [(t.token, t.logprob) for t in content[0].top_logprobs] == [(" there", -0.1), (" hi", -2.5)]
+    assert parsed.choices[0].logprobs.content == []
+    assert (parsed.usage.prompt_tokens, parsed.usage.completion_tokens) == (3, 4)  # one prompt, two samples
+    assert parsed.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_response_without_logprobs_has_none():
+    resp = adapters.build_chat_response(ChatCompletionRequest(messages=USER_HI), [output(0, "ok")], "m", 0)
+    assert resp.choices[0].logprobs is None and resp.usage.total_tokens == 5
+
+
+# -- streaming ------------------------------------------------------------------------------------------
+
+
+def test_chat_stream_chunks():
+    first = adapters.chat_stream_chunk("id1", 7, "m", 1, role="assistant", content="")
+    middle = adapters.chat_stream_chunk(
+        "id1", 7, "m", 1, content="hi", logprobs=adapters.chat_logprobs([(-0.3, 8, "hi")], [[(-0.3, 8, "hi")]])
+    )
+    last = adapters.chat_stream_chunk("id1", 7, "m", 1, content="", finish_reason={"type": "stop", "matched": "!"})
+    events = [adapters.sse_event(c) for c in (first, middle, last)]
+    assert all(e.startswith("data: {") and e.endswith("}\n\n") for e in events)
+    chunks = [ChatCompletionChunk.model_validate_json(e.removeprefix("data: ")) for e in events]
+    assert [(c.choices[0].delta.role, c.choices[0].delta.content) for c in chunks] == [
+        ("assistant", ""),
+        (None, "hi"),
+        (None, ""),
+    ]
+    assert [c.choices[0].finish_reason for c in chunks] == [None, None, "stop"]
+    assert chunks[1].choices[0].logprobs.content[0].top_logprobs[0].token == "hi"
+    assert {c.id for c in chunks} == {"id1"} and chunks[0].object == "chat.completion.chunk"
+
+
+def test_usage_chunks():
+    outs = [output(0, "a", completion_tokens=2, cached=1), output(1, "b", completion_tokens=5, cached=3)]
+    chat = ChatCompletionChunk.model_validate(adapters.usage_chunk("c", 1, "m", outs, n=2).model_dump(mode="json"))
+    assert chat.choices == [] and (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (3, 7)
+    assert chat.usage.prompt_tokens_details.cached_tokens == 1
+    plain = adapters.usage_chunk("c", 1, "m", outs, n=1, chat=False)
+    assert plain.object == "text_completion" and plain.usage.prompt_tokens == 6
+
+
+def test_completion_stream_chunk_and_logprob_offsets():
+    lp = adapters.completion_logprobs([(-1.0, 9, " there")], [[(-1.0, 9, " there")]], offset=3)
+    finish = {"type": "length", "length": 2}
+    chunk = adapters.completion_stream_chunk("s", 1, "m", 2, " there", finish_reason=finish, logprobs=lp)
+    parsed = Completion.model_validate(chunk.model_dump(mode="json"))
+    assert (parsed.choices[0].index, parsed.choices[0].text, parsed.choices[0].finish_reason) == (2, " there", "length")
+    assert parsed.choices[0].logprobs.text_offset == [3] and parsed.usage is None
+    assert adapters.completion_stream_chunk("s", 1, "m", 0, "x").choices[0].finish_reason is None
+
+
+# -- the real client against a test-local app ----------------------------------------------------------
+
+
+def fake_generate(kwargs: dict) -> list[dict]:
+    """What the TokenizerManager would return: sample j of prompt i says 'p{i}s{j}'."""
+    prompts = kwargs.get("text", kwargs.get("input_ids"))
+    prompts = [prompts] if isinstance(prompts, str) or isinstance(prompts[0], int) else prompts
+    n = kwargs["sampling_params"].get("n", 1)
+    lp = {"output_token_logprobs": [(-0.5, 8, "p")], "input_token_logprobs": [(None, 1, "<s>")]}
+    lp.update(output_top_logprobs=[[(-0.5, 8, "p")]], input_top_logprobs=[None])
+    extra = lp if kwargs.get("return_logprob") else {}
+    return [output(i * n + j, f"p{i}s{j}", cached=j, **extra) for i in range(len(prompts)) for j in range(n)]
+
+
+def build_app(tokenizer) -> FastAPI:
+    app = FastAPI()
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_: Request, exc: RequestValidationError):
+        return JSONResponse(adapters.validation_error_to_openai(exc.errors()), status_code=400)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        outs = fake_generate(adapters.completion_to_generate(req))
+        prompts = adapters.prompt_texts(req, tokenizer)
+        return adapters.build_completion_response(req, outs, "tiny", 1, prompts=prompts)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest):
+        outs = fake_generate(adapters.chat_to_generate(req, tokenizer))
+        if not req.stream:
+            return adapters.build_chat_response(req, outs, "tiny", 1)
+        return StreamingResponse(chat_events(req, outs), media_type="text/event-stream")
+
+    return app
+
+
+def chat_events(req: ChatCompletionRequest, outs: list[dict]):
+    for out in outs:
+        i, text, finish = out["index"], out["text"], out["meta_info"]["finish_reason"]
+        yield adapters.sse_event(adapters.chat_stream_chunk("s1", 1, "tiny", i, role="assistant", content=""))
+        yield adapters.sse_event(adapters.chat_stream_chunk("s1", 1, "tiny", i, content=text[:2]))
+        yield adapters.sse_event(adapters.chat_stream_chunk("s1", 1, "tiny", i, content=text[2:], finish_reason=finish))
+    if req.stream_options and req.stream_options.include_usage:
+        yield adapters.sse_event(adapters.usage_chunk("s1", 1, "tiny", outs, req.n or 1))
+    yield adapters.SSE_DONE
+
+
+@pytest.fixture(scope="module")
+def client(tokenizer):
+    """The official client, its HTTP transport wired to the app in-process."""
+    import openai._base_client as base
+
+    http = getattr(base, "httpx2", None) or base.httpx  # newer clients ship their own httpx fork
+    app_client = TestClient(build_app(tokenizer))
+
+    def handle(request):
+        body = request.read()
+        headers = {"content-type": "application/json"}
+        resp = app_client.request(request.method, request.url.path, content=body, headers=headers)
+        headers = {"content-type": resp.headers["content-type"]}
+        return http.Response(resp.status_code, headers=headers, content=resp.content)
+
+    transport = http.Client(transport=http.MockTransport(handle))
+    return openai.OpenAI(base_url="http://test/v1", api_key="none", max_retries=0, http_client=transport)
+
+
+def test_client_completions_echo_logprobs(client):
+    resp = client.completions.create(model="tiny", prompt=[[6, 7], [8]], n=2, echo=True, logprobs=1, max_tokens=2)
+    assert [c.text for c in resp.choices] == ["hello worldp0s0", "hello worldp0s1", "hip1s0", "hip1s1"]
+    assert resp.choices[0].logprobs.tokens == ["<s>", "p"] and resp.choices[0].logprobs.token_logprobs[0] is None
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (6, 8)
+
+
+def test_client_chat_stream_with_usage(client):
+    stream = client.chat.completions.create(
+        model="tiny", messages=USER_HI, n=2, stream=True, stream_options={"include_usage": True}
+    )
+    texts, finish, usage = {}, {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+        usage = chunk.usage or usage
+    assert texts == {0: "p0s0", 1: "p0s1"} and finish == {0: "length", 1: "length"}
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens) == (3, 4, 0)
+
+
+def test_client_chat_logprobs(client):
+    resp = client.chat.completions.create(model="tiny", messages=USER_HI, logprobs=True, top_logprobs=1)
+    assert resp.choices[0].message.content == "p0s0"
+    assert resp.choices[0].logprobs.content[0].top_logprobs[0].token == "p"
+
+
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        ({"temperature": 3}, "temperature"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+    ],
+)
+def test_client_sees_bad_request_with_param(client, kwargs, param):
+    body = {"model": "tiny", "messages": USER_HI, **kwargs}
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(**body)
+    assert exc.value.status_code == 400 and exc.value.param == param
+    assert exc.value.type == "invalid_request_error" and param in exc.value.message
