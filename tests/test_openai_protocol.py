@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerFast
 
 from radixserve.entrypoints.openai import adapters
 from radixserve.entrypoints.openai.protocol import MAX_N, ChatCompletionRequest, CompletionRequest
+from radixserve.managers.io_struct import GenerateReqInput
 from radixserve.sampling.sampling_params import SamplingParams
 
 WORDS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "hello", "world", "hi", "there", "!"]
@@ -28,10 +29,6 @@ TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|> {{ m.content }} {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-GENERATE_FIELDS = {
-    "text", "input_ids", "sampling_params", "stream", "return_logprob",
-    "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
-}  # fmt: skip
 USER_HI = [{"role": "user", "content": "hi"}]
 
 
@@ -235,7 +232,7 @@ def test_completion_to_generate_defaults_and_token_prompts():
 @pytest.mark.parametrize("echo,start", [(False, -1), (True, 0)])
 def test_completion_logprobs_request_input_logprobs_only_with_echo(echo, start):
     kwargs = adapters.completion_to_generate(CompletionRequest(prompt="x", logprobs=3, echo=echo))
-    assert set(kwargs) <= GENERATE_FIELDS
+    GenerateReqInput(**kwargs)  # the engine's request type takes these arguments
     assert (kwargs["return_logprob"], kwargs["top_logprobs_num"], kwargs["logprob_start_len"]) == (True, 3, start)
     assert kwargs["return_text_in_logprobs"] is True
 
@@ -260,6 +257,7 @@ def test_chat_to_generate_applies_template_with_one_bos(tokenizer):
 def test_chat_to_generate_logprobs_and_no_limit(tokenizer):
     req = ChatCompletionRequest(messages=USER_HI, logprobs=True, top_logprobs=2)
     kwargs = adapters.chat_to_generate(req, tokenizer)
+    GenerateReqInput(**kwargs)
     assert "max_new_tokens" not in kwargs["sampling_params"]  # the engine's limit applies
     assert (kwargs["return_logprob"], kwargs["top_logprobs_num"], kwargs["logprob_start_len"]) == (True, 2, -1)
     kwargs = adapters.chat_to_generate(ChatCompletionRequest(messages=USER_HI, logprobs=True), tokenizer)
@@ -352,6 +350,17 @@ def test_completion_logprobs_without_echo_start_at_choice_text():
     lp = Completion.model_validate(resp.model_dump(mode="json")).choices[0].logprobs
     assert (lp.tokens, lp.text_offset, lp.top_logprobs) == ([" hi", "!"], [0, 3], [{" hi": -0.5}, {"!": -1.5}])
     assert resp.id.startswith("cmpl-")
+
+
+def test_completion_echo_logprobs_zero_with_empty_top_lists():
+    """With top_logprobs_num = 0 the TokenizerManager sends empty top-logprob lists."""
+    req = CompletionRequest(prompt="hello", echo=True, logprobs=0, max_tokens=1)
+    out = output(
+        0, " hi", input_token_logprobs=[(None, 6, "hello")], input_top_logprobs=[],
+        output_token_logprobs=[(-0.5, 8, " hi")], output_top_logprobs=[],
+    )  # fmt: skip
+    lp = adapters.build_completion_response(req, [out], "m", 0, prompts=["hello"]).choices[0].logprobs
+    assert (lp.token_logprobs, lp.top_logprobs, lp.text_offset) == ([None, -0.5], [None, {" hi": -0.5}], [0, 5])
 
 
 def test_chat_response_with_logprobs():

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 from typing import Any, AsyncIterator
 
@@ -20,6 +21,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import radixserve
 from radixserve.entrypoints.launcher import EngineProcesses, start_engine_processes
+from radixserve.entrypoints.openai.adapters import openai_error, validation_error_to_openai, value_error_to_openai
+from radixserve.entrypoints.streaming import peek, sse_stream
 from radixserve.managers.io_struct import GenerateReqInput
 from radixserve.server_args import ServerArgs
 
@@ -34,21 +37,12 @@ def error_response(message: str, status: int = 400, param: str | None = None, er
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
     err_type = err_type or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(
         status, "server_error")
-    return JSONResponse({"error": {"message": message, "type": err_type, "param": param, "code": status}}, status)
+    return JSONResponse(openai_error(message, err_type, param, status), status)
 
 
-def value_error_response(exc: ValueError) -> JSONResponse:
-    """Our validation errors read "<field>: <message>"; the field becomes ``param``."""
-    text = str(exc)
-    field, sep, _ = text.partition(":")
-    param = field.strip() if sep and " " not in field.strip() else None
-    return error_response(text, 400, param)
-
-
-async def sse(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
-    async for event in events:
-        yield b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
-    yield b"data: [DONE]\n\n"
+async def _json_events(outputs: AsyncIterator[dict]) -> AsyncIterator[str]:
+    async for out in outputs:
+        yield "data: " + json.dumps(out, ensure_ascii=False) + "\n\n"
 
 
 def _generate_input(body: Any) -> GenerateReqInput:
@@ -59,21 +53,6 @@ def _generate_input(body: Any) -> GenerateReqInput:
     if unknown:
         raise ValueError(f"{unknown[0]}: unknown field")
     return GenerateReqInput(**body)
-
-
-async def _first(gen: AsyncIterator[dict]) -> tuple[dict | None, AsyncIterator[dict]]:
-    """Pull the first item so validation errors surface before streaming starts."""
-    try:
-        first = await gen.__anext__()
-    except StopAsyncIteration:
-        return None, gen
-
-    async def chained():
-        yield first
-        async for item in gen:
-            yield item
-
-    return first, chained()
 
 
 def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
@@ -90,14 +69,14 @@ def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
-        err = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        return error_response(f"{param or 'body'}: {err.get('msg', 'invalid request')}", 400, param)
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return error_response("body: invalid JSON", 400)
+        return JSONResponse(validation_error_to_openai(errors), 400)
 
     @app.exception_handler(ValueError)
     async def on_value_error(request: Request, exc: ValueError):
-        return value_error_response(exc)
+        return JSONResponse(value_error_to_openai(exc), 400)
 
     @app.get("/health")
     async def health():
@@ -151,8 +130,7 @@ def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
         obj = _generate_input(body)
         gen = tm.generate_request(obj, request)
         if obj.stream:
-            _, events = await _first(gen)
-            return StreamingResponse(sse(events), media_type="text/event-stream")
+            return StreamingResponse(sse_stream(_json_events(await peek(gen))), media_type="text/event-stream")
         outs = [o async for o in gen]
         if obj.is_single and len(outs) == 1:
             return outs[0]
@@ -194,6 +172,10 @@ def launch_server(args: ServerArgs) -> int:
         asyncio.get_running_loop().create_task(_watchdog(app, server))
         print(f"radixserve is serving {args.model_name()} on http://{args.host}:{args.port}", flush=True)
 
+    # uvicorn re-raises the signal that stopped it once it has shut down; with
+    # these no-op handlers that lands here, and we stop the children and exit 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     try:
         server.run()
     finally:

@@ -80,6 +80,8 @@ class TokenizerManager:
         if (obj.text is None) == (obj.input_ids is None):
             raise ValueError("text: give exactly one of text and input_ids")
         if obj.text is not None:
+            if not isinstance(obj.text, (str, list)):
+                raise ValueError("text: must be a string or a list of strings")
             texts = [obj.text] if isinstance(obj.text, str) else list(obj.text)
             if self.tokenizer is None:
                 raise ValueError("text: this model has no tokenizer; send input_ids")
@@ -87,7 +89,11 @@ class TokenizerManager:
                 raise ValueError("text: must be a string or a list of strings")
             return [self.tokenizer.encode(t) for t in texts]
         ids = obj.input_ids
+        if not isinstance(ids, list):
+            raise ValueError("input_ids: must be a list of token ids or a list of such lists")
         batch = [ids] if obj.is_single else list(ids)
+        if not batch:
+            raise ValueError("input_ids: the prompt is empty")
         if not all(isinstance(x, list) and all(isinstance(t, int) for t in x) for x in batch):
             raise ValueError("input_ids: must be a list of token ids or a list of such lists")
         return batch

@@ -53,7 +53,7 @@ class SamplingParams:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+            raise ValueError(f"{unknown[0]}: unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**d)
 
     @property
@@ -154,7 +154,7 @@ _INT_RULES = (
 
 def _require(ok: bool, field: str, value: Any, expectation: str) -> None:
     if not ok:
-        raise ValueError(f"invalid sampling parameter {field}={value!r}: must be {expectation}")
+        raise ValueError(f"{field}: invalid sampling parameter {field}={value!r}: must be {expectation}")
 
 
 def _is_num(x: Any) -> bool:
@@ -180,4 +180,4 @@ def _bias_key(key: int | str) -> int:
         return key
     if isinstance(key, str) and key.strip().lstrip("-").isdigit():
         return int(key)
-    raise ValueError(f"invalid sampling parameter logit_bias={{{key!r}: ...}}: must be keyed by token ids")
+    raise ValueError(f"logit_bias: invalid sampling parameter logit_bias={{{key!r}: ...}}: must be keyed by token ids")

@@ -88,7 +88,7 @@ def completion_to_generate(req: CompletionRequest) -> dict:
     key = "text" if isinstance(req.prompt, str) or isinstance(req.prompt[0], str) else "input_ids"
     kwargs = {key: req.prompt, "sampling_params": sampling_params(req, req.max_tokens), "stream": req.stream}
     if req.logprobs is not None:
-        kwargs.update(_logprob_args(req.logprobs, logprob_start_len=-1))
+        kwargs.update(_logprob_args(req.logprobs, logprob_start_len=0 if req.echo else -1))
     return kwargs
 
 

@@ -1,2 +1,130 @@
-def add_openai_routes(app, tm):
-    pass
+"""The OpenAI routes (/v1/models, /v1/completions, /v1/chat/completions): a
+thin loop between the TokenizerManager and the pure adapters."""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from radixserve.entrypoints.openai import adapters as A
+from radixserve.entrypoints.streaming import peek, sse_stream
+from radixserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from radixserve.managers.io_struct import GenerateReqInput
+from radixserve.managers.tokenizer_manager import TokenizerManager
+
+
+def _model_error(tm: TokenizerManager, model: str | None) -> JSONResponse | None:
+    if model is not None and model != tm.served_model_name:
+        body = A.openai_error(f"model: the model '{model}' does not exist; this server serves "
+                              f"'{tm.served_model_name}'", type="not_found_error", param="model", code=404)
+        return JSONResponse(body, 404)
+    return None
+
+
+def _aborted(outputs: list[dict]) -> JSONResponse | None:
+    for out in outputs:
+        reason = out["meta_info"]["finish_reason"] or {}
+        if reason.get("type") == "abort":
+            return JSONResponse(A.openai_error(reason.get("message") or "request aborted", "server_error",
+                                               code=500), 500)
+    return None
+
+
+class _Deltas:
+    """Per-choice bookkeeping that turns cumulative outputs into deltas."""
+
+    def __init__(self):
+        self.text: dict[int, int] = {}
+        self.logprobs: dict[int, int] = {}
+
+    def text_delta(self, out: dict) -> tuple[int, str, bool]:
+        i = out.get("index", 0)
+        first = i not in self.text
+        start, self.text[i] = self.text.get(i, 0), len(out["text"])
+        return i, out["text"][start:], first
+
+    def new_logprobs(self, out: dict) -> tuple[list, list | None]:
+        i, meta = out.get("index", 0), out["meta_info"]
+        tokens, tops = meta.get("output_token_logprobs", []), meta.get("output_top_logprobs")
+        start, self.logprobs[i] = self.logprobs.get(i, 0), len(tokens)
+        return tokens[start:], (tops[start:] if tops else None)
+
+
+def add_openai_routes(app: FastAPI, tm: TokenizerManager) -> None:
+    @app.get("/v1/models")
+    async def models():
+        card = ModelCard(id=tm.served_model_name, created=int(time.time()), owned_by="radixserve",
+                         max_model_len=tm.context_len)
+        return ModelList(data=[card]).model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        if (err := _model_error(tm, req.model)) is not None:
+            return err
+        obj = GenerateReqInput(**A.completion_to_generate(req))
+        gen = tm.generate_request(obj, request)
+        created, rid = int(time.time()), A.new_request_id("cmpl")
+        prompts = A.prompt_texts(req, tm.tokenizer) if req.echo else None
+        if not req.stream:
+            outputs = [o async for o in gen]
+            return _aborted(outputs) or A.build_completion_response(
+                req, outputs, tm.served_model_name, created, request_id=rid, prompts=prompts).model_dump()
+        outs = await peek(gen)
+        return StreamingResponse(sse_stream(_completion_events(req, tm, outs, rid, created, prompts)),
+                                 media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request):
+        if (err := _model_error(tm, req.model)) is not None:
+            return err
+        obj = GenerateReqInput(**A.chat_to_generate(req, tm.tokenizer))
+        gen = tm.generate_request(obj, request)
+        created, rid = int(time.time()), A.new_request_id("chatcmpl")
+        if not req.stream:
+            outputs = [o async for o in gen]
+            return _aborted(outputs) or A.build_chat_response(
+                req, outputs, tm.served_model_name, created, request_id=rid).model_dump()
+        outs = await peek(gen)
+        return StreamingResponse(sse_stream(_chat_events(req, tm, outs, rid, created)),
+                                 media_type="text/event-stream")
+
+
+async def _completion_events(req, tm, outs, rid, created, prompts) -> AsyncIterator[str]:
+    deltas, finals, n = _Deltas(), [], req.n or 1
+    async for out in outs:
+        i, text, is_first = deltas.text_delta(out)
+        if is_first and prompts is not None:
+            text = prompts[i // n] + text
+        logprobs = None
+        if req.logprobs is not None:
+            tokens, tops = deltas.new_logprobs(out)
+            logprobs = A.completion_logprobs(tokens, tops)
+        reason = out["meta_info"]["finish_reason"]
+        yield A.sse_event(A.completion_stream_chunk(rid, created, tm.served_model_name, i, text,
+                                                    finish_reason=reason, logprobs=logprobs))
+        if reason is not None:
+            finals.append(out)
+    if req.stream_options and req.stream_options.include_usage:
+        yield A.sse_event(A.usage_chunk(rid, created, tm.served_model_name, finals, n, chat=False))
+
+
+async def _chat_events(req, tm, outs, rid, created) -> AsyncIterator[str]:
+    deltas, finals = _Deltas(), []
+    async for out in outs:
+        i, text, is_first = deltas.text_delta(out)
+        if is_first:
+            yield A.sse_event(A.chat_stream_chunk(rid, created, tm.served_model_name, i, role="assistant", content=""))
+        logprobs = None
+        if req.logprobs:
+            tokens, tops = deltas.new_logprobs(out)
+            logprobs = A.chat_logprobs(tokens, tops)
+        reason = out["meta_info"]["finish_reason"]
+        yield A.sse_event(A.chat_stream_chunk(rid, created, tm.served_model_name, i, content=text,
+                                              finish_reason=reason, logprobs=logprobs))
+        if reason is not None:
+            finals.append(out)
+    if req.stream_options and req.stream_options.include_usage:
+        yield A.sse_event(A.usage_chunk(rid, created, tm.served_model_name, finals, req.n or 1))

@@ -1,0 +1,70 @@
+"""Start a real radixserve server in a subprocess for tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *args: str, api_key: str | None = None, timeout: float = 300):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        cmd = [sys.executable, "-m", "radixserve.launch_server", "--port", str(self.port), *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self.log = open(os.devnull, "w") if not os.environ.get("RADIXSERVE_TEST_LOG") else None
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT if self.log else None)
+        self._wait(timeout)
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError("server did not become healthy in time")
+
+    def wait_idle(self, timeout: float = 60) -> dict:
+        """Wait until no request runs; returns the scheduler's internal state."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = httpx.get(self.url + "/get_server_info", headers=self.headers(), timeout=10).json()
+            state = state["internal_states"][0]
+            if state["memory_check"] != "busy" or time.monotonic() > deadline:
+                return state
+            time.sleep(0.2)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.log:
+            self.log.close()
+        return self.proc.returncode

@@ -1,0 +1,218 @@
+"""The SGLang-native HTTP API against a real server (SmolLM2 on the CPU, in a
+subprocess): every endpoint, every error case, streaming, disconnect-abort,
+concurrency, metrics, and a clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from server_harness import ServerProcess
+
+pytestmark = pytest.mark.slow
+KEY = "test-key"
+PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+GREEDY = {"temperature": 0, "max_new_tokens": 16}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--max-total-tokens", "16384", "--max-running-requests", "64", api_key=KEY)
+    yield srv
+    assert srv.stop() == 0, "SIGTERM shuts the server down cleanly"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, headers=server.headers(), timeout=120) as c:
+        yield c
+
+
+def sse_events(text: str) -> list:
+    data = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_generate_text_and_meta(client):
+    out = client.post("/generate", json={"text": PROMPT, "sampling_params": GREEDY}).json()
+    assert out["text"].startswith("The capital of France is Paris.")
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "stop", "matched": 2}
+    assert meta["prompt_tokens"] > 10 and meta["completion_tokens"] == len(out["output_ids"])
+    assert meta["e2e_latency"] > 0
+    again = client.post("/generate", json={"text": PROMPT, "sampling_params": GREEDY}).json()
+    assert again["meta_info"]["cached_tokens"] > 0 and again["text"] == out["text"]
+
+
+def test_generate_batch_input_ids_and_n(client):
+    ids = client.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 1}}).json()
+    outs = client.post("/generate", json={"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": GREEDY}).json()
+    assert isinstance(outs, list) and len(outs) == 2 and [o["index"] for o in outs] == [0, 1]
+    outs = client.post("/generate", json={"text": "Once upon a time", "sampling_params": {
+        "n": 3, "temperature": 1.0, "max_new_tokens": 8, "sampling_seed": 7}}).json()
+    assert len(outs) == 3 and len({o["text"] for o in outs}) > 1
+    assert ids["meta_info"]["completion_tokens"] == 1
+
+
+def test_stream_equals_non_stream(client):
+    body = {"text": PROMPT, "sampling_params": GREEDY}
+    whole = client.post("/generate", json=body).json()
+    events = sse_events(client.post("/generate", json={**body, "stream": True}).text)
+    assert events[-1]["text"] == whole["text"] and events[-1]["output_ids"] == whole["output_ids"]
+    assert events[-1]["meta_info"]["finish_reason"] is not None
+    assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+
+
+def test_stop_strings_and_logprobs(client):
+    out = client.post("/generate", json={"text": PROMPT, "sampling_params": {**GREEDY, "stop": ["France"]}}).json()
+    assert out["text"] == "The capital of " and out["meta_info"]["finish_reason"]["matched"] == "France"
+    out = client.post("/generate", json={"text": "The capital of France is", "sampling_params": GREEDY,
+                                         "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
+                                         "return_text_in_logprobs": True}).json()
+    meta = out["meta_info"]
+    assert meta["input_token_logprobs"][0][0] is None and len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
+    assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+    lp, tok, text = meta["output_token_logprobs"][0]
+    assert lp <= 0 and tok == out["output_ids"][0] and text == " Paris"
+    assert len(meta["output_top_logprobs"][0]) == 2
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({}, "text", "exactly one"),
+    ({"text": "hi", "sampling_params": {"temperature": -1}}, "temperature", "temperature"),
+    ({"text": "hi", "sampling_params": {"top_p": 1.5}}, "top_p", "top_p"),
+    ({"text": "hi", "sampling_params": {"max_tokens": 3}}, "max_tokens", "unknown"),
+    ({"input_ids": [1, 99999999]}, "input_ids", "outside the vocabulary"),
+    ({"input_ids": [1] * 9000}, "input_ids", "9000"),
+    ({"text": "hi", "bogus": 1}, "bogus", "unknown field"),
+    ({"text": 5}, "text", "string"),
+])
+def test_errors_are_400_with_the_field(client, body, param, words):
+    r = client.post("/generate", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"]
+
+
+def test_bad_json_and_auth(server, client):
+    r = client.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/generate", json={"text": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_info_endpoints(client):
+    assert client.get("/health_generate").status_code == 200
+    info = client.get("/get_model_info").json()
+    assert info["is_generation"] and info["vocab_size"] == 49152 and info["context_length"] > 0
+    srv = client.get("/get_server_info").json()
+    assert srv["api_version"] == "v1" and srv["version"] and srv["max_total_tokens"] == 16384
+    assert client.post("/flush_cache").status_code == 200
+
+
+def test_flush_cache_refused_while_running(server, client):
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers(), timeout=120) as ac:
+            task = asyncio.create_task(ac.post("/generate", json={"text": "Count to fifty:", "sampling_params": {
+                "max_new_tokens": 64, "ignore_eos": True}}))
+            await asyncio.sleep(1.0)
+            refused = await ac.post("/flush_cache")
+            await task
+            return refused.status_code
+
+    assert asyncio.run(run()) == 400
+    assert client.post("/flush_cache").status_code == 200
+
+
+def test_disconnect_aborts_and_memory_comes_back(server, client):
+    with client.stream("POST", "/generate", json={"text": "Tell me a long story.", "stream": True,
+                                                  "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}) as r:
+        lines = r.iter_lines()
+        next(lines)
+        next(lines)
+    state = server.wait_idle()
+    assert state["memory_check"] == "ok" and state["running"] == 0
+
+
+def test_abort_request_endpoint(server, client):
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers(), timeout=120) as ac:
+            task = asyncio.create_task(ac.post("/generate", json={"text": "Go on forever", "rid": "to-abort",
+                                                                  "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}))
+            await asyncio.sleep(1.0)
+            assert (await ac.post("/abort_request", json={"rid": "to-abort"})).status_code == 200
+            return (await task).json()
+
+    out = asyncio.run(run())
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["meta_info"]["completion_tokens"] < 3000
+    assert server.wait_idle()["memory_check"] == "ok"
+
+
+def test_64_concurrent_streams_match_sequential(server, client):
+    prompts = [f"Write number {i} in words:" for i in range(64)]
+    params = {"temperature": 0, "max_new_tokens": 8}
+    expected = [client.post("/generate", json={"text": p, "sampling_params": params}).json()["text"] for p in prompts[:8]]
+
+    async def one(ac, p):
+        r = await ac.post("/generate", json={"text": p, "sampling_params": params, "stream": True})
+        return sse_events(r.text)[-1]["text"]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers(), timeout=300,
+                                     limits=httpx.Limits(max_connections=64)) as ac:
+            return await asyncio.gather(*(one(ac, p) for p in prompts))
+
+    got = asyncio.run(run())
+    assert len(got) == 64 and all(isinstance(t, str) and t for t in got)
+    assert got[:8] == expected
+    assert server.wait_idle()["memory_check"] == "ok"
+
+
+def test_metrics_change_as_requests_are_served(client):
+    def value(text, name):
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        return 0.0
+
+    before = client.get("/metrics").text
+    client.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
+    after = client.get("/metrics").text
+    assert value(after, "radixserve:generation_tokens_total") >= value(before, "radixserve:generation_tokens_total") + 4
+    assert value(after, "radixserve:prompt_tokens_total") > value(before, "radixserve:prompt_tokens_total")
+    assert "radixserve:time_to_first_token_seconds_bucket" in after and "radixserve:cache_hit_rate" in after
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+def test_child_death_makes_the_server_exit():
+    srv = ServerProcess("--model-path", "tiny-llama", "--max-total-tokens", "1024")
+    kids = [k for k in _children(srv.proc.pid) if "scheduler" in _cmdline(k) or "multiprocessing" in _cmdline(k)]
+    assert kids, "the server has child processes"
+    import os
+
+    os.kill(kids[-1], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while srv.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert srv.proc.poll() is not None, "the server exits when a child dies"
+    assert srv.proc.returncode != 0
+    srv.stop()
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except OSError:
+        return ""

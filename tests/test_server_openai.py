@@ -1,0 +1,115 @@
+"""The OpenAI API against a real server (SmolLM2, CPU), driven by the
+official ``openai`` client: completions and chat, streamed and not, n > 1,
+stop, logprobs, usage with cached tokens, and the error cases."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from server_harness import ServerProcess
+
+pytestmark = pytest.mark.slow
+KEY = "sk-test"
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--max-total-tokens", "16384", api_key=KEY)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def test_models(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+
+
+def test_chat_answers_and_reports_cached_tokens(client):
+    first = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20)
+    assert first.choices[0].message.content.startswith("The capital of France is Paris.")
+    assert first.choices[0].finish_reason == "stop" and first.choices[0].message.role == "assistant"
+    again = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20)
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.usage.completion_tokens == first.usage.completion_tokens
+
+
+def test_chat_stream_with_usage_equals_non_stream(client):
+    whole = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens and not chunks[-1].choices
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_chat_n_seed_and_logprobs(client):
+    out = client.chat.completions.create(model=MODEL, messages=QUESTION, n=3, temperature=1.0, seed=3,
+                                         max_tokens=12, logprobs=True, top_logprobs=2)
+    assert len(out.choices) == 3 and sorted(c.index for c in out.choices) == [0, 1, 2]
+    lp = out.choices[0].logprobs.content
+    assert 1 <= len(lp) <= 12
+    assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in lp)
+    again = client.chat.completions.create(model=MODEL, messages=QUESTION, n=3, temperature=1.0, seed=3, max_tokens=12)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in out.choices]
+
+
+def test_completions_stop_echo_logprobs(client):
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0,
+                                    stop=["."])
+    assert out.choices[0].text == " Paris" and out.choices[0].finish_reason == "stop"
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0,
+                                    echo=True, logprobs=2)
+    choice = out.choices[0]
+    assert choice.text.startswith("The capital of France is Paris")
+    assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.tokens) == out.usage.prompt_tokens + 3
+    out = client.completions.create(model=MODEL, prompt=["Hello", "One, two,"], n=2, max_tokens=4, temperature=0.8)
+    assert len(out.choices) == 4 and out.usage.completion_tokens == 16
+
+
+def test_completions_stream_and_token_prompt(client):
+    ids = [504, 3575, 282, 4649, 314]  # "The capital of France is"
+    whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0)
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=10, temperature=0, stream=True) if c.choices)
+    assert text == whole.choices[0].text and text
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 1000}, "n"),
+    ({"messages": []}, "messages"),
+])
+def test_chat_errors_name_the_field(client, kwargs, param):
+    args = {"model": MODEL, "messages": QUESTION, **kwargs}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**args)
+    assert err.value.status_code == 400 and err.value.param == param
+
+
+def test_completion_errors(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="hi " * 9000, max_tokens=4)
+    assert "context window" in err.value.message and "8192" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=[1, 2, 999999], max_tokens=4)
+    assert "vocabulary" in err.value.message
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-5", prompt="hi", max_tokens=4)
+    assert err.value.status_code == 404
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0).models.list()
+    # the server keeps serving
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
