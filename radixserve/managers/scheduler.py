@@ -79,6 +79,8 @@ class Scheduler:
         self.validate(req)
         sp = req.sampling_params
         sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - len(req.origin_input_ids))
+        if sp.stop and self.tokenizer is not None:  # tokens to re-decode when looking for stop strings
+            req.stop_window = sp.stop_str_max_len(self.tokenizer) + 2
         self.stats["prompt_tokens"] += len(req.origin_input_ids)
         self.waiting.append(req)
 
@@ -350,9 +352,8 @@ class Scheduler:
         sp, last = req.sampling_params, req.output_ids[-1]
         if last in req.stop_token_ids_all and len(req.output_ids) >= sp.min_new_tokens:
             req.finished_reason = FinishReason("stop", last)
-        elif sp.stop and self.tokenizer is not None and len(req.output_ids) >= sp.min_new_tokens:
-            window = sp.stop_str_max_len(self.tokenizer) + 2
-            tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=sp.skip_special_tokens)
+        elif req.stop_window and len(req.output_ids) >= sp.min_new_tokens:
+            tail = self.tokenizer.decode(req.output_ids[-req.stop_window :], skip_special_tokens=sp.skip_special_tokens)
             for stop in sp.stop:
                 if stop in tail:
                     req.finished_reason = FinishReason("stop", stop)

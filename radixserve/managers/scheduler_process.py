@@ -18,6 +18,7 @@ from radixserve.managers.io_struct import (
     TokenizedGenerateReqInput,
     decode,
     encode,
+    pipeline_sockets,
 )
 from radixserve.managers.schedule_batch import FinishReason, Req
 from radixserve.managers.scheduler import Scheduler
@@ -57,11 +58,7 @@ class SchedulerProcess:
     def __init__(self, scheduler: Scheduler, recv_addr: str, send_addr: str, eos_ids: set[int]):
         self.scheduler = scheduler
         self.eos_ids = eos_ids
-        ctx = zmq.Context(2)
-        self.recv = ctx.socket(zmq.PULL)
-        self.recv.bind(recv_addr)
-        self.send = ctx.socket(zmq.PUSH)
-        self.send.connect(send_addr)
+        self.recv, self.send = pipeline_sockets(zmq.Context(2), recv_addr, send_addr)
         self.sent: dict[str, tuple[int, int]] = {}  # rid -> (output ids sent, logprobs sent)
 
     def event_loop(self) -> None:

@@ -25,6 +25,7 @@ from radixserve.managers.io_struct import (
     TokenizedGenerateReqInput,
     decode,
     encode,
+    pipeline_sockets,
 )
 from radixserve.managers.metrics import ServerMetrics
 from radixserve.sampling.sampling_params import SamplingParams
@@ -60,10 +61,7 @@ class TokenizerManager:
         self.vocab_size: int = model_info["vocab_size"]
         self.served_model_name = served_model_name
         self.ctx = zmq.asyncio.Context(2)
-        self.send = self.ctx.socket(zmq.PUSH)
-        self.send.connect(send_addr)
-        self.recv = self.ctx.socket(zmq.PULL)
-        self.recv.bind(recv_addr)
+        self.recv, self.send = pipeline_sockets(self.ctx, recv_addr, send_addr)
         self.states: dict[str, ReqState] = {}
         self.control: dict[type, asyncio.Future] = {}
         self._control_lock: asyncio.Lock | None = None
