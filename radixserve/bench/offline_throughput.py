@@ -189,12 +189,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--compare-hf", action="store_true", help="also run HF transformers generate on the same prompts")
     add("--hf-batch-size", type=int, default=16)
     add("--output-json", help="append the JSON lines to this file")
+    add("--torch-threads", type=int, help="torch.set_num_threads for both backends (default: torch's own)")
     args = parser.parse_args(argv)
     for name in ("input_len_range", "output_len_range"):
         lo_hi = getattr(args, name)
         if lo_hi and not 1 <= lo_hi[0] <= lo_hi[1]:
             parser.error(f"--{name.replace('_', '-')}: need 1 <= MIN <= MAX, got {lo_hi}")
-    for name in ("num_prompts", "hf_batch_size"):
+    for name in ("num_prompts", "hf_batch_size", "torch_threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -214,6 +215,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from radixserve.entrypoints.engine import Engine
 
     args = parse_args(argv)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     wl, full_size = workload_from_args(args)
     if args.model_path is None:
         args.model_path = wl.model_path

@@ -1,0 +1,788 @@
+"""bench-serving: drive a running server as users do, over HTTP with streaming,
+and measure TTFT, TPOT, ITL, end-to-end latency, throughput, goodput, prefix-cache
+hit rate and peak batch size (SGLang's ``bench_serving``, for radixserve).
+
+    python -m radixserve.launch_server &
+    python -m radixserve.bench.serving --dataset-name random --num-prompts 64 \\
+        --random-input-len 256 --random-output-len 64 --request-rate inf
+    python -m radixserve.bench.serving --dataset-name generated-shared-prefix \\
+        --gsp-num-groups 8 --gsp-prompts-per-group 8 --request-rate 1 2 inf --plot
+
+Requests arrive as a Poisson process at ``--request-rate`` per second (``inf``:
+all at once; several rates run one after another over the same prompts). The
+table goes to stderr, one JSON line per rate to stdout, everything to
+``--output-json``. Ctrl-C stops the run and reports what finished.
+
+Metrics are pure functions of ``RequestRecord``s (start time, arrival time and
+cumulative token count of each streamed chunk, end time), so they can be checked
+on a hand-made timeline. A chunk that brings n tokens after a gap g counts as n
+inter-token latencies of g / n (SGLang's convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from radixserve.bench.datasets import (Conversation, Dataset, TokenSampler, generated_shared_prefix_dataset,
+                                       jsonl_dataset, multi_turn_dataset, random_dataset)
+
+# --------------------------------------------------------------------------- records and metrics
+
+
+@dataclass
+class RequestRecord:
+    """What the client saw of one request; times are ``time.perf_counter()`` seconds."""
+
+    conversation: int
+    turn: int
+    start: float
+    end: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk that brought tokens
+    chunk_tokens: list[int | None] = field(default_factory=list)  # tokens so far at that chunk (None: unknown)
+    prompt_len: int = 0
+    output_len: int = 0
+    cached_tokens: int | None = None  # as the server reported it for this request
+    success: bool = False
+    error: str = ""
+
+
+def ttft(r: RequestRecord) -> float:
+    return r.chunk_times[0] - r.start
+
+
+def e2e(r: RequestRecord) -> float:
+    return r.end - r.start
+
+
+def tpot(r: RequestRecord) -> float | None:
+    """Mean time per output token after the first; None for a one-token reply."""
+    if r.output_len < 2:
+        return None
+    return (e2e(r) - ttft(r)) / (r.output_len - 1)
+
+
+def itls(r: RequestRecord) -> list[float]:
+    """Inter-token latencies: a chunk bringing n tokens after gap g counts n times g / n.
+    Without token counts (OpenAI text streams) each chunk counts as one token."""
+    out = []
+    for i in range(1, len(r.chunk_times)):
+        gap = r.chunk_times[i] - r.chunk_times[i - 1]
+        prev, cur = r.chunk_tokens[i - 1], r.chunk_tokens[i]
+        n = cur - prev if prev is not None and cur is not None else 1
+        out.extend([gap / n] * n if n > 0 else [])
+    return out
+
+
+def summarize(values: list[float], scale: float = 1000.0) -> dict[str, float | None]:
+    """mean, median, p90, p99 (linear interpolation, as numpy), scaled (default: s to ms)."""
+    if not values:
+        return {"mean": None, "median": None, "p90": None, "p99": None}
+    a = np.asarray(values, dtype=np.float64) * scale
+    return {"mean": float(a.mean()), "median": float(np.median(a)),
+            "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
+
+
+def meets_slo(r: RequestRecord, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
+    if slo_ttft_ms is not None and ttft(r) * 1000 > slo_ttft_ms:
+        return False
+    t = tpot(r)
+    return slo_tpot_ms is None or t is None or t * 1000 <= slo_tpot_ms
+
+
+def compute_metrics(records: list[RequestRecord], duration: float, slo_ttft_ms: float | None = None,
+                    slo_tpot_ms: float | None = None) -> dict[str, Any]:
+    """Aggregate figures over one run of ``duration`` seconds (first send to last reply)."""
+    ok = [r for r in records if r.success]
+    prompt = sum(r.prompt_len for r in ok)
+    output = sum(r.output_len for r in ok)
+    known = [r for r in ok if r.cached_tokens is not None]
+    dur = max(duration, 1e-9)
+    good = sum(meets_slo(r, slo_ttft_ms, slo_tpot_ms) for r in ok)
+    return {
+        "completed": len(ok), "failed": len(records) - len(ok), "duration_s": duration,
+        "total_input_tokens": prompt, "total_output_tokens": output,
+        "request_throughput": len(ok) / dur, "input_throughput": prompt / dur,
+        "output_throughput": output / dur, "total_throughput": (prompt + output) / dur,
+        "ttft_ms": summarize([ttft(r) for r in ok]),
+        "tpot_ms": summarize([t for r in ok if (t := tpot(r)) is not None]),
+        "itl_ms": summarize([x for r in ok for x in itls(r)]),
+        "e2e_ms": summarize([e2e(r) for r in ok]),
+        "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
+        "goodput": good / dur, "slo_attainment": good / len(ok) if ok else None,
+        "cache_hit_rate_requests": (sum(r.cached_tokens for r in known) / max(sum(r.prompt_len for r in known), 1)
+                                    if known else None),
+    }
+
+
+def counters_hit_rate(before: dict | None, after: dict | None) -> float | None:
+    """Prefix-cache hit rate over a run from the server's cumulative counters."""
+    if not before or not after or "prompt_tokens" not in after or "cached_tokens" not in after:
+        return None
+    prompt = after["prompt_tokens"] - before["prompt_tokens"]
+    return (after["cached_tokens"] - before["cached_tokens"]) / prompt if prompt > 0 else None
+
+
+# --------------------------------------------------------------------------- backends
+
+
+@dataclass
+class Chunk:
+    """One parsed server-sent event."""
+
+    tokens: int | None = None  # completion tokens so far (native); None if the event does not say
+    text: str = ""  # new text (OpenAI) or the cumulative text (native)
+    output_ids: list[int] | None = None
+    arrived: bool = False  # this event brought output
+    finished: bool = False
+    prompt_len: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    error: str = ""
+
+
+class NativeBackend:
+    """SGLang's ``POST /generate``; replies carry cumulative ``output_ids``."""
+
+    path = "/generate"
+    chat = False  # the prompt is a list of messages
+    cumulative = True  # each event repeats the whole reply so far (text and output_ids)
+
+    def payload(self, prompt, max_tokens: int, sampling: dict, model: str) -> dict:
+        key = "text" if isinstance(prompt, str) else "input_ids"
+        return {key: prompt, "sampling_params": {"max_new_tokens": max_tokens, **sampling}, "stream": True}
+
+    def parse(self, data: dict, prev_tokens: int) -> Chunk:
+        if "error" in data:
+            return Chunk(error=str(data["error"]))
+        meta = data.get("meta_info", {})
+        n = meta.get("completion_tokens", len(data.get("output_ids") or []))
+        return Chunk(tokens=n, text=data.get("text", ""), output_ids=data.get("output_ids"), arrived=n > prev_tokens,
+                     finished=meta.get("finish_reason") is not None, prompt_len=meta.get("prompt_tokens"),
+                     cached_tokens=meta.get("cached_tokens"), completion_tokens=n)
+
+
+class OpenAICompletionsBackend:
+    """``POST /v1/completions``; a prompt of token ids is sent as ids."""
+
+    path = "/v1/completions"
+    chat = False  # the prompt is a list of messages
+    cumulative = False  # each event brings a text delta
+
+    def payload(self, prompt, max_tokens: int, sampling: dict, model: str) -> dict:
+        return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}, **_openai_sampling(sampling)}
+
+    def parse(self, data: dict, prev_tokens: int) -> Chunk:
+        if "error" in data:
+            return Chunk(error=str(data["error"]))
+        chunk = _usage_chunk(data)
+        for choice in data.get("choices") or []:
+            chunk.text += choice.get("text") or ""
+            chunk.finished |= choice.get("finish_reason") is not None
+        chunk.arrived = bool(chunk.text) or chunk.finished
+        return chunk
+
+
+class OpenAIChatBackend(OpenAICompletionsBackend):
+    """``POST /v1/chat/completions``; the prompt is a list of messages."""
+
+    path = "/v1/chat/completions"
+    chat = True
+
+    def payload(self, prompt, max_tokens: int, sampling: dict, model: str) -> dict:
+        return {"model": model, "messages": prompt, "max_tokens": max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}, **_openai_sampling(sampling)}
+
+    def parse(self, data: dict, prev_tokens: int) -> Chunk:
+        if "error" in data:
+            return Chunk(error=str(data["error"]))
+        chunk = _usage_chunk(data)
+        for choice in data.get("choices") or []:
+            chunk.text += (choice.get("delta") or {}).get("content") or ""
+            chunk.finished |= choice.get("finish_reason") is not None
+        chunk.arrived = bool(chunk.text) or chunk.finished
+        return chunk
+
+
+def _openai_sampling(sampling: dict) -> dict:
+    out = dict(sampling)
+    if "min_new_tokens" in out:
+        out["min_tokens"] = out.pop("min_new_tokens")
+    return out
+
+
+def _usage_chunk(data: dict) -> Chunk:
+    usage = data.get("usage") or {}
+    return Chunk(prompt_len=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"),
+                 cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+
+
+BACKENDS = {"radixserve": NativeBackend, "openai": OpenAICompletionsBackend, "openai-chat": OpenAIChatBackend}
+
+# --------------------------------------------------------------------------- the client
+
+
+@dataclass
+class ClientConfig:
+    base_url: str
+    backend: str = "radixserve"
+    model: str = ""
+    api_key: str | None = None
+    sampling: dict = field(default_factory=dict)  # extra sampling params (temperature, ignore_eos, ...)
+    request_timeout: float = 3600.0
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def render_prompt(segments: list, backend, tokenizer) -> Any:
+    """The prompt of one turn from the history's segments (user messages and
+    replies, each text or token ids): ids if every segment is ids and the
+    backend takes ids, else text; chat messages for the chat backend."""
+    def text(seg):
+        if isinstance(seg, str):
+            return seg
+        if tokenizer is None:
+            raise ValueError("this backend needs text: a token-id prompt needs the tokenizer (--tokenizer)")
+        return tokenizer.decode(seg)
+
+    if backend.chat:
+        return [{"role": "user" if i % 2 == 0 else "assistant", "content": text(s)} for i, s in enumerate(segments)]
+    if all(not isinstance(s, str) for s in segments):
+        return [t for s in segments for t in s]
+    return "".join(text(s) for s in segments)
+
+
+async def send_request(client, cfg: ClientConfig, backend, prompt, max_tokens: int, record: RequestRecord) -> Chunk:
+    """Stream one request into ``record``; returns the last reply (its text / ids)."""
+    last, reply_text, tokens = Chunk(), "", 0
+    body = backend.payload(prompt, max_tokens, cfg.sampling, cfg.model)
+    record.start = time.perf_counter()
+    try:
+        async with client.stream("POST", cfg.base_url + backend.path, json=body, headers=cfg.headers()) as resp:
+            if resp.status_code != 200:
+                record.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+                return last
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    break
+                now = time.perf_counter()
+                chunk = backend.parse(json.loads(payload), tokens)
+                if chunk.error:
+                    record.error = chunk.error
+                    return last
+                if chunk.arrived:
+                    record.chunk_times.append(now)
+                    record.chunk_tokens.append(chunk.tokens)
+                    tokens = chunk.tokens if chunk.tokens is not None else tokens + 1
+                reply_text = chunk.text if backend.cumulative else reply_text + chunk.text
+                for name in ("prompt_len", "cached_tokens", "completion_tokens", "output_ids"):
+                    if getattr(chunk, name) is not None:
+                        setattr(last, name, getattr(chunk, name))
+    except Exception as exc:  # noqa: BLE001 - any transport failure is a failed request, not a crash
+        record.error = f"{type(exc).__name__}: {exc}"
+        return last
+    record.end = time.perf_counter()
+    last.text = reply_text
+    record.prompt_len = last.prompt_len if last.prompt_len is not None else record.prompt_len
+    record.output_len = last.completion_tokens if last.completion_tokens is not None else len(record.chunk_times)
+    record.cached_tokens = last.cached_tokens
+    record.success = bool(record.chunk_times)
+    if not record.success:
+        record.error = "no output"
+    return last
+
+
+@dataclass
+class RunState:
+    """What a run has seen so far; kept outside the event loop so Ctrl-C can report it."""
+
+    records: list[RequestRecord] = field(default_factory=list)
+    sent: int = 0  # requests sent ...
+    answered: int = 0  # ... and those whose reply ended (well or not)
+    start: float = 0.0
+    end: float = 0.0
+    peak_running: int | None = None
+    peak_waiting: int | None = None
+    peak_kv_usage: float | None = None
+
+    def duration(self) -> float:
+        end = self.end or max((r.end for r in self.records if r.success), default=self.start)
+        return max(end - self.start, 0.0)
+
+
+async def run_conversation(client, cfg: ClientConfig, backend, tokenizer, conv: Conversation, conv_id: int,
+                           sem: asyncio.Semaphore | None, state: RunState, on_done: Callable[[], None]) -> None:
+    """Send a conversation's turns in order, each with the history of the ones before."""
+    history: list = []
+    history_tokens = 0  # the prompt length if the server does not report it
+    for k, turn in enumerate(conv.turns):
+        record = RequestRecord(conv_id, k, time.perf_counter(), prompt_len=history_tokens + turn.prompt_len)
+        segments = history + [turn.prompt]
+        try:
+            prompt = render_prompt(segments, backend, tokenizer)
+        except ValueError as exc:
+            record.error = str(exc)
+        else:
+            async with sem or contextlib.nullcontext():
+                state.sent += 1
+                last = await send_request(client, cfg, backend, prompt, turn.output_len, record)
+                state.answered += 1
+        state.records.append(record)
+        on_done()
+        if not record.success:
+            for j in range(k + 1, len(conv.turns)):  # the rest of a broken conversation cannot be sent
+                state.records.append(RequestRecord(conv_id, j, record.start, error="an earlier turn failed"))
+                on_done()
+            return
+        # token ids in, token ids back: the next turn's history stays exact
+        reply = last.output_ids if last.output_ids is not None and not isinstance(prompt, str) else last.text
+        history = segments + [reply]
+        history_tokens = record.prompt_len + record.output_len
+
+
+def arrival_offsets(n: int, rate: float, rng: np.random.Generator) -> np.ndarray:
+    """Send times (s from the start) of a Poisson process at ``rate``/s; all 0 for inf."""
+    if math.isinf(rate):
+        return np.zeros(n)
+    gaps = rng.exponential(1.0 / rate, size=n)
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+async def read_server_state(client, cfg: ClientConfig) -> dict | None:
+    """The scheduler's counters from /get_server_info, or the running / waiting
+    gauges from /metrics for servers without it; None if neither answers."""
+    try:
+        resp = await client.get(cfg.base_url + "/get_server_info", headers=cfg.headers(), timeout=10)
+        if resp.status_code == 200:
+            states = resp.json().get("internal_states") or [{}]
+            if "running" in states[0]:
+                return states[0]
+        resp = await client.get(cfg.base_url + "/metrics", headers=cfg.headers(), timeout=10)
+        if resp.status_code == 200:
+            return parse_prometheus_gauges(resp.text)
+    except Exception:  # noqa: BLE001 - server statistics are optional
+        pass
+    return None
+
+
+def parse_prometheus_gauges(text: str) -> dict | None:
+    """running / waiting requests from ``*:num_running_reqs`` / ``*:num_queue_reqs`` lines."""
+    names = {"num_running_reqs": "running", "num_queue_reqs": "waiting", "token_usage": "kv_usage"}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        metric, value = line.rsplit(" ", 1)
+        short = metric.split("{")[0].split(":")[-1]
+        if short in names:
+            out[names[short]] = out.get(names[short], 0) + float(value)
+    return out or None
+
+
+async def poll_server(client, cfg: ClientConfig, state: RunState, interval: float) -> None:
+    while True:
+        s = await read_server_state(client, cfg)
+        if s:
+            if "running" in s:
+                state.peak_running = max(state.peak_running or 0, int(s["running"]))
+            if "waiting" in s:
+                state.peak_waiting = max(state.peak_waiting or 0, int(s["waiting"]))
+            if "kv_usage" in s:
+                state.peak_kv_usage = max(state.peak_kv_usage or 0.0, float(s["kv_usage"]))
+        await asyncio.sleep(interval)
+
+
+async def run_at_rate(client, cfg: ClientConfig, dataset: Dataset, rate: float, seed: int, tokenizer,
+                      max_concurrency: int | None, state: RunState, poll_interval: float = 0.25,
+                      progress: bool = True) -> None:
+    """Send every conversation, Poisson-spaced at ``rate``, and wait for all replies."""
+    from tqdm import tqdm
+
+    backend = BACKENDS[cfg.backend]()
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    offsets = arrival_offsets(len(dataset.conversations), rate, np.random.default_rng(seed))
+    bar = tqdm(total=dataset.num_requests, desc=f"rate {rate:g}", disable=not progress, file=sys.stderr)
+    poller = asyncio.create_task(poll_server(client, cfg, state, poll_interval)) if poll_interval > 0 else None
+    state.start = time.perf_counter()
+    tasks = []
+    try:
+        for i, (conv, offset) in enumerate(zip(dataset.conversations, offsets)):
+            delay = state.start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(
+                run_conversation(client, cfg, backend, tokenizer, conv, i, sem, state, lambda: bar.update(1))))
+        await asyncio.gather(*tasks)
+        state.end = time.perf_counter()
+    finally:
+        for t in tasks + ([poller] if poller else []):
+            t.cancel()
+        bar.close()
+
+
+# --------------------------------------------------------------------------- one benchmark invocation
+
+
+def _make_dataset(args, vocab_size: int, special_ids, tokenizer) -> Dataset:
+    sampler = TokenSampler(vocab_size, special_ids, seed=args.seed)
+    if args.dataset_name == "random":
+        return random_dataset(sampler, args.num_prompts, args.random_input_len, args.random_output_len,
+                              args.random_range_ratio)
+    if args.dataset_name == "generated-shared-prefix":
+        return generated_shared_prefix_dataset(sampler, args.gsp_num_groups, args.gsp_prompts_per_group,
+                                               args.gsp_system_prompt_len, args.gsp_question_len,
+                                               args.gsp_output_len, ordered=args.gsp_ordered)
+    if args.dataset_name == "multi-turn":
+        return multi_turn_dataset(sampler, args.num_prompts, args.mt_num_turns, args.mt_first_input_len,
+                                  args.mt_turn_input_len, args.mt_output_len)
+    return jsonl_dataset(args.dataset_path, args.num_prompts, tokenizer, args.jsonl_output_len, args.jsonl_multi_turn)
+
+
+def _load_tokenizer(path: str | None):
+    if not path:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+SERVER_FIELDS = ("version", "schedule_policy", "disable_radix_cache", "max_total_tokens",
+                 "max_running_requests", "chunked_prefill_size", "page_size", "device", "dtype")
+
+
+async def _get_json(client, cfg: ClientConfig, path: str) -> dict | None:
+    try:
+        resp = await client.get(cfg.base_url + path, headers=cfg.headers(), timeout=30)
+        return resp.json() if resp.status_code == 200 else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+async def _flush_cache(client, cfg: ClientConfig) -> bool:
+    try:
+        resp = await client.post(cfg.base_url + "/flush_cache", headers=cfg.headers(), timeout=30)
+        return resp.status_code == 200
+    except Exception:  # noqa: BLE001
+        return False
+
+
+async def _warmup(client, cfg: ClientConfig, n: int, sampler: TokenSampler) -> None:
+    """Short requests unrelated to the dataset, so they leave nothing it could reuse."""
+    backend = BACKENDS[cfg.backend]()
+    prompt = [{"role": "user", "content": "Say hello."}] if backend.chat else sampler.ids(16)
+    records = [RequestRecord(-1, 0, 0.0) for _ in range(n)]
+    await asyncio.gather(*(send_request(client, cfg, backend, prompt, 8, r) for r in records))
+    failed = [r.error for r in records if not r.success]
+    if failed:
+        raise RuntimeError(f"warm-up failed: {failed[0]}")
+
+
+def run_result(args, rate: float, state: RunState, dataset: Dataset, before: dict | None, after: dict | None,
+               interrupted: bool = False) -> dict:
+    metrics = compute_metrics(state.records, state.duration(), args.slo_ttft, args.slo_tpot)
+    return {"label": args.label, "backend": args.backend, "dataset": dataset.name,
+            "request_rate": "inf" if math.isinf(rate) else rate,  # strict JSON has no Infinity
+            "max_concurrency": args.max_concurrency, "interrupted": interrupted,
+            "unfinished": state.sent - state.answered,
+            **metrics,
+            "cache_hit_rate": counters_hit_rate(before, after),
+            "ideal_cache_hit_rate": dataset.summary()["ideal_cache_hit_rate"],
+            "peak_running_requests": state.peak_running, "peak_waiting_requests": state.peak_waiting,
+            "peak_kv_usage": state.peak_kv_usage}
+
+
+def format_table(res: dict) -> str:
+    def f(v, fmt="{:.2f}"):
+        return "n/a" if v is None else fmt.format(v)
+
+    rows = [("Backend", res["backend"]), ("Dataset", res["dataset"]), ("Request rate (req/s)", res["request_rate"]),
+            ("Max concurrency", res["max_concurrency"] or "-"), ("Successful requests", res["completed"]),
+            ("Failed requests", res["failed"]), ("Duration (s)", f(res["duration_s"])),
+            ("Total input tokens", res["total_input_tokens"]), ("Total output tokens", res["total_output_tokens"]),
+            ("Request throughput (req/s)", f(res["request_throughput"])),
+            ("Input token throughput (tok/s)", f(res["input_throughput"])),
+            ("Output token throughput (tok/s)", f(res["output_throughput"])),
+            ("Total token throughput (tok/s)", f(res["total_throughput"]))]
+    if res["slo_ttft_ms"] is not None or res["slo_tpot_ms"] is not None:
+        rows += [("Goodput (req/s)", f(res["goodput"])), ("SLO attainment", f(res["slo_attainment"], "{:.1%}"))]
+    rows += [("Cache hit rate (server counters)", f(res["cache_hit_rate"], "{:.1%}")),
+             ("Cache hit rate (per request)", f(res["cache_hit_rate_requests"], "{:.1%}")),
+             ("Ideal cache hit rate", f(res["ideal_cache_hit_rate"], "{:.1%}")),
+             ("Peak running requests", f(res["peak_running_requests"], "{}"))]
+    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E latency")):
+        for stat in ("mean", "median", "p90", "p99"):
+            rows.append((f"{stat.capitalize()} {name} (ms)", f(res[key][stat])))
+    title = " Serving Benchmark Result " + ("(interrupted) " if res["interrupted"] else "")
+    lines = [f"{title:=^56}"] + [f"{k:<38}{v!s:>18}" for k, v in rows] + ["=" * 56]
+    if res["interrupted"]:
+        lines.insert(1, f"{'Unfinished requests (cut off)':<38}{res['unfinished']:>18}")
+    server, per_request = res["cache_hit_rate"], res["cache_hit_rate_requests"]
+    if server is not None and per_request is not None and abs(server - per_request) > 0.02:
+        lines.append("note: the server's cache counters disagree with the cached_tokens of its replies")
+    return "\n".join(lines)
+
+
+def _write_json(path: str, output: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(output, f, indent=2)
+        f.write("\n")
+
+
+def _report(args, output: dict, res: dict) -> None:
+    output["runs"].append(res)
+    print(format_table(res), file=sys.stderr, flush=True)
+    print(json.dumps(res), flush=True)
+    if args.output_json:
+        _write_json(args.output_json, output)
+
+
+async def _benchmark(args, cfg: ClientConfig, output: dict, live: dict,
+                     kept: list[tuple[str, list[RequestRecord]]]) -> None:
+    """Warm up, then run each request rate; ``live`` holds the run in progress
+    (for a Ctrl-C report), ``kept`` each finished run's records (for the plots)."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(cfg.request_timeout, connect=30)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        info = await _get_json(client, cfg, "/get_model_info") or {}
+        server = await _get_json(client, cfg, "/get_server_info") or {}
+        if not cfg.model:
+            models = await _get_json(client, cfg, "/v1/models") or {}
+            cfg.model = ((models.get("data") or [{}])[0].get("id") or info.get("served_model_name") or "default")
+        tokenizer = None if args.no_tokenizer else _load_tokenizer(args.tokenizer or info.get("tokenizer_path"))
+        vocab = args.vocab_size or info.get("vocab_size") or (len(tokenizer) if tokenizer else None)
+        if vocab is None:
+            raise SystemExit("the vocabulary size is unknown: pass --vocab-size or --tokenizer")
+        if tokenizer is not None:
+            vocab = min(vocab, len(tokenizer))
+        special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder) if tokenizer else set()
+        dataset = _make_dataset(args, vocab, special, tokenizer)
+        output["dataset"] = dataset.summary()
+        output["server"] = {"model": cfg.model, "context_length": info.get("context_length"),
+                            **{k: server[k] for k in SERVER_FIELDS if k in server}}
+        print(f"dataset: {json.dumps(output['dataset'])}", file=sys.stderr)
+        if args.warmup_requests:
+            await _warmup(client, cfg, args.warmup_requests, TokenSampler(vocab, special, seed=args.seed + 1))
+        for rate in args.request_rate:
+            if not args.disable_flush_cache and not await _flush_cache(client, cfg):
+                print("warning: /flush_cache refused or missing; earlier runs may warm the cache", file=sys.stderr)
+            state = RunState()
+            before = await read_server_state(client, cfg)
+            live.update(rate=rate, state=state, dataset=dataset, before=before)
+            await run_at_rate(client, cfg, dataset, rate, args.seed, tokenizer, args.max_concurrency, state,
+                              args.poll_interval, not args.disable_tqdm)
+            after = await read_server_state(client, cfg)
+            live.clear()
+            kept.append((f"rate {rate:g}", state.records))
+            _report(args, output, run_result(args, rate, state, dataset, before, after))
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def plot_latencies(runs: list[tuple[str, list[RequestRecord]]], path: str) -> None:
+    """Histograms of TTFT, TPOT, ITL and E2E (ms), one series per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, (name, fn) in zip(axes.flat, (("TTFT", lambda r: [ttft(r)]), ("TPOT", lambda r: [tpot(r)]),
+                                          ("ITL", itls), ("E2E latency", lambda r: [e2e(r)]))):
+        for label, records in runs:
+            vals = [x * 1000 for r in records if r.success for x in fn(r) if x is not None]
+            if vals:
+                ax.hist(vals, bins=40, alpha=0.55, label=label)
+        ax.set_title(name)
+        ax.set_xlabel("ms")
+        ax.set_ylabel("count")
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_rates(results: list[dict], path: str) -> None:
+    """Throughput and TTFT against request rate (categorical axis: inf is a rate)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [str(r["request_rate"]) for r in results]
+    x = np.arange(len(results))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot(x, [r["output_throughput"] for r in results], "o-", label="output tok/s")
+    a.plot(x, [r["total_throughput"] for r in results], "s--", label="total tok/s")
+    a.set_title("throughput")
+    for stat in ("median", "p99"):
+        b.plot(x, [r["ttft_ms"][stat] for r in results], "o-", label=f"TTFT {stat}")
+    b.set_title("TTFT (ms)")
+    for ax in (a, b):
+        ax.set_xticks(x, labels)
+        ax.set_xlabel("request rate (req/s)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_compare(results: list[dict], path: str) -> None:
+    """Bars over several result files' runs (e.g. radix cache on vs off):
+    median / p99 TTFT, output throughput, cache hit rate against the ideal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r.get("label") or f"{r['backend']} @ {r['request_rate']}" for r in results]
+    x = np.arange(len(results))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    w = 0.38
+    axes[0].bar(x - w / 2, [r["ttft_ms"]["median"] for r in results], w, label="median")
+    axes[0].bar(x + w / 2, [r["ttft_ms"]["p99"] for r in results], w, label="p99")
+    axes[0].set_title("TTFT (ms)")
+    axes[0].legend()
+    axes[1].bar(x, [r["output_throughput"] for r in results], 0.6)
+    axes[1].set_title("output throughput (tok/s)")
+    hit = [r["cache_hit_rate"] if r["cache_hit_rate"] is not None else r["cache_hit_rate_requests"] or 0
+           for r in results]
+    axes[2].bar(x, hit, 0.6, label="measured")
+    axes[2].plot(x, [r["ideal_cache_hit_rate"] for r in results], "k_", markersize=30, mew=2, label="ideal")
+    axes[2].set_ylim(0, 1)
+    axes[2].set_title("cache hit rate")
+    axes[2].legend()
+    for ax in axes:
+        ax.set_xticks(x, labels, rotation=15, ha="right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _rate(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"a request rate must be > 0 (or inf), got {s}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m radixserve.bench.serving", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument
+    a("--backend", choices=sorted(BACKENDS), default="radixserve")
+    a("--base-url", help="server address (default http://HOST:PORT)")
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=30000)
+    a("--api-key")
+    a("--model", default="", help="model name for the OpenAI routes (default: the server's first)")
+    a("--tokenizer", help="tokenizer folder (default: the server's tokenizer_path)")
+    a("--no-tokenizer", action="store_true", help="never load a tokenizer (token-id prompts only)")
+    a("--vocab-size", type=int, help="draw random ids below this (default: the server's vocab_size)")
+    a("--dataset-name", choices=("random", "generated-shared-prefix", "multi-turn", "jsonl"), default="random")
+    a("--dataset-path", help="JSONL file for --dataset-name jsonl")
+    a("--num-prompts", type=int, default=64, help="requests (random, jsonl) or conversations (multi-turn)")
+    a("--random-input-len", type=int, default=1024)
+    a("--random-output-len", type=int, default=256)
+    a("--random-range-ratio", type=float, default=0.0, help="lengths are U[len * ratio, len]")
+    a("--gsp-num-groups", type=int, default=64)
+    a("--gsp-prompts-per-group", type=int, default=16)
+    a("--gsp-system-prompt-len", type=int, default=2048)
+    a("--gsp-question-len", type=int, default=128)
+    a("--gsp-output-len", type=int, default=256)
+    a("--gsp-ordered", action="store_true", help="send groups one after another (default: shuffled)")
+    a("--mt-num-turns", type=int, default=4)
+    a("--mt-first-input-len", type=int, default=256)
+    a("--mt-turn-input-len", type=int, default=64)
+    a("--mt-output-len", type=int, default=64)
+    a("--jsonl-output-len", type=int, help="fixed output length for JSONL prompts")
+    a("--jsonl-multi-turn", action="store_true", help="send every human turn of a ShareGPT record, with history")
+    a("--request-rate", type=_rate, nargs="+", default=[math.inf], help="req/s (Poisson); inf = all at once")
+    a("--max-concurrency", type=int, help="requests in flight at most")
+    a("--seed", type=int, default=1)
+    a("--temperature", type=float, default=0.0)
+    a("--disable-ignore-eos", action="store_true", help="let replies stop at EOS (lengths then vary)")
+    a("--extra-request-body", default="{}", help="JSON merged into every request's sampling parameters")
+    a("--warmup-requests", type=int, default=1)
+    a("--disable-flush-cache", action="store_true", help="do not POST /flush_cache before each rate")
+    a("--slo-ttft", type=float, help="goodput: TTFT at most this many ms")
+    a("--slo-tpot", type=float, help="goodput: TPOT at most this many ms")
+    a("--request-timeout", type=float, default=3600.0, help="seconds")
+    a("--poll-interval", type=float, default=0.25, help="s between server-state polls (0: none)")
+    a("--label", default="", help="free text stored with the results (e.g. 'radix cache off')")
+    a("--output-json", help="write every run's figures here")
+    a("--plot", nargs="?", const="", default=None, metavar="PREFIX",
+      help="write PNGs PREFIX-latency.png (and PREFIX-rates.png); default prefix: --output-json without .json")
+    a("--compare", nargs="+", metavar="JSON", help="no run: draw --plot PREFIX-compare.png from result files")
+    a("--disable-tqdm", action="store_true")
+    return p
+
+
+def _plot_prefix(args) -> str:
+    if args.plot:
+        return args.plot
+    if args.output_json:
+        return args.output_json[:-5] if args.output_json.endswith(".json") else args.output_json
+    return "bench-serving"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.compare:
+        runs = [run for path in args.compare for run in json.load(open(path, encoding="utf-8"))["runs"]]
+        out = _plot_prefix(args) + "-compare.png"
+        plot_compare(runs, out)
+        print(f"wrote {out}", file=sys.stderr)
+        return 0
+    if args.dataset_name == "jsonl" and not args.dataset_path:
+        raise SystemExit("--dataset-name jsonl needs --dataset-path")
+    sampling = {"temperature": args.temperature, "ignore_eos": not args.disable_ignore_eos,
+                **json.loads(args.extra_request_body)}
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    cfg = ClientConfig(base_url, args.backend, args.model, args.api_key, sampling, args.request_timeout)
+    config = {k: v for k, v in vars(args).items() if k not in ("output_json", "plot", "compare", "api_key")}
+    output: dict = {"config": config, "runs": []}
+    live: dict = {}
+    all_records: list[tuple[str, list[RequestRecord]]] = []
+    try:
+        asyncio.run(_benchmark(args, cfg, output, live, all_records))
+    except KeyboardInterrupt:
+        if live:
+            state = live["state"]
+            state.end = time.perf_counter()
+            print("\ninterrupted: figures over the requests that finished", file=sys.stderr)
+            _report(args, output, run_result(args, live["rate"], state, live["dataset"], live["before"], None, True))
+            all_records.append((f"rate {live['rate']:g}", state.records))
+        else:
+            print("\ninterrupted", file=sys.stderr)
+    if args.plot is not None and all_records:
+        prefix = _plot_prefix(args)
+        plot_latencies(all_records, prefix + "-latency.png")
+        if len(output["runs"]) > 1:
+            plot_rates(output["runs"], prefix + "-rates.png")
+        print(f"wrote {prefix}-*.png", file=sys.stderr)
+    return 0 if output["runs"] and all(r["failed"] == 0 for r in output["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""One kernel that stores a forward's new K and V rows into the KV pool
+(instead of two indexed copies, plus two casts when the dtypes differ)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    K, V, K_buf, V_buf, Loc,
+    stride_kt, stride_vt, stride_kbt, stride_vbt,
+    K_ROW: tl.constexpr, BLOCK_K: tl.constexpr, V_ROW: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(Loc + t).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    k = tl.load(K + t.to(tl.int64) * stride_kt + offs_k, mask=offs_k < K_ROW)
+    tl.store(K_buf + slot * stride_kbt + offs_k, k.to(K_buf.dtype.element_ty), mask=offs_k < K_ROW)
+    offs_v = tl.arange(0, BLOCK_V)
+    v = tl.load(V + t.to(tl.int64) * stride_vt + offs_v, mask=offs_v < V_ROW)
+    tl.store(V_buf + slot * stride_vbt + offs_v, v.to(V_buf.dtype.element_ty), mask=offs_v < V_ROW)
+
+
+def can_store_kv(k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> bool:
+    """Whether :func:`store_kv` handles these layouts: each token's heads
+    contiguous in ``k``/``v`` (``[n, heads, dim]``) and each slot's in the pool."""
+    return all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v, k_buffer, v_buffer))
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor) -> None:
+    """``k_buffer[loc] = k; v_buffer[loc] = v`` (cast to the pool's dtype);
+    ``k``/``v`` are ``[n, kv_heads, dim]``, see :func:`can_store_kv`."""
+    n = k.shape[0]
+    if n == 0:
+        return
+    k_row, v_row = k.shape[1] * k.shape[2], v.shape[1] * v.shape[2]
+    _store_kv_kernel[(n,)](
+        k, v, k_buffer, v_buffer, loc,
+        k.stride(0), v.stride(0), k_buffer.stride(0), v_buffer.stride(0),
+        K_ROW=k_row, BLOCK_K=triton.next_power_of_2(k_row), V_ROW=v_row, BLOCK_V=triton.next_power_of_2(v_row),
+        num_warps=4,
+    )
