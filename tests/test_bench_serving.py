@@ -185,7 +185,7 @@ def _run(server, tmp_path, name, *args):
 def test_random_run_at_two_rates_completes_without_failures(server, tmp_path):
     rc, out = _run(server, tmp_path, "random", "--num-prompts", "12", "--random-input-len", "48",
                    "--random-output-len", "12", "--random-range-ratio", "0.5", "--request-rate", "20", "inf",
-                   "--poll-interval", "0.05", "--slo-ttft", "60000", "--plot")
+                   "--poll-interval", "0.05", "--slo-ttft", "60000", "--plot", "--save-requests")
     assert rc == 0
     assert [r["request_rate"] for r in out["runs"]] == [20.0, "inf"]
     for run in out["runs"]:
@@ -197,6 +197,12 @@ def test_random_run_at_two_rates_completes_without_failures(server, tmp_path):
     assert out["runs"][1]["peak_running_requests"] > 1  # all at once: they share batches
     assert out["server"]["model"] == "tiny-llama"
     assert (tmp_path / "random-latency.png").stat().st_size > 0 and (tmp_path / "random-rates.png").exists()
+    # the saved timelines reproduce the figures, and --compare draws them again without a server
+    saved = [RequestRecord(**d) for d in out["runs"][1]["requests"]]
+    again = compute_metrics(saved, out["runs"][1]["duration_s"])
+    assert again["ttft_ms"] == pytest.approx(out["runs"][1]["ttft_ms"], abs=0.2)
+    assert serving.main(["--compare", str(tmp_path / "random.json"), "--plot", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again-compare.png").exists() and (tmp_path / "again-latency.png").exists()
 
 
 def test_shared_prefix_run_one_at_a_time_hits_the_ideal(server, tmp_path):

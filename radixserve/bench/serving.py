@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -122,6 +123,15 @@ def compute_metrics(records: list[RequestRecord], duration: float, slo_ttft_ms: 
         "cache_hit_rate_requests": (sum(r.cached_tokens for r in known) / max(sum(r.prompt_len for r in known), 1)
                                     if known else None),
     }
+
+
+def record_to_json(r: RequestRecord, t0: float) -> dict:
+    """A record with times in seconds from ``t0`` (the run's start), to 0.1 ms."""
+    d = asdict(r)
+    for key in ("start", "end"):
+        d[key] = round(d[key] - t0, 4)
+    d["chunk_times"] = [round(t - t0, 4) for t in r.chunk_times]
+    return d
 
 
 def counters_hit_rate(before: dict | None, after: dict | None) -> float | None:
@@ -289,6 +299,7 @@ async def send_request(client, cfg: ClientConfig, backend, prompt, max_tokens: i
                     record.chunk_tokens.append(chunk.tokens)
                     tokens = chunk.tokens if chunk.tokens is not None else tokens + 1
                 reply_text = chunk.text if backend.cumulative else reply_text + chunk.text
+                last.finished |= chunk.finished
                 for name in ("prompt_len", "cached_tokens", "completion_tokens", "output_ids"):
                     if getattr(chunk, name) is not None:
                         setattr(last, name, getattr(chunk, name))
@@ -300,9 +311,9 @@ async def send_request(client, cfg: ClientConfig, backend, prompt, max_tokens: i
     record.prompt_len = last.prompt_len if last.prompt_len is not None else record.prompt_len
     record.output_len = last.completion_tokens if last.completion_tokens is not None else len(record.chunk_times)
     record.cached_tokens = last.cached_tokens
-    record.success = bool(record.chunk_times)
+    record.success = bool(record.chunk_times) and last.finished
     if not record.success:
-        record.error = "no output"
+        record.error = "the stream ended before the reply finished"
     return last
 
 
@@ -318,6 +329,9 @@ class RunState:
     peak_running: int | None = None
     peak_waiting: int | None = None
     peak_kv_usage: float | None = None
+    # 1-minute load average of this host at the start and the end: on a shared
+    # machine it says how much the neighbours took (the server is usually local)
+    load_start: float = field(default_factory=lambda: _loadavg())
 
     def duration(self) -> float:
         end = self.end or max((r.end for r in self.records if r.success), default=self.start)
@@ -352,6 +366,13 @@ async def run_conversation(client, cfg: ClientConfig, backend, tokenizer, conv: 
         reply = last.output_ids if last.output_ids is not None and not isinstance(prompt, str) else last.text
         history = segments + [reply]
         history_tokens = record.prompt_len + record.output_len
+
+
+def _loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def arrival_offsets(n: int, rate: float, rng: np.random.Generator) -> np.ndarray:
@@ -503,7 +524,8 @@ def run_result(args, rate: float, state: RunState, dataset: Dataset, before: dic
             "cache_hit_rate": counters_hit_rate(before, after),
             "ideal_cache_hit_rate": dataset.summary()["ideal_cache_hit_rate"],
             "peak_running_requests": state.peak_running, "peak_waiting_requests": state.peak_waiting,
-            "peak_kv_usage": state.peak_kv_usage}
+            "peak_kv_usage": state.peak_kv_usage, "host_load_1min": [state.load_start, _loadavg()],
+            **({"requests": [record_to_json(r, state.start) for r in state.records]} if args.save_requests else {})}
 
 
 def format_table(res: dict) -> str:
@@ -597,7 +619,8 @@ async def _benchmark(args, cfg: ClientConfig, output: dict, live: dict,
 
 
 def plot_latencies(runs: list[tuple[str, list[RequestRecord]]], path: str) -> None:
-    """Histograms of TTFT, TPOT, ITL and E2E (ms), one series per run."""
+    """Distributions (CDFs) of TTFT, TPOT, ITL and E2E latency, one line per run;
+    log-scaled where the values span more than a factor of 20."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -606,13 +629,18 @@ def plot_latencies(runs: list[tuple[str, list[RequestRecord]]], path: str) -> No
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for ax, (name, fn) in zip(axes.flat, (("TTFT", lambda r: [ttft(r)]), ("TPOT", lambda r: [tpot(r)]),
                                           ("ITL", itls), ("E2E latency", lambda r: [e2e(r)]))):
+        lo, hi = math.inf, 0.0
         for label, records in runs:
-            vals = [x * 1000 for r in records if r.success for x in fn(r) if x is not None]
-            if vals:
-                ax.hist(vals, bins=40, alpha=0.55, label=label)
+            vals = np.sort([x * 1000 for r in records if r.success for x in fn(r) if x is not None])
+            if len(vals):
+                ax.step(vals, np.arange(1, len(vals) + 1) / len(vals), where="post", label=label)
+                lo, hi = min(lo, vals[0]), max(hi, vals[-1])
+        if 0 < lo and hi / lo > 20:
+            ax.set_xscale("log")
         ax.set_title(name)
         ax.set_xlabel("ms")
-        ax.set_ylabel("count")
+        ax.set_ylabel("share of requests" if name != "ITL" else "share of tokens")
+        ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -731,11 +759,28 @@ def build_parser() -> argparse.ArgumentParser:
     a("--poll-interval", type=float, default=0.25, help="s between server-state polls (0: none)")
     a("--label", default="", help="free text stored with the results (e.g. 'radix cache off')")
     a("--output-json", help="write every run's figures here")
+    a("--save-requests", action="store_true", help="keep every request's timeline in the JSON (for --compare plots)")
     a("--plot", nargs="?", const="", default=None, metavar="PREFIX",
       help="write PNGs PREFIX-latency.png (and PREFIX-rates.png); default prefix: --output-json without .json")
     a("--compare", nargs="+", metavar="JSON", help="no run: draw --plot PREFIX-compare.png from result files")
     a("--disable-tqdm", action="store_true")
     return p
+
+
+def _compare(args) -> int:
+    """Plots over saved results: bars per run, and latency CDFs where the runs kept their requests."""
+    runs = []
+    for path in args.compare:
+        with open(path, encoding="utf-8") as f:
+            runs += json.load(f)["runs"]
+    prefix = _plot_prefix(args)
+    plot_compare(runs, prefix + "-compare.png")
+    timelines = [(r.get("label") or str(r["request_rate"]), [RequestRecord(**d) for d in r["requests"]])
+                 for r in runs if "requests" in r]
+    if timelines:
+        plot_latencies(timelines, prefix + "-latency.png")
+    print(f"wrote {prefix}-*.png", file=sys.stderr)
+    return 0
 
 
 def _plot_prefix(args) -> str:
@@ -749,11 +794,7 @@ def _plot_prefix(args) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.compare:
-        runs = [run for path in args.compare for run in json.load(open(path, encoding="utf-8"))["runs"]]
-        out = _plot_prefix(args) + "-compare.png"
-        plot_compare(runs, out)
-        print(f"wrote {out}", file=sys.stderr)
-        return 0
+        return _compare(args)
     if args.dataset_name == "jsonl" and not args.dataset_path:
         raise SystemExit("--dataset-name jsonl needs --dataset-path")
     sampling = {"temperature": args.temperature, "ignore_eos": not args.disable_ignore_eos,
@@ -761,6 +802,7 @@ def main(argv: list[str] | None = None) -> int:
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     cfg = ClientConfig(base_url, args.backend, args.model, args.api_key, sampling, args.request_timeout)
     config = {k: v for k, v in vars(args).items() if k not in ("output_json", "plot", "compare", "api_key")}
+    config["request_rate"] = ["inf" if math.isinf(r) else r for r in args.request_rate]
     output: dict = {"config": config, "runs": []}
     live: dict = {}
     all_records: list[tuple[str, list[RequestRecord]]] = []

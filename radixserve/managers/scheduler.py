@@ -132,7 +132,7 @@ class Scheduler:
     def _get_new_batch_prefill(self) -> list[Req]:
         if not self.waiting and self.chunked_req is None:
             return []
-        free_rows = self.max_running - len(self.running) - (1 if self.chunked_req else 0)
+        free_rows = self.max_running - len(self.running)  # the chunked request, if any, is in can_run
         adder = PrefillAdder(
             self.tree_cache, self.allocator.available_size(), self.running, self.new_token_ratio,
             self.args.max_prefill_tokens, self.args.chunked_prefill_size, max(free_rows, 0), self.page_size,

@@ -7,9 +7,10 @@ import importlib
 
 from radixserve.layers.attention.base import AttentionBackend
 
-# name -> "module:class"; the triton backend joins here when it exists.
+# name -> "module:class"
 _BACKENDS = {
     "torch_native": "radixserve.layers.attention.torch_native_backend:TorchNativeAttnBackend",
+    "triton": "radixserve.layers.attention.triton_backend:TritonAttnBackend",
 }
 
 

@@ -30,7 +30,8 @@ import triton.language as tl
 
 MAX_KV_SPLITS = 16  # splits per request at most; sizes the scratch buffers
 MIN_TOKENS_PER_SPLIT = 64  # a shorter chunk is not worth its own program
-BLOCK_N = 64  # context tokens per step inside a program
+# Stage-1 launch: BLOCK_N context tokens per step inside a program.
+STAGE1_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 LOG2E = 1.4426950408889634
 
 
@@ -95,7 +96,8 @@ def _decode_split_kernel(
             m_i = m_new
 
         nonempty = end > start
-        out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+        l_i = tl.where(nonempty, l_i, 1.0)
+        out = acc / l_i[:, None]
         mid = Mid_o + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_dv[None, :]
         tl.store(mid, out, mask=h_mask[:, None] & dv_mask[None, :])
         lse = tl.where(nonempty, m_i + tl.log2(l_i), float("-inf"))
@@ -175,11 +177,11 @@ def decode_attention_fwd(
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         D=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         DV=v_head_dim, BLOCK_DV=max(16, triton.next_power_of_2(v_head_dim)),
         DOT_PRECISION=precision,
-        num_warps=4, num_stages=2,
+        **STAGE1_CONFIG,
     )
     _decode_merge_kernel[(bs, num_heads)](
         mid_o, mid_lse, out, num_kv_splits,

@@ -38,6 +38,39 @@ def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _attend_block(
+    q, m_i, l_i, acc, K_base, V_base, rows, offs_n, offs_m, n_end, kv_head,
+    stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
+    offs_d, d_mask, offs_dv, dv_mask,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One key block: keys at ``rows`` (int64 ``[BLOCK_N]``) of the ``[rows,
+    kv_heads, dim]`` buffers ``K_base``/``V_base``. ``MASKED``: keys at ``offs_n >= n_end`` are
+    padding; ``CAUSAL``: key ``offs_n`` is visible to query ``offs_m`` only if
+    ``offs_n <= offs_m``. Full blocks inside the range skip both."""
+    if MASKED:
+        n_mask = offs_n < n_end
+        k = tl.load(
+            K_base + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+            mask=n_mask[None, :] & d_mask[:, None], other=0.0,
+        )
+        v = tl.load(
+            V_base + rows[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
+            mask=n_mask[:, None] & dv_mask[None, :], other=0.0,
+        )
+    else:
+        k = tl.load(K_base + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None], mask=d_mask[:, None], other=0.0)
+        v = tl.load(V_base + rows[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :], mask=dv_mask[None, :], other=0.0)
+    s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        visible = (offs_n < n_end)[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    return _online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, DOT_PRECISION)
+
+
+@triton.jit
 def _extend_kernel(
     Q, K, V, O, K_buf, V_buf, Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens, Extend_start,
     qk_scale,  # softmax scale * log2(e)
@@ -72,41 +105,47 @@ def _extend_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-        # 1. The cached prefix, gathered slot by slot (every query sees all of it).
+        # 1. The cached prefix, gathered slot by slot; every query sees all of
+        #    it, so only the last, partial block needs a mask.
         row_ptr = Req_to_token + tl.load(Req_pool_indices + b).to(tl.int64) * stride_r2t
-        for n0 in range(0, prefix_len, BLOCK_N):
+        prefix_full = prefix_len // BLOCK_N * BLOCK_N
+        for n0 in range(0, prefix_full, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < prefix_len
-            slots = tl.load(row_ptr + offs_n, mask=n_mask, other=0).to(tl.int64)
-            k = tl.load(
-                K_buf + slots[None, :] * stride_kbt + kv_head * stride_kbh + offs_d[:, None],
-                mask=n_mask[None, :] & d_mask[:, None], other=0.0,
+            slots = tl.load(row_ptr + offs_n).to(tl.int64)
+            m_i, l_i, acc = _attend_block(
+                q, m_i, l_i, acc, K_buf, V_buf, slots, offs_n, offs_m, prefix_len, kv_head,
+                stride_kbt, stride_kbh, stride_vbt, stride_vbh, qk_scale, offs_d, d_mask, offs_dv, dv_mask,
+                MASKED=False, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
             )
-            s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-            v = tl.load(
-                V_buf + slots[:, None] * stride_vbt + kv_head * stride_vbh + offs_dv[None, :],
-                mask=n_mask[:, None] & dv_mask[None, :], other=0.0,
+        for n0 in range(prefix_full, prefix_len, BLOCK_N):  # at most once
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            slots = tl.load(row_ptr + offs_n, mask=offs_n < prefix_len, other=0).to(tl.int64)
+            m_i, l_i, acc = _attend_block(
+                q, m_i, l_i, acc, K_buf, V_buf, slots, offs_n, offs_m, prefix_len, kv_head,
+                stride_kbt, stride_kbh, stride_vbt, stride_vbh, qk_scale, offs_d, d_mask, offs_dv, dv_mask,
+                MASKED=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
             )
-            m_i, l_i, acc = _online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, DOT_PRECISION)
 
-        # 2. The new tokens, causally: keys up to this block's last query.
-        causal_end = tl.minimum(extend_len, (m_block + 1) * BLOCK_M)
-        for n0 in range(0, causal_end, BLOCK_N):
+        # 2. The new tokens, causally. Keys before this query block are seen by
+        #    all its queries (no mask); the diagonal blocks need the causal mask.
+        block_start = m_block * BLOCK_M  # BLOCK_M is a multiple of BLOCK_N
+        causal_end = tl.minimum(extend_len, block_start + BLOCK_M)
+        for n0 in range(0, block_start, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < extend_len
             rows = first + offs_n
-            k = tl.load(
-                K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                mask=n_mask[None, :] & d_mask[:, None], other=0.0,
+            m_i, l_i, acc = _attend_block(
+                q, m_i, l_i, acc, K, V, rows, offs_n, offs_m, extend_len, kv_head,
+                stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, offs_d, d_mask, offs_dv, dv_mask,
+                MASKED=False, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
             )
-            s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
-            s = tl.where((offs_n[None, :] <= offs_m[:, None]) & n_mask[None, :], s, float("-inf"))
-            v = tl.load(
-                V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
-                mask=n_mask[:, None] & dv_mask[None, :], other=0.0,
+        for n0 in range(block_start, causal_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            rows = first + offs_n
+            m_i, l_i, acc = _attend_block(
+                q, m_i, l_i, acc, K, V, rows, offs_n, offs_m, extend_len, kv_head,
+                stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, offs_d, d_mask, offs_dv, dv_mask,
+                MASKED=True, CAUSAL=True, DOT_PRECISION=DOT_PRECISION,
             )
-            m_i, l_i, acc = _online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, DOT_PRECISION)
 
         out = acc / l_i[:, None]
         tl.store(
@@ -115,12 +154,10 @@ def _extend_kernel(
         )
 
 
-def _launch_config(dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages); fp32 (debugging) takes
-    smaller tiles to stay within shared memory."""
-    if dtype == torch.float32:
-        return 32, 32, 4, 1
-    return 64, 64, 4, 2
+# Launch parameters for 16-bit inputs; fp32 (debugging) takes smaller tiles to
+# stay within shared memory. BLOCK_M must be a multiple of BLOCK_N.
+EXTEND_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+EXTEND_CONFIG_FP32 = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 
 
 def extend_attention_fwd(
@@ -149,18 +186,20 @@ def extend_attention_fwd(
             raise ValueError(f"extend attention needs unit stride in the last dimension, got strides {t.stride()}")
     if bs == 0 or max_extend_len == 0:
         return out
-    block_m, block_n, num_warps, num_stages = _launch_config(q.dtype)
-    grid = (bs, num_heads, triton.cdiv(max_extend_len, block_m))
+    config = EXTEND_CONFIG_FP32 if q.dtype == torch.float32 else EXTEND_CONFIG
+    if config["BLOCK_M"] % config["BLOCK_N"]:
+        raise ValueError(f"extend attention: BLOCK_M must be a multiple of BLOCK_N, got {config}")
+    grid = (bs, num_heads, triton.cdiv(max_extend_len, config["BLOCK_M"]))
     _extend_kernel[grid](
         q, k, v, out, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start,
         sm_scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
-        GROUP=num_heads // kv_heads, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=num_heads // kv_heads,
         D=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         DV=v_head_dim, BLOCK_DV=max(16, triton.next_power_of_2(v_head_dim)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        **config,
     )
     return out

@@ -1,0 +1,498 @@
+"""Static-batch latency on a bare ModelRunner: workloads W2 (decode) and W3
+(prefill) of BENCHMARKS.md, in the manner of SGLang's bench_one_batch.
+
+    python -m radixserve.bench.one_batch --workload W2 --compare-hf
+    python -m radixserve.bench.one_batch --workload W3 --compare-hf
+    python -m radixserve.bench.one_batch --workload W2 --model-path tiny-llama \\
+        --batch-sizes 1 4 --input-len 64 --output-len 8     # scaled down for a CPU
+
+No scheduler. Each case (batch size, input length) takes ``bs`` request rows
+and the KV slots of prompt and output before the clock starts, then runs one
+EXTEND of the whole batch and ``output_len - 1`` DECODE steps with greedy
+sampling; the sampled ids feed the next step on the device. A timed region
+covers building the batch, the forward (attention metadata included) and the
+sampler, and ends with a device synchronize. KV allocation is the scheduler's
+cost and is left out (offline_throughput measures it). Every case first runs
+once untimed with the same shapes, so Triton compilation, autotuning and
+CUDA-graph capture stay out of the figures.
+
+Prints one JSON line per case. With ``--compare-hf`` HF transformers runs the
+same shapes in the same process, each case followed by a summary line with the
+speedups. Our runner goes first and is deleted (``torch.cuda.empty_cache()``
+on CUDA) before HF's model is made, so the two never hold the GPU together;
+our KV pool is sized to the largest case (``--max-total-tokens`` overrides).
+HF decodes with ``generate``: its prefill time is a 1-token generate, its step
+time (full generate minus that) / (output_len - 1). HF prefill-only cases
+(output_len 1, as in W3) time one forward over the batch (``logits_to_keep=1``).
+
+Rooflines (the peaks default to the H200 figures of BENCHMARKS.md):
+- decode: bytes per step = weight bytes (each parameter once) + KV bytes read
+  (bs x context x layers x kv_heads x head_dim x 2 x itemsize, at the mean
+  context of the decode steps), over the median step time (HF: the mean),
+  against ``--peak-bandwidth`` (device copy) and ``--gemv-bandwidth``.
+- prefill: FLOPs = 2 x non-embedding params x tokens + 4 x layers x heads x
+  head_dim x causal pairs (n(n+1)/2 per request), against ``--peak-flops``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import importlib.metadata
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from radixserve.server_args import ServerArgs
+
+H200_COPY_BANDWIDTH = 4.25e12  # B/s, device copy (read + write)
+H200_GEMV_BANDWIDTH = 3.7e12  # B/s of weights, bf16 GEMV
+H200_BF16_FLOPS = 805e12  # bf16 8192^3 matmul
+WARMUP_MAX_OUTPUT_LEN = 4  # the untimed run of a case decodes at most this many tokens
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Cases of (batch size, input length); every request of a case has the same
+    lengths. ``output_len`` counts the prefill's token: 1 means prefill only."""
+
+    cases: tuple[tuple[int, int], ...]
+    output_len: int
+    model_path: str
+
+
+WORKLOADS = {
+    "W2": Workload(((1, 512), (32, 512), (256, 512)), 128, "llama-3.1-8b"),
+    "W3": Workload(((8, 1024), (1, 8192)), 1, "llama-3.1-8b"),
+}
+
+
+# -- model shape and rooflines ------------------------------------------------------
+@dataclass(frozen=True)
+class ModelShape:
+    """What the rooflines need to know about a model."""
+
+    weight_bytes: int
+    non_embedding_params: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    itemsize: int
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, model_config) -> "ModelShape":
+        from radixserve.layers.vocab_embedding import VocabParallelEmbedding
+
+        params = list(model.parameters())  # a tied embedding appears once
+        embedding = {id(p) for m in model.modules() if isinstance(m, VocabParallelEmbedding) for p in m.parameters()}
+        return cls(
+            weight_bytes=sum(p.numel() * p.element_size() for p in params),
+            non_embedding_params=sum(p.numel() for p in params if id(p) not in embedding),
+            num_layers=model_config.num_hidden_layers,
+            num_heads=model_config.num_attention_heads,
+            num_kv_heads=model_config.num_key_value_heads,
+            head_dim=model_config.head_dim,
+            itemsize=model_config.dtype.itemsize,
+        )
+
+    def kv_bytes(self, tokens: float) -> float:
+        return tokens * self.num_layers * self.num_kv_heads * self.head_dim * 2 * self.itemsize
+
+    def prefill_flops(self, batch_size: int, input_len: int) -> float:
+        causal_pairs = batch_size * input_len * (input_len + 1) / 2
+        attention = 4 * self.num_layers * self.num_heads * self.head_dim * causal_pairs
+        return 2 * self.non_embedding_params * batch_size * input_len + attention
+
+
+@dataclass(frozen=True)
+class Peaks:
+    bandwidth: float
+    gemv_bandwidth: float
+    flops: float
+
+
+@dataclass
+class Timing:
+    """One case's measurement. ``decode_s`` holds every step (ours) or is None
+    when only the mean step is known (HF: ``decode_mean_s``)."""
+
+    prefill_s: float
+    decode_s: list[float] | None = None
+    decode_mean_s: float | None = None
+
+
+def case_metrics(shape: ModelShape, peaks: Peaks, bs: int, input_len: int, output_len: int, t: Timing) -> dict:
+    """Latencies, throughputs and roofline shares of one case."""
+    flops = shape.prefill_flops(bs, input_len)
+    out = {
+        "prefill_ms": _ms(t.prefill_s),
+        "prefill_tok_s": round(bs * input_len / t.prefill_s, 1),
+        "prefill_flops": flops,
+        "prefill_tflop_s": _sig(flops / t.prefill_s / 1e12),
+        "prefill_pct_peak_flops": _sig(100 * flops / t.prefill_s / peaks.flops),
+        "decode_steps": output_len - 1,
+    }
+    if output_len < 2:
+        return out
+    steps = t.decode_s
+    mean = float(np.mean(steps)) if steps else t.decode_mean_s
+    median = float(np.median(steps)) if steps else None
+    step = median if median is not None else mean
+    # Decode step k (1-based) attends over input_len + k tokens.
+    mean_context = input_len + output_len / 2
+    kv = shape.kv_bytes(bs * mean_context)
+    bandwidth = (shape.weight_bytes + kv) / step
+    out.update({
+        "decode_median_ms": _ms(median),
+        "decode_p90_ms": _ms(float(np.percentile(steps, 90))) if steps else None,
+        "decode_mean_ms": _ms(mean),
+        "decode_tok_s": round(bs / step, 2),
+        "weight_bytes": shape.weight_bytes,
+        "kv_bytes_per_step": int(kv),
+        "decode_bandwidth_gb_s": _sig(bandwidth / 1e9),
+        "decode_pct_peak_bandwidth": _sig(100 * bandwidth / peaks.bandwidth),
+        "decode_pct_gemv_bandwidth": _sig(100 * bandwidth / peaks.gemv_bandwidth),
+    })
+    return out
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 4)
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant figures (CPU runs give tiny shares of GPU peaks)."""
+    return float(f"{x:.{digits}g}")
+
+
+# -- radixserve ------------------------------------------------------------------------
+def make_prompts(bs: int, input_len: int, vocab_size: int, seed: int) -> torch.Tensor:
+    """``[bs, input_len]`` random token ids (speed does not depend on them)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (bs, input_len), generator=gen, dtype=torch.int64)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def static_batch(runner, bs: int, total_len: int):
+    """``bs`` request rows and ``total_len`` KV slots for each, recorded in
+    ``req_to_token``; yields (rows [bs] int64 on the host, slots [bs, total_len]
+    on the device) and returns both to their pools on exit."""
+    rows = runner.req_to_token_pool.alloc(bs)
+    zeros = torch.zeros(bs, dtype=torch.int64)
+    slots = runner.token_to_kv_pool_allocator.alloc_extend(zeros, torch.full((bs,), total_len), zeros)
+    if slots is None:
+        runner.req_to_token_pool.free(rows)
+        raise RuntimeError(
+            f"the KV pool ({runner.max_total_tokens} tokens) cannot hold {bs} x {total_len} tokens; "
+            "raise --max-total-tokens or --mem-fraction-static"
+        )
+    slots = slots.view(bs, total_len)
+    for row, row_slots in zip(rows, slots):
+        runner.req_to_token_pool.write(row, 0, row_slots)
+    try:
+        yield torch.tensor(rows, dtype=torch.int64), slots
+    finally:
+        runner.token_to_kv_pool_allocator.free(slots.flatten())
+        runner.req_to_token_pool.free(rows)
+
+
+def _greedy_info(bs: int, prompts: torch.Tensor, output_len: int, vocab_size: int, device):
+    from radixserve.managers.schedule_batch import Req
+    from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
+    from radixserve.sampling.sampling_params import SamplingParams
+
+    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True).normalize(vocab_size)
+    reqs = [Req(str(i), prompts[i].tolist(), params) for i in range(bs)]
+    return SamplingBatchInfo.from_reqs(reqs, vocab_size, device)
+
+
+@torch.inference_mode()
+def run_case(runner, sampler, prompts: torch.Tensor, output_len: int) -> tuple[Timing, torch.Tensor]:
+    """Prefill ``prompts`` [bs, input_len] as one EXTEND, then decode greedily
+    to ``output_len`` tokens a request. Returns the timing and the ``[bs,
+    output_len]`` generated ids."""
+    from radixserve.managers.schedule_batch import ModelWorkerBatch
+    from radixserve.model_executor.forward_batch_info import ForwardMode
+
+    bs, input_len = prompts.shape
+    dev = runner.device
+    info = _greedy_info(bs, prompts, output_len, runner.model_config.vocab_size, dev)
+
+    def step(batch: ModelWorkerBatch) -> torch.Tensor:
+        out = runner.forward(runner.forward_batch_from(batch))
+        return sampler(out.next_token_logits, info).next_token_ids
+
+    with static_batch(runner, bs, input_len + output_len) as (rows, slots):
+        _sync(dev)
+        start = time.perf_counter()
+        next_ids = step(ModelWorkerBatch(
+            forward_mode=ForwardMode.EXTEND,
+            input_ids=prompts.flatten(),
+            req_pool_indices=rows,
+            seq_lens=torch.full((bs,), input_len, dtype=torch.int64),
+            out_cache_loc=slots[:, :input_len].flatten(),
+            seq_lens_cpu=[input_len] * bs,
+            extend_prefix_lens=[0] * bs,
+            extend_seq_lens=[input_len] * bs,
+            sampling_info=info,
+        ))
+        _sync(dev)
+        timing = Timing(time.perf_counter() - start, decode_s=[])
+        generated = [next_ids]
+        for seq_len in range(input_len + 1, input_len + output_len):
+            start = time.perf_counter()
+            info.cumulate_output_tokens(next_ids)
+            next_ids = step(ModelWorkerBatch(
+                forward_mode=ForwardMode.DECODE,
+                input_ids=next_ids,  # stays on the device: no host sync between steps
+                req_pool_indices=rows,
+                seq_lens=torch.full((bs,), seq_len, dtype=torch.int64),
+                out_cache_loc=slots[:, seq_len - 1],
+                seq_lens_cpu=[seq_len] * bs,
+                sampling_info=info,
+            ))
+            _sync(dev)
+            timing.decode_s.append(time.perf_counter() - start)
+            generated.append(next_ids)
+    return timing, torch.stack(generated, dim=1).cpu()
+
+
+def warm_and_run(runner, sampler, prompts: torch.Tensor, output_len: int) -> tuple[Timing, torch.Tensor]:
+    """One untimed run with the same shapes (fewer decode steps), then the measured one."""
+    run_case(runner, sampler, prompts, min(output_len, WARMUP_MAX_OUTPUT_LEN))
+    return run_case(runner, sampler, prompts, output_len)
+
+
+# -- HF transformers ---------------------------------------------------------------------
+def load_hf_model(model_config, device: torch.device):
+    """HF's model of the same config: a random init made on ``device`` for dummy
+    models (speed does not depend on weight values), else the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    if model_config.load_format != "dummy":
+        from radixserve.bench.offline_throughput import load_hf_model as load_pretrained
+
+        return load_pretrained(model_config, str(device))
+    hf_config = model_config.hf_config.__class__.from_dict(model_config.hf_config.to_dict())
+    with torch.device(device):  # random init on the device: an 8B init on the host takes minutes
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=model_config.dtype)
+    return model.eval()
+
+
+@torch.inference_mode()
+def run_hf_case(model, prompts: torch.Tensor, output_len: int, device: torch.device) -> Timing:
+    """Prefill-only (``output_len`` 1): one forward over the batch. Otherwise
+    ``generate``: a 1-token generate for the prefill, a full one for the steps.
+    Untimed calls of the same shapes go first."""
+    ids = prompts.to(device)
+    mask = torch.ones_like(ids)
+    if output_len == 1:
+        def prefill():
+            model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+        prefill()
+        return Timing(_timed(prefill, device))
+
+    def generate(new_tokens: int) -> None:
+        # eos_token_id=None: no stopping (ignore_eos), greedy.
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        if out.shape[1] != ids.shape[1] + new_tokens:
+            raise RuntimeError(f"HF generate stopped after {out.shape[1] - ids.shape[1]} of {new_tokens} tokens")
+
+    generate(1)
+    generate(min(output_len, WARMUP_MAX_OUTPUT_LEN))
+    prefill_s = _timed(lambda: generate(1), device)
+    total_s = _timed(lambda: generate(output_len), device)
+    return Timing(prefill_s, decode_mean_s=(total_s - prefill_s) / (output_len - 1))
+
+
+def _timed(fn, device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+# -- CLI ---------------------------------------------------------------------------------
+# The engine options this benchmark uses, with ServerArgs's names, defaults and help.
+_ENGINE_OPTIONS = {
+    "model_path": str, "load_format": str, "dtype": str, "device": str, "attention_backend": str,
+    "page_size": int, "max_total_tokens": int, "mem_fraction_static": float, "random_seed": int,
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for f in fields(ServerArgs):
+        if f.name in _ENGINE_OPTIONS:
+            helptext = f.metadata.get("help", "")
+            if f.name == "model_path":
+                helptext = "HF folder, .gguf file or dummy name (default: the workload's model)"
+            elif f.name == "max_total_tokens":
+                helptext += " (default: the largest case, bs x (input + output))"
+            parser.add_argument("--" + f.name.replace("_", "-"), type=_ENGINE_OPTIONS[f.name], default=f.default,
+                                help=helptext)
+    add = parser.add_argument
+    add("--workload", choices=sorted(WORKLOADS), required=True, help="W2 decode latency or W3 prefill (BENCHMARKS.md)")
+    add("--batch-sizes", type=int, nargs="+", help="override the workload's batch sizes")
+    add("--input-len", type=int, help="override the workload's input length")
+    add("--output-len", type=int, help="tokens generated per request, the prefill's included (1: prefill only)")
+    add("--seed", type=int, default=0, help="seed of the prompt token ids")
+    add("--peak-bandwidth", type=float, default=H200_COPY_BANDWIDTH, help="B/s, the decode roofline")
+    add("--gemv-bandwidth", type=float, default=H200_GEMV_BANDWIDTH, help="B/s that a plain GEMV reaches")
+    add("--peak-flops", type=float, default=H200_BF16_FLOPS, help="FLOP/s, the prefill roofline")
+    add("--compare-hf", action="store_true", help="also run HF transformers on the same shapes")
+    add("--output-json", help="append the JSON lines to this file")
+    add("--torch-threads", type=int, help="torch.set_num_threads for both backends (default: torch's own)")
+    args = parser.parse_args(argv)
+    for name in ("input_len", "output_len", "torch_threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.batch_sizes and min(args.batch_sizes) < 1:
+        parser.error("--batch-sizes must all be >= 1")
+    try:
+        args.workload_spec = workload_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
+
+
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    """The workload with the command line's overrides. ``--batch-sizes`` and
+    ``--input-len`` replace the cases by every batch size at that input length;
+    the one not given comes from the workload (W3 has two input lengths, so
+    ``--batch-sizes`` alone is ambiguous there)."""
+    spec = WORKLOADS[args.workload]
+    wl = spec
+    if args.batch_sizes or args.input_len:
+        spec_lens = sorted({n for _, n in spec.cases})
+        if args.input_len is None and len(spec_lens) > 1:
+            raise ValueError(f"{args.workload} has input lengths {spec_lens}: give --input-len with --batch-sizes")
+        sizes = args.batch_sizes or [bs for bs, _ in spec.cases]
+        input_len = args.input_len or spec_lens[0]
+        wl = dataclasses.replace(wl, cases=tuple((bs, input_len) for bs in sizes))
+    if args.output_len:
+        wl = dataclasses.replace(wl, output_len=args.output_len)
+    return wl
+
+
+def environment(device: torch.device) -> dict:
+    """Where the figures come from: device and software versions."""
+    def version(pkg: str) -> str | None:
+        try:
+            return importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    return {"device_name": name, "torch": torch.__version__, "transformers": version("transformers"),
+            "triton": version("triton"), "date": time.strftime("%Y-%m-%d")}
+
+
+class Report:
+    """Turns timings into JSON lines: prints each, appends it to ``path`` (if
+    any) and keeps it. ``common`` goes into every line of a backend."""
+
+    def __init__(self, common: dict, shape: ModelShape, peaks: Peaks, output_len: int, path: str | None):
+        self.common, self.shape, self.peaks, self.output_len, self.path = common, shape, peaks, output_len, path
+        self.records: list[dict] = []
+
+    def case(self, backend: str, bs: int, input_len: int, timing: Timing, **extra) -> dict:
+        return self.emit({
+            **self.common, "backend": backend, **extra,
+            "batch_size": bs, "input_len": input_len, "output_len": self.output_len,
+            **case_metrics(self.shape, self.peaks, bs, input_len, self.output_len, timing),
+            "load_avg_1m": round(os.getloadavg()[0], 2),  # other processes on a small CPU skew the figures
+        })
+
+    def summary(self, ours: dict, hf: dict) -> dict:
+        keys = ("bench", "workload", "full_size", "model", "device", "batch_size", "input_len", "output_len")
+        line = {"summary": True, **{k: ours[k] for k in keys}}
+        line["speedup_prefill"] = round(hf["prefill_ms"] / ours["prefill_ms"], 3)
+        if self.output_len > 1:  # mean against mean: HF's steps are only known on average
+            line["speedup_decode"] = round(hf["decode_mean_ms"] / ours["decode_mean_ms"], 3)
+        return self.emit(line)
+
+    def emit(self, record: dict) -> dict:
+        self.records.append(record)
+        line = json.dumps(record)
+        print(line, flush=True)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
+        return record
+
+
+def build_runner(server_args: ServerArgs, model_config, wl: Workload):
+    """A ModelRunner whose KV pool and request table fit the largest case."""
+    from radixserve.model_executor.model_runner import ModelRunner
+
+    max_len = max(n for _, n in wl.cases) + wl.output_len
+    if max_len > model_config.context_len:
+        raise SystemExit(f"input + output = {max_len} tokens exceeds the context length {model_config.context_len}")
+    page = server_args.page_size
+    needed = max(bs * -(-(n + wl.output_len) // page) * page for bs, n in wl.cases)
+    return ModelRunner(
+        model_config, device=server_args.resolved_device(), page_size=page,
+        max_total_tokens=server_args.max_total_tokens or needed,
+        max_running_requests=max(bs for bs, _ in wl.cases), max_context_len=max_len,
+        attention_backend=server_args.attention_backend, mem_fraction_static=server_args.mem_fraction_static,
+        seed=server_args.random_seed,
+    )
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    from radixserve.layers.sampler import Sampler
+    from radixserve.model_loader import resolve_model
+
+    args = parse_args(argv)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    wl, spec = args.workload_spec, WORKLOADS[args.workload]
+    server_args = ServerArgs(**{name: getattr(args, name) for name in _ENGINE_OPTIONS})  # validates them
+    model_path = server_args.model_path or wl.model_path
+    device = torch.device(server_args.resolved_device())
+    model_config = resolve_model(model_path, server_args.load_format, server_args.dtype, str(device))
+    runner = build_runner(server_args, model_config, wl)
+    report = Report({
+        "bench": "one_batch", "workload": args.workload, "full_size": wl == spec and model_path == spec.model_path,
+        "model": os.path.basename(model_path.rstrip("/")), "device": device.type,
+        "dtype": str(model_config.dtype).removeprefix("torch."), "torch_threads": torch.get_num_threads(),
+        **environment(device),
+    }, ModelShape.of(runner.model, model_config), Peaks(args.peak_bandwidth, args.gemv_bandwidth, args.peak_flops),
+        wl.output_len, args.output_json)
+    prompts = {case: make_prompts(*case, model_config.vocab_size, args.seed) for case in wl.cases}
+
+    ours, sampler = {}, Sampler()
+    for case in wl.cases:
+        timing, _ = warm_and_run(runner, sampler, prompts[case], wl.output_len)
+        ours[case] = report.case("radixserve", *case, timing, attention_backend=server_args.attention_backend,
+                                 page_size=server_args.page_size, kv_pool_tokens=runner.max_total_tokens)
+    if args.compare_hf:
+        del runner, sampler  # our weights and KV pool go before HF's model comes
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        hf_model = load_hf_model(model_config, device)
+        for case in wl.cases:
+            hf = report.case("hf_transformers", *case, run_hf_case(hf_model, prompts[case], wl.output_len, device))
+            report.summary(ours[case], hf)
+    return report.records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Attention through our own Triton kernels (GPU).
+
+- DECODE: paged split-KV decode (``triton_ops.decode_attention``). Per batch,
+  ``init_forward_metadata`` picks the grid's split axis from the batch size
+  and each request's split count from its length, on the device. Nothing in
+  ``forward`` syncs with the host or allocates beyond its output, and the
+  scratch buffers for partial outputs are allocated once, for the runner's
+  largest batch: the path is ready for CUDA-graph capture.
+- EXTEND: one kernel over all requests (``triton_ops.extend_attention``): the
+  cached prefix through ``req_to_token``, the new tokens causally from q/k/v.
+- New K/V go into the pool with one fused store kernel (``triton_ops.kv_store``).
+
+Kernels only see slot indices, so any page size works. q/k/v may be bf16,
+fp16 or fp32 (fp32 dots run in full precision, for debugging).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixserve.layers.attention.base import AttentionBackend
+from radixserve.layers.attention.triton_ops import decode_attention as decode_ops
+from radixserve.layers.attention.triton_ops.extend_attention import extend_attention_fwd
+from radixserve.layers.attention.triton_ops.kv_store import can_store_kv, store_kv
+
+if TYPE_CHECKING:
+    from radixserve.layers.radix_attention import RadixAttention
+    from radixserve.model_executor.forward_batch_info import ForwardBatch
+
+DEFAULT_NUM_SMS = 16  # off CUDA (Triton's interpreter) there is no multiprocessor count to read
+
+
+@dataclass
+class DecodeMetadata:
+    num_kv_splits: torch.Tensor  # [bs] int32, a view of the backend's persistent buffer
+    max_splits: int  # the split axis of the grid
+
+
+@dataclass
+class ExtendMetadata:
+    prefix_lens: torch.Tensor  # [bs]
+    extend_lens: torch.Tensor  # [bs]
+    extend_start: torch.Tensor  # [bs], row of each request's first new token in q/k/v
+    max_extend_len: int
+
+
+class TritonAttnBackend(AttentionBackend):
+    """See the module docstring. With a ``model_runner`` the decode scratch is
+    sized for its ``max_running_requests + 1`` rows (the padding row included)
+    up front; without one (kernel tests) it grows on demand."""
+
+    def __init__(self, model_runner=None):
+        self.num_kv_heads = 1
+        self._splits_buf: torch.Tensor | None = None  # [capacity] int32
+        self._mid_o: torch.Tensor | None = None  # [capacity, heads, MAX_KV_SPLITS, v_head_dim] fp32
+        self._mid_lse: torch.Tensor | None = None  # [capacity, heads, MAX_KV_SPLITS] fp32
+        self._num_sms: dict[torch.device, int] = {}
+        if model_runner is not None:
+            cfg = model_runner.model_config
+            self.num_kv_heads = cfg.num_key_value_heads
+            rows = model_runner.max_running_requests + 1
+            self._splits(rows, model_runner.device)
+            self._scratch(rows, cfg.num_attention_heads, cfg.head_dim, model_runner.device)
+
+    # -- metadata (once per forward, before the layers) ---------------------
+    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        fb = forward_batch
+        if fb.forward_mode.is_decode():
+            bs, device = fb.batch_size, fb.seq_lens.device
+            max_splits = decode_ops.splits_grid(bs, self.num_kv_heads, self._sm_count(device))
+            num_kv_splits = decode_ops.num_kv_splits_(self._splits(bs, device)[:bs], fb.seq_lens, max_splits)
+            fb.attn_metadata = DecodeMetadata(num_kv_splits=num_kv_splits, max_splits=max_splits)
+        else:
+            fb.attn_metadata = ExtendMetadata(
+                prefix_lens=fb.extend_prefix_lens,
+                extend_lens=fb.extend_seq_lens,
+                extend_start=fb.extend_start_loc,
+                max_extend_len=max(fb.extend_seq_lens_cpu, default=0),
+            )
+
+    # -- forward --------------------------------------------------------------
+    def forward_decode(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache=True):
+        fb = forward_batch
+        if not save_kv_cache:
+            # The pool lacks the new tokens: read them from k/v like an extend of one token.
+            return self._extend(q, k, v, layer, fb, _decode_as_extend(fb))
+        md: DecodeMetadata = fb.attn_metadata
+        bs, d, dv = fb.batch_size, layer.head_dim, v.shape[-1] // layer.num_kv_heads
+        self._store(k.view(bs, layer.num_kv_heads, d), v.view(bs, layer.num_kv_heads, dv), layer, fb)
+        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        mid_o, mid_lse = self._scratch(bs, layer.num_heads, dv, q.device)
+        out = q.new_empty(bs, layer.num_heads, dv)
+        decode_ops.decode_attention_fwd(
+            q.view(bs, layer.num_heads, d), k_buf, v_buf, out,
+            fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
+            md.num_kv_splits, md.max_splits, mid_o, mid_lse, layer.scaling,
+        )
+        return out.view(bs, layer.num_heads * dv)
+
+    def forward_extend(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache=True):
+        if save_kv_cache:
+            d, dv = layer.head_dim, v.shape[-1] // layer.num_kv_heads
+            self._store(k.view(-1, layer.num_kv_heads, d), v.view(-1, layer.num_kv_heads, dv), layer, forward_batch)
+        return self._extend(q, k, v, layer, forward_batch, forward_batch.attn_metadata)
+
+    def _extend(self, q, k, v, layer: "RadixAttention", fb: "ForwardBatch", md: ExtendMetadata) -> torch.Tensor:
+        d, dv = layer.head_dim, v.shape[-1] // layer.num_kv_heads
+        q = q.view(-1, layer.num_heads, d)
+        out = q.new_empty(q.shape[0], layer.num_heads, dv)
+        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        extend_attention_fwd(
+            q, k.view(-1, layer.num_kv_heads, d), v.view(-1, layer.num_kv_heads, dv), out, k_buf, v_buf,
+            fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
+            md.prefix_lens, md.extend_lens, md.extend_start, md.max_extend_len, layer.scaling,
+        )
+        return out.view(-1, layer.num_heads * dv)
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch") -> None:
+        pool = fb.token_to_kv_pool
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        if can_store_kv(k, v, k_buf, v_buf):
+            store_kv(k, v, k_buf, v_buf, fb.out_cache_loc)
+        else:
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+
+    # -- persistent buffers -------------------------------------------------------
+    def _splits(self, bs: int, device: torch.device) -> torch.Tensor:
+        buf, device = self._splits_buf, _canonical(device)
+        if buf is None or buf.shape[0] < bs or buf.device != device:
+            buf = self._splits_buf = torch.ones(bs, dtype=torch.int32, device=device)
+        return buf
+
+    def _scratch(self, bs: int, num_heads: int, v_head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the split-KV partial outputs and log-sum-exps for ``bs`` rows
+        (grown, eagerly, only if a batch outgrows what was allocated)."""
+        o, device = self._mid_o, _canonical(device)
+        per_row = (num_heads, decode_ops.MAX_KV_SPLITS)
+        if o is None or o.shape[0] < bs or o.shape[1:] != (*per_row, v_head_dim) or o.device != device:
+            rows = bs if o is None else max(bs, o.shape[0])
+            self._mid_o = torch.empty(rows, *per_row, v_head_dim, dtype=torch.float32, device=device)
+            self._mid_lse = torch.empty(rows, *per_row, dtype=torch.float32, device=device)
+        return self._mid_o[:bs], self._mid_lse[:bs]
+
+    def _sm_count(self, device: torch.device) -> int:
+        device = _canonical(device)
+        if device not in self._num_sms:
+            cuda = device.type == "cuda"
+            self._num_sms[device] = (
+                torch.cuda.get_device_properties(device).multi_processor_count if cuda else DEFAULT_NUM_SMS
+            )
+        return self._num_sms[device]
+
+
+def _canonical(device) -> torch.device:
+    """``cuda`` -> ``cuda:<current>``, so that device comparisons hold."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _decode_as_extend(fb: "ForwardBatch") -> ExtendMetadata:
+    """A DECODE batch seen as an EXTEND of one new token per request (device ops only)."""
+    ones = torch.ones_like(fb.seq_lens)
+    return ExtendMetadata(
+        prefix_lens=fb.seq_lens - 1,
+        extend_lens=ones,
+        extend_start=torch.arange(fb.batch_size, device=fb.seq_lens.device),
+        max_extend_len=1,
+    )

@@ -1,0 +1,73 @@
+"""The static-batch benchmark (W2 / W3) end to end on a tiny dummy model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from radixserve.bench.one_batch import main, make_prompts, parse_args, run_case
+from radixserve.entrypoints.engine import Engine
+from radixserve.layers.sampler import Sampler
+from radixserve.model_executor.model_runner import ModelRunner
+from radixserve.model_loader import dummy_config, resolve_model
+
+
+def test_one_batch_reports_rooflines_for_both_backends(capsys, tmp_path):
+    out_file = tmp_path / "bench.jsonl"
+    records = main([
+        "--workload", "W2", "--model-path", "tiny-llama", "--batch-sizes", "1", "3", "--input-len", "16",
+        "--output-len", "4", "--compare-hf", "--output-json", str(out_file),
+    ])
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert printed == records == [json.loads(line) for line in out_file.read_text().splitlines()]
+    ours1, ours3, hf1, summary1, hf3, summary3 = records
+    assert [r["backend"] for r in (ours1, ours3, hf1, hf3)] == ["radixserve"] * 2 + ["hf_transformers"] * 2
+
+    # The rooflines' inputs, counted independently on HF's model of the same config (float32 on CPU).
+    hf_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(dummy_config("tiny-llama")).parameters())
+    non_embedding = hf_params - 2 * 512 * 64  # untied embedding and LM head
+    kv_per_token = 2 * 2 * 16 * 2 * 4  # layers x kv heads x head_dim x (K, V) x float32
+    for rec, bs in ((ours1, 1), (ours3, 3), (hf1, 1), (hf3, 3)):
+        assert rec["workload"] == "W2" and rec["model"] == "tiny-llama" and rec["full_size"] is False
+        assert (rec["batch_size"], rec["input_len"], rec["output_len"], rec["decode_steps"]) == (bs, 16, 4, 3)
+        assert rec["weight_bytes"] == 4 * hf_params
+        assert rec["kv_bytes_per_step"] == bs * (16 + 4 / 2) * kv_per_token
+        assert rec["prefill_flops"] == 2 * non_embedding * bs * 16 + 4 * 2 * 4 * 16 * bs * 16 * 17 / 2
+        assert rec["prefill_ms"] > 0 and rec["prefill_tok_s"] == pytest.approx(bs * 16e3 / rec["prefill_ms"], rel=1e-3)
+        step_ms = rec["decode_median_ms"] or rec["decode_mean_ms"]
+        assert rec["decode_tok_s"] == pytest.approx(bs / step_ms * 1e3, rel=1e-3)
+        bandwidth = (rec["weight_bytes"] + rec["kv_bytes_per_step"]) / (step_ms / 1e3)
+        assert rec["decode_pct_peak_bandwidth"] == pytest.approx(100 * bandwidth / 4.25e12, rel=1e-3)
+        assert rec["decode_pct_gemv_bandwidth"] == pytest.approx(100 * bandwidth / 3.7e12, rel=1e-3)
+    for rec in (ours1, ours3):  # per-step times are ours only; HF's are an average
+        assert 0 < rec["decode_median_ms"] <= rec["decode_p90_ms"] and rec["decode_mean_ms"] > 0
+        assert rec["kv_pool_tokens"] == 3 * (16 + 4)  # sized to the largest case
+    assert hf1["decode_median_ms"] is None and hf1["decode_p90_ms"] is None
+    for summary, ours, hf in ((summary1, ours1, hf1), (summary3, ours3, hf3)):
+        assert summary["summary"] and summary["batch_size"] == ours["batch_size"]
+        assert summary["speedup_decode"] == round(hf["decode_mean_ms"] / ours["decode_mean_ms"], 3)
+        assert summary["speedup_prefill"] == round(hf["prefill_ms"] / ours["prefill_ms"], 3)
+
+
+def test_static_batch_decodes_like_the_engine_and_frees_its_memory():
+    config = resolve_model("tiny-qwen2", "dummy", "auto", "cpu")
+    runner = ModelRunner(config, page_size=4, max_total_tokens=64, max_running_requests=3, max_context_len=32)
+    prompts = make_prompts(3, 9, config.vocab_size, seed=1)
+    _, ours = run_case(runner, Sampler(), prompts, output_len=5)
+
+    engine = Engine(model_path="tiny-qwen2", disable_tqdm=True)
+    outs = engine.generate(input_ids=prompts.tolist(),
+                           sampling_params={"max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
+    engine.shutdown()
+    assert ours.tolist() == [o["output_ids"] for o in outs]
+    assert runner.token_to_kv_pool_allocator.available_size() == 64
+    assert runner.req_to_token_pool.available_size() == 3
+    runner.token_to_kv_pool_allocator.check_invariants()
+
+
+def test_w3_overrides_need_an_input_length():
+    assert parse_args(["--workload", "W3", "--input-len", "64"]).workload_spec.cases == ((8, 64), (1, 64))
+    with pytest.raises(SystemExit):
+        parse_args(["--workload", "W3", "--batch-sizes", "2"])
