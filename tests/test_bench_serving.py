@@ -202,7 +202,7 @@ def test_random_run_at_two_rates_completes_without_failures(server, tmp_path):
     again = compute_metrics(saved, out["runs"][1]["duration_s"])
     assert again["ttft_ms"] == pytest.approx(out["runs"][1]["ttft_ms"], abs=0.2)
     assert serving.main(["--compare", str(tmp_path / "random.json"), "--plot", str(tmp_path / "again")]) == 0
-    assert (tmp_path / "again-compare.png").exists() and (tmp_path / "again-latency.png").exists()
+    assert (tmp_path / "again-compare.png").exists() and (tmp_path / "again-latency.png").exists()  # two rates
 
 
 def test_shared_prefix_run_one_at_a_time_hits_the_ideal(server, tmp_path):

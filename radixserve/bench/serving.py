@@ -625,6 +625,7 @@ def plot_latencies(runs: list[tuple[str, list[RequestRecord]]], path: str) -> No
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for ax, (name, fn) in zip(axes.flat, (("TTFT", lambda r: [ttft(r)]), ("TPOT", lambda r: [tpot(r)]),
@@ -637,6 +638,11 @@ def plot_latencies(runs: list[tuple[str, list[RequestRecord]]], path: str) -> No
                 lo, hi = min(lo, vals[0]), max(hi, vals[-1])
         if 0 < lo and hi / lo > 20:
             ax.set_xscale("log")
+            ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
+            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        else:
+            ax.ticklabel_format(axis="x", useOffset=False, style="plain")
         ax.set_title(name)
         ax.set_xlabel("ms")
         ax.set_ylabel("share of requests" if name != "ITL" else "share of tokens")
@@ -690,13 +696,12 @@ def plot_compare(results: list[dict], path: str) -> None:
     axes[0].legend()
     axes[1].bar(x, [r["output_throughput"] for r in results], 0.6)
     axes[1].set_title("output throughput (tok/s)")
-    hit = [r["cache_hit_rate"] if r["cache_hit_rate"] is not None else r["cache_hit_rate_requests"] or 0
-           for r in results]
-    axes[2].bar(x, hit, 0.6, label="measured")
-    axes[2].plot(x, [r["ideal_cache_hit_rate"] for r in results], "k_", markersize=30, mew=2, label="ideal")
+    axes[2].bar(x - w / 2, [r["cache_hit_rate"] or 0 for r in results], w, label="server counters")
+    axes[2].bar(x + w / 2, [r["cache_hit_rate_requests"] or 0 for r in results], w, label="per request")
+    axes[2].plot(x, [r["ideal_cache_hit_rate"] for r in results], "k_", markersize=40, mew=2, label="ideal")
     axes[2].set_ylim(0, 1)
     axes[2].set_title("cache hit rate")
-    axes[2].legend()
+    axes[2].legend(fontsize=8)
     for ax in axes:
         ax.set_xticks(x, labels, rotation=15, ha="right", fontsize=8)
     fig.tight_layout()
@@ -774,7 +779,8 @@ def _compare(args) -> int:
         with open(path, encoding="utf-8") as f:
             runs += json.load(f)["runs"]
     prefix = _plot_prefix(args)
-    plot_compare(runs, prefix + "-compare.png")
+    if len(runs) > 1:
+        plot_compare(runs, prefix + "-compare.png")
     timelines = [(r.get("label") or str(r["request_rate"]), [RequestRecord(**d) for d in r["requests"]])
                  for r in runs if "requests" in r]
     if timelines:

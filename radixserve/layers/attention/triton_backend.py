@@ -5,7 +5,8 @@
   and each request's split count from its length, on the device. Nothing in
   ``forward`` syncs with the host or allocates beyond its output, and the
   scratch buffers for partial outputs are allocated once, for the runner's
-  largest batch: the path is ready for CUDA-graph capture.
+  largest batch (a few MB: the split axis shrinks as batches grow): the path
+  is ready for CUDA-graph capture.
 - EXTEND: one kernel over all requests (``triton_ops.extend_attention``): the
   cached prefix through ``req_to_token``, the new tokens causally from q/k/v.
 - New K/V go into the pool with one fused store kernel (``triton_ops.kv_store``).
@@ -55,15 +56,17 @@ class TritonAttnBackend(AttentionBackend):
     def __init__(self, model_runner=None):
         self.num_kv_heads = 1
         self._splits_buf: torch.Tensor | None = None  # [capacity] int32
-        self._mid_o: torch.Tensor | None = None  # [capacity, heads, MAX_KV_SPLITS, v_head_dim] fp32
-        self._mid_lse: torch.Tensor | None = None  # [capacity, heads, MAX_KV_SPLITS] fp32
+        # Flat fp32 scratch, viewed per batch as [bs, heads, splits, v_head_dim] and [bs, heads, splits].
+        self._mid_o: torch.Tensor | None = None
+        self._mid_lse: torch.Tensor | None = None
         self._num_sms: dict[torch.device, int] = {}
         if model_runner is not None:
-            cfg = model_runner.model_config
+            cfg, device = model_runner.model_config, model_runner.device
             self.num_kv_heads = cfg.num_key_value_heads
-            rows = model_runner.max_running_requests + 1
-            self._splits(rows, model_runner.device)
-            self._scratch(rows, cfg.num_attention_heads, cfg.head_dim, model_runner.device)
+            rows = model_runner.max_running_requests + 1  # the padding row too
+            self._splits(rows, device)
+            split_rows = decode_ops.scratch_splits(rows, self.num_kv_heads, self._sm_count(device))
+            self._scratch(split_rows, 1, cfg.num_attention_heads, cfg.head_dim, device)
 
     # -- metadata (once per forward, before the layers) ---------------------
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
@@ -91,7 +94,7 @@ class TritonAttnBackend(AttentionBackend):
         bs, d, dv = fb.batch_size, layer.head_dim, v.shape[-1] // layer.num_kv_heads
         self._store(k.view(bs, layer.num_kv_heads, d), v.view(bs, layer.num_kv_heads, dv), layer, fb)
         k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        mid_o, mid_lse = self._scratch(bs, layer.num_heads, dv, q.device)
+        mid_o, mid_lse = self._scratch(bs, md.max_splits, layer.num_heads, dv, q.device)
         out = q.new_empty(bs, layer.num_heads, dv)
         decode_ops.decode_attention_fwd(
             q.view(bs, layer.num_heads, d), k_buf, v_buf, out,
@@ -133,16 +136,18 @@ class TritonAttnBackend(AttentionBackend):
             buf = self._splits_buf = torch.ones(bs, dtype=torch.int32, device=device)
         return buf
 
-    def _scratch(self, bs: int, num_heads: int, v_head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the split-KV partial outputs and log-sum-exps for ``bs`` rows
-        (grown, eagerly, only if a batch outgrows what was allocated)."""
-        o, device = self._mid_o, _canonical(device)
-        per_row = (num_heads, decode_ops.MAX_KV_SPLITS)
-        if o is None or o.shape[0] < bs or o.shape[1:] != (*per_row, v_head_dim) or o.device != device:
-            rows = bs if o is None else max(bs, o.shape[0])
-            self._mid_o = torch.empty(rows, *per_row, v_head_dim, dtype=torch.float32, device=device)
-            self._mid_lse = torch.empty(rows, *per_row, dtype=torch.float32, device=device)
-        return self._mid_o[:bs], self._mid_lse[:bs]
+    def _scratch(self, bs: int, splits: int, num_heads: int, v_head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``[bs, num_heads, splits, v_head_dim]`` and ``[bs, num_heads, splits]``
+        of the flat scratch buffers (grown, eagerly, only if a batch outgrows
+        what was allocated)."""
+        device = _canonical(device)
+        lse_numel = bs * num_heads * splits
+        if self._mid_lse is None or self._mid_lse.numel() < lse_numel or self._mid_lse.device != device:
+            self._mid_lse = torch.empty(lse_numel, dtype=torch.float32, device=device)
+        if self._mid_o is None or self._mid_o.numel() < lse_numel * v_head_dim or self._mid_o.device != device:
+            self._mid_o = torch.empty(lse_numel * v_head_dim, dtype=torch.float32, device=device)
+        mid_o = self._mid_o[: lse_numel * v_head_dim].view(bs, num_heads, splits, v_head_dim)
+        return mid_o, self._mid_lse[:lse_numel].view(bs, num_heads, splits)
 
     def _sm_count(self, device: torch.device) -> int:
         device = _canonical(device)

@@ -17,9 +17,12 @@ Split layout of one request of ``seq_len`` tokens and ``n`` splits::
 
 Rounding to whole blocks can leave the last splits empty; they write
 ``lse = -inf`` and the merge gives them weight 0. ``n`` is a per-request
-device tensor (``num_kv_splits``) and the grid's third axis is a host int that
-depends on the batch size alone, so a CUDA graph captured for one batch size
-serves any sequence lengths. Log-sum-exps are kept in base 2 (``exp2``).
+device tensor (``num_kv_splits``) and the grid's third axis ``S`` is a host
+int that depends on the batch size alone (``splits_grid``), so a CUDA graph
+captured for one batch size serves any sequence lengths. ``S`` shrinks as the
+batch grows, so the scratch (``[bs, heads, S, dim]``) never needs more than
+``max(bs * S)`` rows of splits (``scratch_splits``). Log-sum-exps are kept in
+base 2 (``exp2``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_KV_SPLITS = 16  # splits per request at most; sizes the scratch buffers
+MAX_KV_SPLITS = 64  # splits per request at most
 MIN_TOKENS_PER_SPLIT = 64  # a shorter chunk is not worth its own program
 # Stage-1 launch: BLOCK_N context tokens per step inside a program.
 STAGE1_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
@@ -140,6 +143,12 @@ def splits_grid(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
     return max(1, min(MAX_KV_SPLITS, triton.cdiv(target, batch_size * num_kv_heads)))
 
 
+def scratch_splits(max_batch_size: int, num_kv_heads: int, num_sms: int) -> int:
+    """``max(bs * splits_grid(bs))`` over batches up to ``max_batch_size``: the
+    partial-output rows (per head) that the scratch buffers must hold."""
+    return max(bs * splits_grid(bs, num_kv_heads, num_sms) for bs in range(1, max_batch_size + 1))
+
+
 def num_kv_splits_(out: torch.Tensor, seq_lens: torch.Tensor, max_splits: int) -> torch.Tensor:
     """Each request's split count, written into ``out`` (int32, on the device,
     no host sync): one split per ``MIN_TOKENS_PER_SPLIT`` tokens, 1 to ``max_splits``."""
@@ -157,8 +166,8 @@ def decode_attention_fwd(
     seq_lens: torch.Tensor,  # [bs], context length including the new token
     num_kv_splits: torch.Tensor,  # [bs] int32, from num_kv_splits_
     max_splits: int,  # the grid's split axis, from splits_grid; >= num_kv_splits
-    mid_o: torch.Tensor,  # [>= bs, num_heads, MAX_KV_SPLITS, v_head_dim] float32 scratch
-    mid_lse: torch.Tensor,  # [>= bs, num_heads, MAX_KV_SPLITS] float32 scratch
+    mid_o: torch.Tensor,  # [bs, num_heads, >= max_splits, v_head_dim] float32 scratch
+    mid_lse: torch.Tensor,  # [bs, num_heads, >= max_splits] float32 scratch
     sm_scale: float,
 ) -> torch.Tensor:
     """Attention of one new query token per request over its whole paged
@@ -168,6 +177,8 @@ def decode_attention_fwd(
     kv_heads, v_head_dim = k_buffer.shape[1], v_buffer.shape[2]
     group = num_heads // kv_heads
     _check_last_dim_contiguous(q, k_buffer, v_buffer, out, req_to_token, mid_o, mid_lse)
+    if mid_lse.shape[2] < max_splits or mid_o.shape[2] < max_splits:
+        raise ValueError(f"decode scratch holds {mid_lse.shape[2]} splits, the grid has {max_splits}")
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _decode_split_kernel[(bs, kv_heads, max_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse,
@@ -189,7 +200,7 @@ def decode_attention_fwd(
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         DV=v_head_dim, BLOCK_DV=max(16, triton.next_power_of_2(v_head_dim)),
-        SPLITS_POW2=triton.next_power_of_2(mid_lse.shape[2]),
+        SPLITS_POW2=triton.next_power_of_2(max_splits),
         num_warps=4 if v_head_dim >= 128 else 2,
     )
     return out
