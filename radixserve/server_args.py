@@ -34,7 +34,7 @@ class ServerArgs:
     schedule_conservativeness: float = field(default=1.0, metadata={"help": "scales the output-length estimate"})
     disable_radix_cache: bool = field(default=False, metadata={"help": "no prefix reuse (ablation)"})
     eviction_policy: str = field(default="lru", metadata={"help": "lru or lfu"})
-    attention_backend: str = field(default="torch_native", metadata={"help": "attention kernels: torch_native"})
+    attention_backend: str = field(default="torch_native", metadata={"help": "attention kernels: torch_native (CPU and GPU) or triton (GPU)"})
     mem_fraction_static: float = field(default=0.8, metadata={"help": "GPU memory share for weights + KV"})
     random_seed: int = field(default=0, metadata={"help": "seed of the global RNG"})
     check_invariants: bool = field(default=False, metadata={"help": "check the memory invariant after every step"})
