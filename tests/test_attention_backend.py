@@ -142,3 +142,41 @@ def test_without_saving_kv(mode):
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="torch_native"):
         create_attention_backend("flashinfer", None)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_steps_reuse_and_rebuild_the_dense_cache(page_size):
+    """Consecutive decode steps of the same requests reuse the CPU dense K/V
+    cache; a changed batch rebuilds it. Every step must equal the reference."""
+    group, steps, start_lens = 2, 3, [20, 35, 9]
+    num_heads = KV_HEADS * group
+    ctx = PagedContext([n + steps + 1 for n in start_lens], page_size, seed=3)
+    layer = RadixAttention(num_heads, HEAD_DIM, HEAD_DIM**-0.5, KV_HEADS, LAYER_ID)
+    full_k = [ctx.randn(n + steps + 1, KV_HEADS, HEAD_DIM) for n in start_lens]
+    full_v = [ctx.randn(n + steps + 1, KV_HEADS, HEAD_DIM) for n in start_lens]
+    for slots, n, fk, fv in zip(ctx.slots, start_lens, full_k, full_v):
+        ctx.kv.set_kv_buffer(LAYER_ID, slots[:n], fk[:n], fv[:n])
+    backend = create_attention_backend("torch_native", None)
+    plans = []
+    # three steps of all requests, then one step of a smaller batch (the first request left)
+    schedule = [[0, 1, 2]] * steps + [[1, 2]]
+    lens = list(start_lens)
+    for batch in schedule:
+        sub = PagedContext.__new__(PagedContext)
+        sub.__dict__.update(ctx.__dict__)
+        sub.rows, sub.slots = [ctx.rows[i] for i in batch], [ctx.slots[i][: lens[i] + 1] for i in batch]
+        prefix = [lens[i] for i in batch]
+        fb = make_batch(sub, ForwardMode.DECODE, prefix, [1] * len(batch), backend)
+        backend.init_forward_metadata(fb)
+        plans.append(fb.attn_metadata.dense)
+        q = ctx.randn(len(batch), num_heads * HEAD_DIM)
+        k = torch.stack([full_k[i][lens[i]] for i in batch]).view(len(batch), -1)
+        v = torch.stack([full_v[i][lens[i]] for i in batch]).view(len(batch), -1)
+        out = layer(q, k, v, fb)
+        for j, i in enumerate(batch):
+            n = lens[i] + 1
+            ref = dense_reference(q[j].view(1, num_heads, HEAD_DIM), full_k[i][:n], full_v[i][:n], n - 1, layer.scaling)
+            torch.testing.assert_close(out[j].view(1, num_heads, HEAD_DIM), ref, atol=1e-5, rtol=1e-5)
+        for i in batch:
+            lens[i] += 1
+    assert plans == [True, False, False, True], "rebuild, reuse twice, rebuild for the new batch"

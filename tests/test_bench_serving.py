@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from radixserve.bench import serving
-from radixserve.bench.datasets import (Conversation, Dataset, TokenSampler, Turn, generated_shared_prefix_dataset,
-                                       jsonl_dataset, multi_turn_dataset, random_dataset)
+from radixserve.bench.datasets import (TokenSampler, generated_shared_prefix_dataset, jsonl_dataset,
+                                       multi_turn_dataset, random_dataset)
 from radixserve.bench.serving import RequestRecord, compute_metrics, itls, tpot, ttft
 
 # --------------------------------------------------------------------------- datasets

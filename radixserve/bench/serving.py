@@ -27,6 +27,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -560,9 +561,19 @@ def format_table(res: dict) -> str:
 
 
 def _write_json(path: str, output: dict) -> None:
+    """Indented, except that each saved request record takes a single line."""
+    compact: list[str] = []
+
+    def placeholder(record: dict) -> str:
+        compact.append(json.dumps(record))
+        return f"@@record{len(compact) - 1}@@"
+
+    shown = {**output, "runs": [{**r, "requests": [placeholder(d) for d in r["requests"]]} if "requests" in r else r
+                                for r in output["runs"]]}
+    text = json.dumps(shown, indent=2)
+    text = re.sub(r'"@@record(\d+)@@"', lambda m: compact[int(m.group(1))], text)
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(output, f, indent=2)
-        f.write("\n")
+        f.write(text + "\n")
 
 
 def _report(args, output: dict, res: dict) -> None:
@@ -638,11 +649,12 @@ def plot_latencies(runs: list[tuple[str, list[RequestRecord]]], path: str) -> No
                 lo, hi = min(lo, vals[0]), max(hi, vals[-1])
         if 0 < lo and hi / lo > 20:
             ax.set_xscale("log")
-            ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
+            ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5) if hi / lo < 1000 else (1,)))
             ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         else:
             ax.ticklabel_format(axis="x", useOffset=False, style="plain")
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(6))
         ax.set_title(name)
         ax.set_xlabel("ms")
         ax.set_ylabel("share of requests" if name != "ITL" else "share of tokens")
@@ -701,7 +713,7 @@ def plot_compare(results: list[dict], path: str) -> None:
     axes[2].plot(x, [r["ideal_cache_hit_rate"] for r in results], "k_", markersize=40, mew=2, label="ideal")
     axes[2].set_ylim(0, 1)
     axes[2].set_title("cache hit rate")
-    axes[2].legend(fontsize=8)
+    axes[2].legend(fontsize=8, markerscale=0.3)
     for ax in axes:
         ax.set_xticks(x, labels, rotation=15, ha="right", fontsize=8)
     fig.tight_layout()
