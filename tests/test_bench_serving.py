@@ -229,8 +229,6 @@ def test_multi_turn_run_resends_the_growing_history(server, tmp_path):
     assert ideal - 6 / run["total_input_tokens"] - 1e-9 <= run["cache_hit_rate_requests"] <= ideal + 1e-9
 
 
-@pytest.mark.xfail(strict=True, reason="the scheduler never adds to stats['cached_tokens']; "
-                                       "/get_server_info's cache_hit_rate stays 0")
 def test_server_counters_agree_with_per_request_cached_tokens(server, tmp_path):
     rc, out = _run(server, tmp_path, "counters", "--dataset-name", "generated-shared-prefix", "--gsp-num-groups",
                    "2", "--gsp-prompts-per-group", "2", "--gsp-system-prompt-len", "32", "--gsp-question-len", "4",

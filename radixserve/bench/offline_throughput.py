@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ours, wall, counters = run_radixserve(engine, wl, reqs)
     records = [_record(
         "radixserve", *common, sum(map(len, ours)), wall, **counters,
-        max_running_requests=server_args.max_running_requests, chunked_prefill_size=server_args.chunked_prefill_size,
+        max_running_requests=server_args.max_running_requests, chunked_prefill_size=server_args.resolved_chunked_prefill_size(),
     )]
     _emit(records[-1], args.output_json)
 

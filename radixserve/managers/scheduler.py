@@ -48,6 +48,7 @@ class Scheduler:
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache)
         self.sampler = Sampler()
         self.max_running = min(server_args.max_running_requests, self.req_to_token_pool.available_size())
+        self.chunk_size = server_args.resolved_chunked_prefill_size()
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -135,10 +136,11 @@ class Scheduler:
         free_rows = self.max_running - len(self.running)  # the chunked request, if any, is in can_run
         adder = PrefillAdder(
             self.tree_cache, self.allocator.available_size(), self.running, self.new_token_ratio,
-            self.args.max_prefill_tokens, self.args.chunked_prefill_size, max(free_rows, 0), self.page_size,
+            self.args.max_prefill_tokens, self.chunk_size, max(free_rows, 0), self.page_size,
         )
-        if self.chunked_req is not None:
-            adder.add_chunked_req(self.chunked_req)
+        continuing = self.chunked_req
+        if continuing is not None:
+            adder.add_chunked_req(continuing)
         sit_out = self.policy.calc_priority(self.waiting)
         admitted = set()
         for req in self.waiting:
@@ -151,6 +153,9 @@ class Scheduler:
                 break
             admitted.add(id(req))
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        for req in adder.can_run:  # count each prompt's cache hit once, at its first admission
+            if req is not continuing and req.retractions == 0 and not req.output_ids:
+                self.stats["cached_tokens"] += req.cached_tokens
         self.chunked_req = adder.new_chunked_req
         return self._prepare_extend(adder.can_run)
 
