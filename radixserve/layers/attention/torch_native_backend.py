@@ -96,7 +96,8 @@ class DenseDecodeCache:
         bs, kv_heads, d = k.shape[0], k.shape[1], k.shape[2]
         if md.dense or layer_id not in self.k:
             for i, (store, buf) in enumerate(((self.k, bufs[0]), (self.v, bufs[1]))):
-                dense = torch.empty(bs, kv_heads, self.cap, d, dtype=buf.dtype)
+                # zeros, not empty: masked keys still meet a 0 weight in P @ V, and 0 * NaN is NaN
+                dense = torch.zeros(bs, kv_heads, self.cap, d, dtype=buf.dtype)
                 dense[:, :, : self._max_len] = gather(i, buf).view(bs, self._max_len, kv_heads, d).transpose(1, 2)
                 store[layer_id] = dense
         else:
