@@ -188,17 +188,22 @@ class OpenAICompletionsBackend:
     path = "/v1/completions"
     chat = False  # the prompt is a list of messages
     cumulative = False  # each event brings a text delta
+    prompt_field = "prompt"
 
     def payload(self, prompt, max_tokens: int, sampling: dict, model: str) -> dict:
-        return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+        return {"model": model, self.prompt_field: prompt, "max_tokens": max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}, **_openai_sampling(sampling)}
+
+    @staticmethod
+    def choice_text(choice: dict) -> str:
+        return choice.get("text") or ""
 
     def parse(self, data: dict, prev_tokens: int) -> Chunk:
         if "error" in data:
             return Chunk(error=str(data["error"]))
         chunk = _usage_chunk(data)
         for choice in data.get("choices") or []:
-            chunk.text += choice.get("text") or ""
+            chunk.text += self.choice_text(choice)
             chunk.finished |= choice.get("finish_reason") is not None
         chunk.arrived = bool(chunk.text) or chunk.finished
         return chunk
@@ -209,20 +214,11 @@ class OpenAIChatBackend(OpenAICompletionsBackend):
 
     path = "/v1/chat/completions"
     chat = True
+    prompt_field = "messages"
 
-    def payload(self, prompt, max_tokens: int, sampling: dict, model: str) -> dict:
-        return {"model": model, "messages": prompt, "max_tokens": max_tokens, "stream": True,
-                "stream_options": {"include_usage": True}, **_openai_sampling(sampling)}
-
-    def parse(self, data: dict, prev_tokens: int) -> Chunk:
-        if "error" in data:
-            return Chunk(error=str(data["error"]))
-        chunk = _usage_chunk(data)
-        for choice in data.get("choices") or []:
-            chunk.text += (choice.get("delta") or {}).get("content") or ""
-            chunk.finished |= choice.get("finish_reason") is not None
-        chunk.arrived = bool(chunk.text) or chunk.finished
-        return chunk
+    @staticmethod
+    def choice_text(choice: dict) -> str:
+        return (choice.get("delta") or {}).get("content") or ""
 
 
 def _openai_sampling(sampling: dict) -> dict:
