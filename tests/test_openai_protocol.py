@@ -5,7 +5,6 @@ types (strict) and its client (as users run it) against a test-local app."""
 
 from __future__ import annotations
 
-import json
 
 import openai
 import pytest

@@ -30,118 +30,17 @@ import os
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
+# The metric functions are re-exported: callers and tests use them from here.
+from radixserve.bench.serving_metrics import (RequestRecord, compute_metrics, counters_hit_rate, e2e, itls,  # noqa: F401
+                                              meets_slo, record_to_json, summarize, tpot, ttft)
+from radixserve.bench.serving_plots import plot_compare, plot_latencies, plot_rates
 from radixserve.bench.datasets import (Conversation, Dataset, TokenSampler, generated_shared_prefix_dataset,
                                        jsonl_dataset, multi_turn_dataset, random_dataset)
-
-# --------------------------------------------------------------------------- records and metrics
-
-
-@dataclass
-class RequestRecord:
-    """What the client saw of one request; times are ``time.perf_counter()`` seconds."""
-
-    conversation: int
-    turn: int
-    start: float
-    end: float = 0.0
-    chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk that brought tokens
-    chunk_tokens: list[int | None] = field(default_factory=list)  # tokens so far at that chunk (None: unknown)
-    prompt_len: int = 0
-    output_len: int = 0
-    cached_tokens: int | None = None  # as the server reported it for this request
-    success: bool = False
-    error: str = ""
-
-
-def ttft(r: RequestRecord) -> float:
-    return r.chunk_times[0] - r.start
-
-
-def e2e(r: RequestRecord) -> float:
-    return r.end - r.start
-
-
-def tpot(r: RequestRecord) -> float | None:
-    """Mean time per output token after the first; None for a one-token reply."""
-    if r.output_len < 2:
-        return None
-    return (e2e(r) - ttft(r)) / (r.output_len - 1)
-
-
-def itls(r: RequestRecord) -> list[float]:
-    """Inter-token latencies: a chunk bringing n tokens after gap g counts n times g / n.
-    Without token counts (OpenAI text streams) each chunk counts as one token."""
-    out = []
-    for i in range(1, len(r.chunk_times)):
-        gap = r.chunk_times[i] - r.chunk_times[i - 1]
-        prev, cur = r.chunk_tokens[i - 1], r.chunk_tokens[i]
-        n = cur - prev if prev is not None and cur is not None else 1
-        out.extend([gap / n] * n if n > 0 else [])
-    return out
-
-
-def summarize(values: list[float], scale: float = 1000.0) -> dict[str, float | None]:
-    """mean, median, p90, p99 (linear interpolation, as numpy), scaled (default: s to ms)."""
-    if not values:
-        return {"mean": None, "median": None, "p90": None, "p99": None}
-    a = np.asarray(values, dtype=np.float64) * scale
-    return {"mean": float(a.mean()), "median": float(np.median(a)),
-            "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
-
-
-def meets_slo(r: RequestRecord, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
-    if slo_ttft_ms is not None and ttft(r) * 1000 > slo_ttft_ms:
-        return False
-    t = tpot(r)
-    return slo_tpot_ms is None or t is None or t * 1000 <= slo_tpot_ms
-
-
-def compute_metrics(records: list[RequestRecord], duration: float, slo_ttft_ms: float | None = None,
-                    slo_tpot_ms: float | None = None) -> dict[str, Any]:
-    """Aggregate figures over one run of ``duration`` seconds (first send to last reply)."""
-    ok = [r for r in records if r.success]
-    prompt = sum(r.prompt_len for r in ok)
-    output = sum(r.output_len for r in ok)
-    known = [r for r in ok if r.cached_tokens is not None]
-    dur = max(duration, 1e-9)
-    good = sum(meets_slo(r, slo_ttft_ms, slo_tpot_ms) for r in ok)
-    return {
-        "completed": len(ok), "failed": len(records) - len(ok), "duration_s": duration,
-        "total_input_tokens": prompt, "total_output_tokens": output,
-        "request_throughput": len(ok) / dur, "input_throughput": prompt / dur,
-        "output_throughput": output / dur, "total_throughput": (prompt + output) / dur,
-        "ttft_ms": summarize([ttft(r) for r in ok]),
-        "tpot_ms": summarize([t for r in ok if (t := tpot(r)) is not None]),
-        "itl_ms": summarize([x for r in ok for x in itls(r)]),
-        "e2e_ms": summarize([e2e(r) for r in ok]),
-        "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
-        "goodput": good / dur, "slo_attainment": good / len(ok) if ok else None,
-        "cache_hit_rate_requests": (sum(r.cached_tokens for r in known) / max(sum(r.prompt_len for r in known), 1)
-                                    if known else None),
-    }
-
-
-def record_to_json(r: RequestRecord, t0: float) -> dict:
-    """A record with times in seconds from ``t0`` (the run's start), to 0.1 ms."""
-    d = asdict(r)
-    for key in ("start", "end"):
-        d[key] = round(d[key] - t0, 4)
-    d["chunk_times"] = [round(t - t0, 4) for t in r.chunk_times]
-    return d
-
-
-def counters_hit_rate(before: dict | None, after: dict | None) -> float | None:
-    """Prefix-cache hit rate over a run from the server's cumulative counters."""
-    if not before or not after or "prompt_tokens" not in after or "cached_tokens" not in after:
-        return None
-    prompt = after["prompt_tokens"] - before["prompt_tokens"]
-    return (after["cached_tokens"] - before["cached_tokens"]) / prompt if prompt > 0 else None
-
 
 # --------------------------------------------------------------------------- backends
 
@@ -620,101 +519,6 @@ async def _benchmark(args, cfg: ClientConfig, output: dict, live: dict,
             live.clear()
             kept.append((f"rate {rate:g}", state.records))
             _report(args, output, run_result(args, rate, state, dataset, before, after))
-
-
-# --------------------------------------------------------------------------- plots
-
-
-def plot_latencies(runs: list[tuple[str, list[RequestRecord]]], path: str) -> None:
-    """Distributions (CDFs) of TTFT, TPOT, ITL and E2E latency, one line per run;
-    log-scaled where the values span more than a factor of 20."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for ax, (name, fn) in zip(axes.flat, (("TTFT", lambda r: [ttft(r)]), ("TPOT", lambda r: [tpot(r)]),
-                                          ("ITL", itls), ("E2E latency", lambda r: [e2e(r)]))):
-        lo, hi = math.inf, 0.0
-        for label, records in runs:
-            vals = np.sort([x * 1000 for r in records if r.success for x in fn(r) if x is not None])
-            if len(vals):
-                ax.step(vals, np.arange(1, len(vals) + 1) / len(vals), where="post", label=label)
-                lo, hi = min(lo, vals[0]), max(hi, vals[-1])
-        if 0 < lo and hi / lo > 20:
-            ax.set_xscale("log")
-            ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5) if hi / lo < 1000 else (1,)))
-            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        else:
-            ax.ticklabel_format(axis="x", useOffset=False, style="plain")
-            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(6))
-        ax.set_title(name)
-        ax.set_xlabel("ms")
-        ax.set_ylabel("share of requests" if name != "ITL" else "share of tokens")
-        ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_rates(results: list[dict], path: str) -> None:
-    """Throughput and TTFT against request rate (categorical axis: inf is a rate)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [str(r["request_rate"]) for r in results]
-    x = np.arange(len(results))
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.plot(x, [r["output_throughput"] for r in results], "o-", label="output tok/s")
-    a.plot(x, [r["total_throughput"] for r in results], "s--", label="total tok/s")
-    a.set_title("throughput")
-    for stat in ("median", "p99"):
-        b.plot(x, [r["ttft_ms"][stat] for r in results], "o-", label=f"TTFT {stat}")
-    b.set_title("TTFT (ms)")
-    for ax in (a, b):
-        ax.set_xticks(x, labels)
-        ax.set_xlabel("request rate (req/s)")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_compare(results: list[dict], path: str) -> None:
-    """Bars over several result files' runs (e.g. radix cache on vs off):
-    median / p99 TTFT, output throughput, cache hit rate against the ideal."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [r.get("label") or f"{r['backend']} @ {r['request_rate']}" for r in results]
-    x = np.arange(len(results))
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    w = 0.38
-    axes[0].bar(x - w / 2, [r["ttft_ms"]["median"] for r in results], w, label="median")
-    axes[0].bar(x + w / 2, [r["ttft_ms"]["p99"] for r in results], w, label="p99")
-    axes[0].set_title("TTFT (ms)")
-    axes[0].legend()
-    axes[1].bar(x, [r["output_throughput"] for r in results], 0.6)
-    axes[1].set_title("output throughput (tok/s)")
-    axes[2].bar(x - w / 2, [r["cache_hit_rate"] or 0 for r in results], w, label="server counters")
-    axes[2].bar(x + w / 2, [r["cache_hit_rate_requests"] or 0 for r in results], w, label="per request")
-    axes[2].plot(x, [r["ideal_cache_hit_rate"] for r in results], "k_", markersize=40, mew=2, label="ideal")
-    axes[2].set_ylim(0, 1)
-    axes[2].set_title("cache hit rate")
-    axes[2].legend(fontsize=8, markerscale=0.3)
-    for ax in axes:
-        ax.set_xticks(x, labels, rotation=15, ha="right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # --------------------------------------------------------------------------- CLI

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.mem_cache.memory_pool import PoolExhausted
 
 
 def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
