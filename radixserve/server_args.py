@@ -35,7 +35,13 @@ class ServerArgs:
     schedule_conservativeness: float = field(default=1.0, metadata={"help": "scales the output-length estimate"})
     disable_radix_cache: bool = field(default=False, metadata={"help": "no prefix reuse (ablation)"})
     eviction_policy: str = field(default="lru", metadata={"help": "lru or lfu"})
-    attention_backend: str = field(default="torch_native", metadata={"help": "attention kernels: torch_native (CPU and GPU) or triton (GPU)"})
+    attention_backend: str = field(default="auto", metadata={
+        "help": "attention kernels: triton (GPU), torch_native (CPU and GPU) or auto (triton on CUDA)"})
+    disable_cuda_graph: bool = field(default=False, metadata={"help": "run decodes eagerly (no CUDA graphs)"})
+    cuda_graph_max_bs: int | None = field(default=None, metadata={
+        "help": "largest decode batch replayed from a CUDA graph (default min(256, max-running-requests))"})
+    disable_overlap_schedule: bool = field(default=False, metadata={
+        "help": "process each batch's results before scheduling the next (no CPU/GPU overlap)"})
     mem_fraction_static: float = field(default=0.8, metadata={"help": "GPU memory share for weights + KV"})
     random_seed: int = field(default=0, metadata={"help": "seed of the global RNG"})
     check_invariants: bool = field(default=False, metadata={"help": "check the memory invariant after every step"})
@@ -46,6 +52,7 @@ class ServerArgs:
         _one_of("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         _one_of("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         _one_of("device", self.device, ("auto", "cpu", "cuda"))
+        _one_of("attention_backend", self.attention_backend, ("auto", "triton", "torch_native"))
         for name in ("page_size", "max_running_requests", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -71,6 +78,18 @@ class ServerArgs:
         if self.chunked_prefill_size is not None:
             return self.chunked_prefill_size
         return 8192 if self.resolved_device() == "cuda" else 2048
+
+    def resolved_cuda_graph_max_bs(self) -> int:
+        """0 when CUDA graphs are off: on CPU, with torch_native attention
+        (its decode reads lengths on the host) or with --disable-cuda-graph."""
+        if self.disable_cuda_graph or self.resolved_device() != "cuda" or self.resolved_attention_backend() != "triton":
+            return 0
+        return min(self.cuda_graph_max_bs or 256, self.max_running_requests)
+
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.resolved_device() == "cuda" else "torch_native"
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -44,10 +44,13 @@ def llama(tmp_path_factory):
     return str(folder), hf
 
 
-def engine(folder, **kw):
+def engine(folder, overlap=False, **kw):
+    """A CPU engine; ``overlap`` forces overlap scheduling (see the section at the end)."""
     kw.setdefault("max_total_tokens", 4096)
     kw.setdefault("max_running_requests", 16)
-    return radixserve.Engine(model_path=folder, check_invariants=True, disable_tqdm=True, device="cpu", **kw)
+    eng = radixserve.Engine(model_path=folder, check_invariants=True, disable_tqdm=True, device="cpu", **kw)
+    eng.scheduler.overlap = overlap
+    return eng
 
 
 def prompts(lengths, seed=0, shared=()):
@@ -95,10 +98,11 @@ def test_chunked_prefill_with_tiny_chunks(llama, page_size):
         check_against_hf(eng, hf, prompts([40, 3, 29]))
 
 
-def test_retraction_under_a_tiny_pool_keeps_outputs(llama):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_retraction_under_a_tiny_pool_keeps_outputs(llama, overlap):
     folder, hf = llama
     params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
-    with engine(folder, max_total_tokens=160, max_running_requests=8) as eng:
+    with engine(folder, overlap, max_total_tokens=160, max_running_requests=8) as eng:
         check_against_hf(eng, hf, prompts([20, 25, 18, 30, 22, 16]), params)
         assert eng.scheduler.stats["retractions"] > 0
 
@@ -122,10 +126,11 @@ def test_in_batch_prefix_sharing_prefills_one_first(llama):
         assert sum(o["meta_info"]["cached_tokens"] >= 64 for o in outs) >= 3
 
 
-def test_stream_and_abort_return_memory(llama):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stream_and_abort_return_memory(llama, overlap):
     folder, hf = llama
     ids = prompts([10])[0]
-    with engine(folder) as eng:
+    with engine(folder, overlap) as eng:
         chunks = list(eng.generate(input_ids=ids, sampling_params=GREEDY, stream=True))
         assert chunks[-1]["output_ids"] == hf_greedy(hf, ids, 12)
         assert [len(c["output_ids"]) for c in chunks] == list(range(1, 13))
@@ -209,3 +214,50 @@ def test_n_samples_and_limits(llama):
         with pytest.raises(ValueError, match="unknown sampling parameter"):
             eng.generate(input_ids=[1, 2], sampling_params={"max_tokens": 3})
         eng.scheduler.check_memory()
+
+
+# -- overlap scheduling -----------------------------------------------------------------
+# On CUDA a decode is queued before the previous one's results are processed.
+# The CPU has no asynchronous device, but the bookkeeping is the same: forcing
+# `overlap` here runs it (one extra decode for requests that just finished,
+# deferred release of their last slot, device-side input ids, filtered
+# sampling state), with the invariant checked after every step. Retraction
+# and abort run with overlap too (parametrized above).
+def overlap_engine(folder, **kw):
+    return engine(folder, overlap=True, **kw)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_overlap_greedy_matches_hf_with_staggered_finishes(llama, page_size):
+    folder, hf = llama
+    batch = prompts([5, 37, 1, 80, 17, 9])
+    params = [{**GREEDY, "max_new_tokens": n} for n in (1, 3, 12, 7, 2, 12)]
+    with overlap_engine(folder, page_size=page_size) as eng:
+        outs = eng.generate(input_ids=batch, sampling_params=params)
+        for ids, p, out in zip(batch, params, outs):
+            assert out["output_ids"] == hf_greedy(hf, ids, p["max_new_tokens"])
+        assert eng.scheduler.is_idle()
+        eng.scheduler.tree_cache.evict(10**9)
+        assert eng.scheduler.allocator.available_size() == eng.scheduler.allocator.size
+
+
+def test_overlap_equals_sync_with_sampling_penalties_and_stops(llama):
+    folder, _ = llama
+    batch = prompts([12, 30, 7, 21], seed=11)
+    params = [
+        {"temperature": 0.8, "max_new_tokens": 9, "ignore_eos": True, "sampling_seed": 7, "frequency_penalty": 0.5},
+        {"temperature": 1.0, "max_new_tokens": 14, "ignore_eos": True, "sampling_seed": 8, "presence_penalty": 1.0},
+        {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True, "repetition_penalty": 1.3},
+        {"temperature": 0.7, "top_k": 5, "max_new_tokens": 11, "ignore_eos": True, "sampling_seed": 9},
+    ]
+    with engine(folder) as eng:
+        sync = eng.generate(input_ids=batch, sampling_params=params)
+    # Stop on a token the second request emits mid-way: it then finishes early.
+    params[1] = {**params[1], "stop_token_ids": [sync[1]["output_ids"][5]]}
+    with engine(folder) as eng:
+        sync = eng.generate(input_ids=batch, sampling_params=params)
+    with overlap_engine(folder) as eng:
+        over = eng.generate(input_ids=batch, sampling_params=params)
+    assert [o["output_ids"] for o in over] == [s["output_ids"] for s in sync]
+    assert [o["meta_info"]["finish_reason"] for o in over] == [s["meta_info"]["finish_reason"] for s in sync]
+

@@ -11,7 +11,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from radixserve.configs.model_config import ModelConfig
-from radixserve.layers import logits_processor
+from radixserve.layers import logits_processor, triton_ops
+from radixserve.layers.activation import SiluAndMul
+from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.rotary_embedding import get_rope
 from radixserve.managers.schedule_batch import ModelWorkerBatch
 from radixserve.model_executor.forward_batch_info import ForwardMode
@@ -231,6 +233,20 @@ def test_rope_matches_hf_inv_freq(scaling):
         inv_freq, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu")
     freqs = torch.arange(256).float()[:, None] * inv_freq
     torch.testing.assert_close(rope.cos_sin_cache[:256], torch.cat((freqs.cos(), freqs.sin()), -1), atol=1e-6, rtol=0)
+
+
+def test_cpu_tensors_keep_the_torch_path_where_triton_is_installed(monkeypatch):
+    """The fused Triton kernels take CUDA tensors only: CPU tensors still run
+    the torch code compared to HF above (a kernel would fail on them)."""
+    monkeypatch.setattr(triton_ops, "triton_available", lambda: True)
+    x, residual, positions = torch.randn(3, 64), torch.randn(3, 64), torch.tensor([0, 5, 9])
+    norm, act, rope = RMSNorm(64), SiluAndMul(), get_rope(16, 256, 10000.0)
+    pairs = [
+        (norm(x, residual), norm.forward_native(x, residual)),
+        ((act(x),), (act.forward_native(x),)),
+        (rope(positions, x, x[:, :32]), rope.forward_native(positions, x, x[:, :32])),
+    ]
+    assert all(torch.equal(a, b) for outs, refs in pairs for a, b in zip(outs, refs, strict=True))
 
 
 def test_registry_errors():

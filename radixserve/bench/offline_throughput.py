@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     records = [_record(
         "radixserve", *common, sum(map(len, ours)), wall, **counters,
         max_running_requests=server_args.max_running_requests, chunked_prefill_size=server_args.resolved_chunked_prefill_size(),
+        attention_backend=server_args.resolved_attention_backend(),
+        cuda_graph_max_bs=server_args.resolved_cuda_graph_max_bs(), overlap_schedule=engine.scheduler.overlap,
     )]
     _emit(records[-1], args.output_json)
 

@@ -332,6 +332,7 @@ def _timed(fn, device: torch.device) -> float:
 _ENGINE_OPTIONS = {
     "model_path": str, "load_format": str, "dtype": str, "device": str, "attention_backend": str,
     "page_size": int, "max_total_tokens": int, "mem_fraction_static": float, "random_seed": int,
+    "disable_cuda_graph": bool,
 }
 
 
@@ -344,8 +345,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 helptext = "HF folder, .gguf file or dummy name (default: the workload's model)"
             elif f.name == "max_total_tokens":
                 helptext += " (default: the largest case, bs x (input + output))"
-            parser.add_argument("--" + f.name.replace("_", "-"), type=_ENGINE_OPTIONS[f.name], default=f.default,
-                                help=helptext)
+            flag = "--" + f.name.replace("_", "-")
+            if _ENGINE_OPTIONS[f.name] is bool:
+                parser.add_argument(flag, action="store_true", help=helptext)
+            else:
+                parser.add_argument(flag, type=_ENGINE_OPTIONS[f.name], default=f.default, help=helptext)
     add = parser.add_argument
     add("--workload", choices=sorted(WORKLOADS), required=True, help="W2 decode latency or W3 prefill (BENCHMARKS.md)")
     add("--batch-sizes", type=int, nargs="+", help="override the workload's batch sizes")
@@ -450,8 +454,9 @@ def build_runner(server_args: ServerArgs, model_config, wl: Workload):
         model_config, device=server_args.resolved_device(), page_size=page,
         max_total_tokens=server_args.max_total_tokens or needed,
         max_running_requests=max(bs for bs, _ in wl.cases), max_context_len=max_len,
-        attention_backend=server_args.attention_backend, mem_fraction_static=server_args.mem_fraction_static,
-        seed=server_args.random_seed,
+        attention_backend=server_args.resolved_attention_backend(),
+        mem_fraction_static=server_args.mem_fraction_static, seed=server_args.random_seed,
+        cuda_graph_max_bs=server_args.resolved_cuda_graph_max_bs(),
     )
 
 
@@ -480,7 +485,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ours, sampler = {}, Sampler()
     for case in wl.cases:
         timing, _ = warm_and_run(runner, sampler, prompts[case], wl.output_len)
-        ours[case] = report.case("radixserve", *case, timing, attention_backend=server_args.attention_backend,
+        ours[case] = report.case("radixserve", *case, timing, attention_backend=server_args.resolved_attention_backend(),
+                                 cuda_graph=runner.cuda_graph_runner is not None,
                                  page_size=server_args.page_size, kv_pool_tokens=runner.max_total_tokens)
     if args.compare_hf:
         del runner, sampler  # our weights and KV pool go before HF's model comes

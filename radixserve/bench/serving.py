@@ -390,12 +390,18 @@ async def _get_json(client, cfg: ClientConfig, path: str) -> dict | None:
         return None
 
 
-async def _flush_cache(client, cfg: ClientConfig) -> bool:
-    try:
-        resp = await client.post(cfg.base_url + "/flush_cache", headers=cfg.headers(), timeout=30)
-        return resp.status_code == 200
-    except Exception:  # noqa: BLE001
-        return False
+async def _flush_cache(client, cfg: ClientConfig, wait_s: float = 30.0) -> bool:
+    """radixserve refuses (400) while requests run, e.g. the aborted tail of a
+    run stopped by Ctrl-C: retry for up to ``wait_s`` seconds."""
+    deadline = time.perf_counter() + wait_s
+    while True:
+        try:
+            resp = await client.post(cfg.base_url + "/flush_cache", headers=cfg.headers(), timeout=30)
+        except Exception:  # noqa: BLE001
+            return False
+        if resp.status_code != 400 or time.perf_counter() > deadline:
+            return resp.status_code == 200
+        await asyncio.sleep(0.5)
 
 
 async def _warmup(client, cfg: ClientConfig, n: int, sampler: TokenSampler) -> None:

@@ -9,6 +9,11 @@ import numpy as np
 from radixserve.bench.serving_metrics import RequestRecord, e2e, itls, tpot, ttft
 
 
+def _nan(v: float | None) -> float:
+    """A run cut off before any request finished has no latencies: draw nothing."""
+    return math.nan if v is None else v
+
+
 def plot_latencies(runs: list[tuple[str, list[RequestRecord]]], path: str) -> None:
     """Distributions (CDFs) of TTFT, TPOT, ITL and E2E latency, one line per run;
     log-scaled where the values span more than a factor of 20."""
@@ -59,7 +64,7 @@ def plot_rates(results: list[dict], path: str) -> None:
     a.plot(x, [r["total_throughput"] for r in results], "s--", label="total tok/s")
     a.set_title("throughput")
     for stat in ("median", "p99"):
-        b.plot(x, [r["ttft_ms"][stat] for r in results], "o-", label=f"TTFT {stat}")
+        b.plot(x, [_nan(r["ttft_ms"][stat]) for r in results], "o-", label=f"TTFT {stat}")
     b.set_title("TTFT (ms)")
     for ax in (a, b):
         ax.set_xticks(x, labels)
@@ -82,8 +87,8 @@ def plot_compare(results: list[dict], path: str) -> None:
     x = np.arange(len(results))
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     w = 0.38
-    axes[0].bar(x - w / 2, [r["ttft_ms"]["median"] for r in results], w, label="median")
-    axes[0].bar(x + w / 2, [r["ttft_ms"]["p99"] for r in results], w, label="p99")
+    axes[0].bar(x - w / 2, [_nan(r["ttft_ms"]["median"]) for r in results], w, label="median")
+    axes[0].bar(x + w / 2, [_nan(r["ttft_ms"]["p99"]) for r in results], w, label="p99")
     axes[0].set_title("TTFT (ms)")
     axes[0].legend()
     axes[1].bar(x, [r["output_throughput"] for r in results], 0.6)

@@ -220,9 +220,10 @@ def build_scheduler(args: ServerArgs):
         max_total_tokens=args.max_total_tokens,
         max_running_requests=args.max_running_requests,
         max_context_len=args.context_length,
-        attention_backend=args.attention_backend,
+        attention_backend=args.resolved_attention_backend(),
         mem_fraction_static=args.mem_fraction_static,
         seed=args.random_seed,
+        cuda_graph_max_bs=args.resolved_cuda_graph_max_bs(),
     )
     tokenizer = None
     if model_config.tokenizer_dir:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from radixserve.layers.triton_ops import use_triton
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dimension (as in HF ``LlamaRMSNorm``).
@@ -13,6 +15,8 @@ class RMSNorm(nn.Module):
     adds ``residual`` to ``x`` and returns ``(norm(x + residual), x + residual)``,
     the pre-norm decoder layout where the sum is the next layer's residual.
     The statistics are computed in float32 whatever the input dtype.
+    CUDA tensors take one fused Triton kernel; ``forward_native`` is the torch
+    reference (the CPU path).
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -21,6 +25,15 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if use_triton(x, residual):
+            from radixserve.layers.triton_ops.norm import rms_norm
+
+            return rms_norm(x, self.weight, self.variance_epsilon, residual)
+        return self.forward_native(x, residual)
+
+    def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is not None:

@@ -14,6 +14,8 @@ import math
 import torch
 from torch import nn
 
+from radixserve.layers.triton_ops import use_triton
+
 _SCALED_TYPES = ("linear", "dynamic", "llama3")
 
 
@@ -24,7 +26,8 @@ class RotaryEmbedding(nn.Module):
     holds their cos, then their sin, in float32. It is a non-persistent buffer,
     so it follows the model's device. Looked-up rows are cast to the query's
     dtype, as HF casts its float32 cos/sin (casting the whole model to bf16
-    casts the buffer first, which rounds the same way).
+    casts the buffer first, which rounds the same way). On CUDA one Triton
+    kernel rotates q and k; ``forward_native`` is the torch reference.
     """
 
     def __init__(self, head_dim: int, freqs: torch.Tensor):
@@ -36,6 +39,15 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q`` ``[T, H*D]`` and ``k`` ``[T, Hkv*D]`` for ``positions`` ``[T]``."""
+        if use_triton(q, k):
+            from radixserve.layers.triton_ops.rotary import rotary_embedding
+
+            return rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim)
+        return self.forward_native(positions, q, k)
+
+    def forward_native(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 

@@ -21,7 +21,7 @@ class ModelWorkerBatch:
     turned into a device-side ``ForwardBatch`` by the ModelRunner."""
 
     forward_mode: ForwardMode
-    input_ids: torch.Tensor  # [num_tokens] int64 (cpu)
+    input_ids: torch.Tensor | None  # [num_tokens] int64 (cpu); None: the caller sets the device's
     req_pool_indices: torch.Tensor  # [bs] int64
     seq_lens: torch.Tensor  # [bs] int64, lengths after this forward
     out_cache_loc: torch.Tensor  # [num_tokens] int64
@@ -88,6 +88,7 @@ class Req:
         # memory
         self.req_pool_idx: int | None = None
         self.kv_len = 0
+        self.kv_inflight = 0  # tokens after kv_len whose KV a queued forward is writing
         self.prefix_indices: torch.Tensor = _EMPTY
         self.cache_protected_len = 0
         self.last_node = None

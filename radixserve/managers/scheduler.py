@@ -4,15 +4,18 @@ event loop (one step = schedule, run, process results)."""
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from radixserve.layers.sampler import Sampler
+from radixserve.layers.logits_processor import LogitsProcessorOutput
+from radixserve.layers.sampler import SampleOutput, Sampler
 from radixserve.managers.schedule_batch import FinishReason, ModelWorkerBatch, Req
 from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
 from radixserve.mem_cache import ChunkCache, RadixCache, check_memory_invariant
-from radixserve.model_executor.forward_batch_info import ForwardMode
+from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 from radixserve.server_args import ServerArgs
 
@@ -23,6 +26,20 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
+@dataclass
+class _Launched:
+    """A batch whose forward and sampling are queued on the device."""
+
+    reqs: list[Req]
+    mode: ForwardMode
+    batch: ModelWorkerBatch
+    forward_batch: ForwardBatch  # holds the device inputs until the forward is done
+    logits: LogitsProcessorOutput
+    sample: SampleOutput
+    next_ids: torch.Tensor  # [bs] on the host (pinned on CUDA), valid once `done` is reached
+    done: Any  # torch.cuda.Event, or None off CUDA
+
+
 class Scheduler:
     """Continuous batching over one ModelRunner.
 
@@ -30,6 +47,19 @@ class Scheduler:
     of a chunked one) or decodes the running batch, then samples, checks stop
     conditions and hands finished requests' KV to the prefix cache. It returns
     the requests that got new tokens or finished in that step.
+
+    Overlap scheduling (``overlap``, on by default on CUDA): a decode step
+    queues its forward and sampling on a dedicated device stream and only
+    then processes the previous decode's results, so the host's work (stop
+    checks, detokenization hand-off, the next batch's metadata) hides behind
+    the GPU's. Sampled ids stay on the device: a decode reads its input ids
+    from ``last_token`` (indexed by request row), which every sampling
+    updates. A decode is therefore queued before the host knows whether the
+    previous one finished some of its requests; such a request gets one
+    extra forward whose token is dropped and whose KV slot is released with
+    the request (``_deferred``). Extends, retraction, aborts and admission
+    first wait for the batch in flight ("drain"), then run as without
+    overlap.
     """
 
     def __init__(self, server_args: ServerArgs, model_runner, tokenizer=None):
@@ -55,7 +85,16 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self._decode_info: SamplingBatchInfo | None = None
         self._decode_info_reqs: list[Req] = []
+        self._decode_filter: tuple[list[int], torch.Tensor] | None = None
         self._finished_outside_batch: list[Req] = []
+        # Overlap state: the decode queued on the device, and finished requests
+        # whose last KV slot that decode still writes.
+        cuda = self.device.type == "cuda"
+        self.overlap = cuda and not server_args.disable_overlap_schedule
+        self.forward_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.last_token = torch.zeros(self.req_to_token_pool.size, dtype=torch.int64, device=self.device)
+        self._in_flight: _Launched | None = None
+        self._deferred: list[Req] = []
         self.stats = {"forward_ct": 0, "retractions": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated": 0}
 
     # -- requests ------------------------------------------------------------
@@ -100,26 +139,49 @@ class Scheduler:
         return False
 
     def is_idle(self) -> bool:
-        return not (self.waiting or self.running or self.chunked_req)
+        return not (self.waiting or self.running or self.chunked_req or self._in_flight)
 
     def live_reqs(self) -> list[Req]:
-        return self.running + ([self.chunked_req] if self.chunked_req else [])
+        """Requests holding KV: running, chunked, and finished ones waiting for their last forward."""
+        return self.running + ([self.chunked_req] if self.chunked_req else []) + self._deferred
 
     def check_memory(self) -> None:
         check_memory_invariant(self.allocator, self.tree_cache, self.live_reqs())
 
     # -- the loop --------------------------------------------------------------
     def step(self) -> list[Req]:
-        """Run one batch; returns the requests updated in it (finished ones too)."""
-        out = self._process_aborts()
+        """Run one batch; returns the requests updated in it (finished ones too).
+        With overlap, a decode's results come back in the next step."""
+        out = self._drain() if self._in_flight and self._must_drain() else []
+        out += self._process_aborts()
         batch, mode = self._next_batch()
         out += self._finished_outside_batch
         self._finished_outside_batch = []
+        previous, self._in_flight = self._in_flight, None
         if batch:
-            out += self._run(batch, mode)
+            launched = self._launch(batch, mode)
+            if self.overlap and mode == ForwardMode.DECODE:
+                self._in_flight = launched
+            else:
+                out += self._process(launched)
+        if previous is not None:
+            out += self._process(previous)
+        if self._in_flight and not self.running:  # it only writes finished requests' last KV
+            out += self._drain()
         if self.args.check_invariants or self.is_idle():
             self.check_memory()
         return out
+
+    def _drain(self) -> list[Req]:
+        launched, self._in_flight = self._in_flight, None
+        return self._process(launched)
+
+    def _must_drain(self) -> bool:
+        """Whether the next batch needs the host to be up to date: admission,
+        a chunk, an abort, or a decode that may need eviction or retraction."""
+        if self.waiting or self.chunked_req or any(r.to_abort for r in self.running):
+            return True
+        return self.allocator.available_size() < self._decode_pages_needed()
 
     def _next_batch(self) -> tuple[list[Req], ForwardMode]:
         prefill = self._get_new_batch_prefill()
@@ -167,7 +229,7 @@ class Scheduler:
 
     def _last_locs(self, reqs: list[Req]) -> torch.Tensor:
         rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        cols = torch.tensor([max(r.kv_len - 1, 0) for r in reqs], dtype=torch.int64)
+        cols = torch.tensor([max(r.kv_len + r.kv_inflight - 1, 0) for r in reqs], dtype=torch.int64)
         return self.req_to_token_pool.req_to_token[rows.to(self.device), cols.to(self.device)].to(torch.int64)
 
     def _prepare_extend(self, reqs: list[Req]) -> list[Req]:
@@ -193,7 +255,7 @@ class Scheduler:
 
     def _decode_pages_needed(self) -> int:
         p = self.page_size
-        return sum(p for r in self.running if r.kv_len % p == 0)
+        return sum(p for r in self.running if (r.kv_len + r.kv_inflight) % p == 0)
 
     def _ensure_decode_memory(self) -> None:
         """Make room for one more token per running request: evict, then
@@ -229,16 +291,41 @@ class Scheduler:
         self.tree_cache.cache_finished_req(req)
 
     # -- running a batch ----------------------------------------------------------
-    def _run(self, reqs: list[Req], mode: ForwardMode) -> list[Req]:
-        if mode == ForwardMode.DECODE:
-            batch = self._build_decode(reqs)
-        else:
-            batch = self._build_extend(reqs)
+    def _launch(self, reqs: list[Req], mode: ForwardMode) -> _Launched:
+        """Queue the forward and sampling of ``reqs``. Host-to-device copies are
+        issued here, on the current stream; the device work then runs on
+        ``forward_stream`` after them, and nothing waits for it."""
+        batch = self._build_decode(reqs) if mode == ForwardMode.DECODE else self._build_extend(reqs)
         fb = self.model_runner.forward_batch_from(batch)
-        logits_out = self.model_runner.forward(fb)
+        info = batch.sampling_info
+        want_lp = any(r.return_logprob for r in reqs)
+        tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
+        with self._on_forward_stream():
+            if mode == ForwardMode.DECODE:
+                fb.input_ids = self.last_token[fb.req_pool_indices]
+                if self._decode_filter is not None:
+                    info.filter(*self._decode_filter)
+            logits_out = self.model_runner.forward(fb)
+            with torch.inference_mode():
+                sample = self.sampler(logits_out.next_token_logits.float().clone(), info,
+                                      return_logprob=want_lp, top_logprobs_nums=tops)
+                self.last_token[fb.req_pool_indices] = sample.next_token_ids
+                info.cumulate_output_tokens(sample.next_token_ids)
+                next_ids = sample.next_token_ids.to("cpu", non_blocking=True)
+            done = None
+            if self.forward_stream is not None:
+                done = torch.cuda.Event()
+                done.record()
+        for req, seq in zip(reqs, batch.seq_lens_cpu):
+            req.kv_inflight = seq - req.kv_len
         self.stats["forward_ct"] += 1
-        with torch.inference_mode():
-            return self._process(reqs, mode, batch, logits_out)
+        return _Launched(reqs, mode, batch, fb, logits_out, sample, next_ids, done)
+
+    def _on_forward_stream(self):
+        if self.forward_stream is None:
+            return nullcontext()
+        self.forward_stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self.forward_stream)
 
     def _build_extend(self, reqs: list[Req]) -> ModelWorkerBatch:
         input_ids, prefix, ext = [], [], []
@@ -266,25 +353,44 @@ class Scheduler:
         )
 
     def _build_decode(self, reqs: list[Req]) -> ModelWorkerBatch:
-        seq = torch.tensor([r.kv_len + 1 for r in reqs], dtype=torch.int64)
+        """One new token per request. The input ids are left to the device
+        (``last_token``), so they may still be being sampled."""
+        seq = torch.tensor([r.kv_len + r.kv_inflight + 1 for r in reqs], dtype=torch.int64)
         last = self._last_locs(reqs)
         slots = self._alloc_with_evict(self._decode_pages_needed(), lambda: self.allocator.alloc_decode(seq, last))
         if slots is None:
             raise RuntimeError("KV allocation failed for decode after making room")
         rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         self.req_to_token_pool.req_to_token[rows.to(self.device), (seq - 1).to(self.device)] = slots.to(torch.int32)
-        if self._decode_info_reqs != reqs or self._decode_info is None:
-            self._decode_info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device)
-            self._decode_info_reqs = list(reqs)
         return ModelWorkerBatch(
             forward_mode=ForwardMode.DECODE,
-            input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64),
+            input_ids=None,
             req_pool_indices=rows,
             seq_lens=seq,
             out_cache_loc=slots,
             seq_lens_cpu=seq.tolist(),
-            sampling_info=self._decode_info,
+            sampling_info=self._decode_sampling_info(reqs),
         )
+
+    def _decode_sampling_info(self, reqs: list[Req]) -> SamplingBatchInfo:
+        """The running batch's sampling state, kept across decodes. When
+        requests only left the batch, the state is filtered (on the forward
+        stream, after the queued sampling has updated it); otherwise rebuilt
+        from the requests' tokens, which are then all on the host (no decode
+        in flight: new requests come through an extend, which drains)."""
+        info, old = self._decode_info, self._decode_info_reqs
+        self._decode_filter = None
+        if info is not None and reqs != old:
+            pos = {id(r): i for i, r in enumerate(old)}
+            keep = [pos.get(id(r), -1) for r in reqs]
+            if -1 not in keep and keep == sorted(keep):
+                self._decode_filter = (keep, torch.tensor(keep, dtype=torch.int64).to(self.device))
+            else:
+                info = None
+        if info is None:
+            info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device)
+        self._decode_info, self._decode_info_reqs = info, list(reqs)
+        return info
 
     def _wants_input_logprobs(self, req: Req) -> bool:
         return (
@@ -295,35 +401,41 @@ class Scheduler:
         )
 
     # -- results --------------------------------------------------------------------
-    def _process(self, reqs: list[Req], mode: ForwardMode, batch: ModelWorkerBatch, out) -> list[Req]:
-        logits = out.next_token_logits
+    def _process(self, launched: _Launched) -> list[Req]:
+        """Wait for a launched batch and apply its results to its requests."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        reqs, mode, batch, sample = launched.reqs, launched.mode, launched.batch, launched.sample
         if mode == ForwardMode.EXTEND:
-            self._record_input_logprobs(reqs, batch, out)
-        want_lp = any(r.return_logprob for r in reqs)
-        tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
-        info = batch.sampling_info
-        sample = self.sampler(
-            logits.float().clone(), info, return_logprob=want_lp, top_logprobs_nums=tops,
-            step_positions=torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=self.device),
-        )
-        next_ids = sample.next_token_ids.tolist()
+            self._record_input_logprobs(reqs, batch, launched.logits)
+        next_ids = launched.next_ids.tolist()
         updated = []
         for i, (req, tok) in enumerate(zip(reqs, next_ids)):
-            req.kv_len = batch.seq_lens_cpu[i]
-            if req.to_abort:
+            seq = batch.seq_lens_cpu[i]
+            req.kv_inflight -= seq - req.kv_len
+            req.kv_len = seq
+            if req.finished():  # finished by the previous batch while this one was queued
+                self._release_deferred(req)
+            elif req.to_abort:
                 req.finished_reason = FinishReason("abort", message="aborted by request")
                 if self.chunked_req is req:
                     self.chunked_req, req.is_chunked = None, False
+                updated.append(req)
             elif req.is_chunked:
                 self.tree_cache.cache_unfinished_req(req)
-                continue
             elif req.sampling_params.max_new_tokens == 0:
                 req.finished_reason = FinishReason("length", 0)
+                updated.append(req)
             else:
                 self._append_token(req, tok, sample, i)
-            updated.append(req)
-        self._update_running(reqs, mode, next_ids, updated)
+                updated.append(req)
+        self._update_running(reqs, mode, updated)
         return updated
+
+    def _release_deferred(self, req: Req) -> None:
+        if req.kv_inflight == 0:
+            self._deferred.remove(req)
+            self._release(req)
 
     def _append_token(self, req: Req, tok: int, sample, i: int) -> None:
         req.output_ids.append(tok)
@@ -334,13 +446,13 @@ class Scheduler:
                 req.output_top_logprobs.append(list(zip(sample.top_logprobs_val[i], sample.top_logprobs_idx[i])))
         self._check_finished(req)
 
-    def _update_running(self, reqs, mode, next_ids, updated) -> None:
-        finished = [r for r in updated if r.finished()]
-        for req in finished:
-            self.tree_cache.cache_finished_req(req)
+    def _update_running(self, reqs: list[Req], mode: ForwardMode, updated: list[Req]) -> None:
+        for req in (r for r in updated if r.finished()):
+            if req.kv_inflight:  # a queued decode still writes its KV
+                self._deferred.append(req)
+            else:
+                self._release(req)
         if mode == ForwardMode.DECODE:
-            if self._decode_info is not None and not finished:
-                self._decode_info.cumulate_output_tokens(torch.tensor(next_ids, device=self.device))
             self.running = [r for r in self.running if not r.finished()]
             self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
         else:
@@ -350,8 +462,6 @@ class Scheduler:
             for req in joined:
                 self.tree_cache.cache_unfinished_req(req)
             self.running += joined
-        if finished or mode == ForwardMode.EXTEND:
-            self._decode_info = None
 
     def _check_finished(self, req: Req) -> None:
         sp, last = req.sampling_params, req.output_ids[-1]

@@ -10,10 +10,11 @@ from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, CachedReq
 
 
 def held_by_request(req: CachedReq, page_size: int) -> int:
-    """Slots a live request owns: its KV after the cache-owned prefix, in whole pages."""
+    """Slots a live request owns: its KV after the cache-owned prefix, in
+    whole pages, including slots a queued forward is writing (``kv_inflight``)."""
     if req.req_pool_idx is None:
         return 0
-    own = max(req.kv_len - req.cache_protected_len, 0)
+    own = max(req.kv_len + getattr(req, "kv_inflight", 0) - req.cache_protected_len, 0)
     return -(-own // page_size) * page_size
 
 

@@ -46,7 +46,8 @@ class ModelRunner:
     ``max_total_tokens`` (if given) caps it. On CPU it is ``max_total_tokens``
     or, by default, ``min(CPU_KV_RAM_FRACTION * available RAM, 32k tokens)``.
     ``max_context_len`` defaults to the model's context length; it is capped
-    by the pool size. ``model`` may be passed ready-made (tests); otherwise it
+    by the pool size. With ``cuda_graph_max_bs > 0`` on CUDA, decodes of up
+    to that many requests replay CUDA graphs (``cuda_graph_runner.py``). ``model`` may be passed ready-made (tests); otherwise it
     is loaded with ``radixserve.model_loader.get_model``.
     """
 
@@ -63,6 +64,7 @@ class ModelRunner:
         mem_fraction_static: float = 0.8,
         seed: int = 0,
         model: nn.Module | None = None,
+        cuda_graph_max_bs: int = 0,
     ):
         if page_size < 1 or max_running_requests < 1:
             raise ValueError(f"page_size and max_running_requests must be >= 1, got {page_size}, {max_running_requests}")
@@ -77,6 +79,12 @@ class ModelRunner:
         self.max_context_len = min(max_context_len or model_config.context_len, self.max_total_tokens)
         self._init_memory_pools()
         self.attn_backend = create_attention_backend(attention_backend, self)
+        self.cuda_graph_runner = None
+        if cuda_graph_max_bs > 0 and self.device.type == "cuda":
+            from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner, default_batch_sizes
+
+            max_bs = min(cuda_graph_max_bs, max_running_requests)
+            self.cuda_graph_runner = CudaGraphRunner(self, default_batch_sizes(max_bs))
 
     # -- set-up ------------------------------------------------------------
     def _load_model(self) -> nn.Module:
@@ -134,7 +142,7 @@ class ModelRunner:
         return ForwardBatch(
             forward_mode=batch.forward_mode,
             batch_size=batch.batch_size,
-            input_ids=batch.input_ids.to(dev, torch.int64, non_blocking=True),
+            input_ids=None if batch.input_ids is None else batch.input_ids.to(dev, torch.int64, non_blocking=True),
             positions=positions.to(dev, torch.int64, non_blocking=True),
             req_pool_indices=batch.req_pool_indices.to(dev, torch.int64, non_blocking=True),
             seq_lens=batch.seq_lens.to(dev, torch.int64, non_blocking=True),
@@ -175,6 +183,8 @@ class ModelRunner:
         place only inside ``torch.inference_mode()`` (or copy them)."""
         if forward_batch.forward_mode == ForwardMode.IDLE:
             return LogitsProcessorOutput(torch.empty(0, self.model_config.vocab_size, device=self.device))
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
+            return self.cuda_graph_runner.replay(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 

@@ -83,9 +83,12 @@ class SamplingBatchInfo:
         self.output_lens += 1
         self.penalizers.cumulate(next_token_ids)
 
-    def filter(self, keep_indices: list[int]) -> None:
-        """Keep only rows ``keep_indices`` (in that order), in place."""
-        keep = torch.tensor(keep_indices, dtype=torch.int64, device=self.device)
+    def filter(self, keep_indices: list[int], keep: torch.Tensor | None = None) -> None:
+        """Keep only rows ``keep_indices`` (in that order), in place. ``keep``
+        is the same list already on the device, if the caller has it (so that
+        no host-to-device copy is issued here)."""
+        if keep is None:
+            keep = torch.tensor(keep_indices, dtype=torch.int64, device=self.device)
         for name in _ROW_TENSORS + ("sampling_seeds", "has_seed"):
             value = getattr(self, name)
             if value is not None:

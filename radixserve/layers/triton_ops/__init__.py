@@ -1,0 +1,34 @@
+"""Fused Triton kernels of the layers' GPU fast path.
+
+- ``norm``: RMSNorm, alone or with the residual add fused in (also over
+  Qwen3's per-head q/k rows).
+- ``activation``: SiLU-and-mul over the fused ``gate_up`` output.
+- ``rotary``: neox RoPE of q and k in one launch.
+
+Each kernel matches its layer's ``forward_native`` up to float rounding, runs
+without host syncs and allocates only its outputs, so CUDA graphs can capture
+it. The kernel modules import triton at the top: a layer imports one only
+after :func:`use_triton` says yes, so a CPU install (no triton) never does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(*tensors: torch.Tensor | None) -> bool:
+    """Whether the fused kernels take these tensors (``None`` is skipped):
+    all on a CUDA device with unit stride along the last dimension, and
+    triton installed. CPU tensors fail the first test and never import triton."""
+    return all(t is None or (t.is_cuda and t.stride(-1) == 1) for t in tensors) and triton_available()

@@ -1,0 +1,118 @@
+"""CUDA graphs for DECODE forwards.
+
+A decode step of a small model, or of any model at a small batch, is bound by
+kernel launches: the GPU waits on Python. The runner captures the whole
+decode forward (attention metadata included) once per batch size in
+``batch_sizes`` and replays it, copying the batch into static input buffers.
+A batch is padded up to the next captured size; padding rows point at the
+ModelRunner's padding row of ``req_to_token`` (all zeros: the dummy KV slot
+0), have length 1 and write their K/V to slot 0, so they cost compute but
+touch no request's memory. Batches larger than the largest captured size,
+and every EXTEND, run eagerly.
+
+All graphs share one memory pool and are captured largest first, so the pool
+is sized by the largest batch. The outputs (logits) of a replay live in that
+pool and are valid until the next replay.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixserve.layers.logits_processor import LogitsProcessorOutput
+from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from radixserve.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def default_batch_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to ``max_bs`` (and ``max_bs`` itself)."""
+    sizes = [bs for bs in (1, 2, 4, 8) if bs <= max_bs] + list(range(16, max_bs + 1, 8))
+    return sorted(set(sizes + [max_bs]))
+
+
+class CudaGraphRunner:
+    def __init__(self, model_runner: "ModelRunner", batch_sizes: list[int]):
+        self.runner = model_runner
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.max_bs = self.batch_sizes[-1]
+        dev, n = model_runner.device, self.max_bs
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.req_pool_indices = torch.full((n,), model_runner.padding_req_row, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
+        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for bs in reversed(self.batch_sizes):
+                self._capture(bs)
+        logger.info(
+            "captured CUDA graphs for decode batch sizes %s in %.1f s",
+            self.batch_sizes, time.perf_counter() - start,
+        )
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return fb.forward_mode.is_decode() and fb.batch_size <= self.max_bs
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        r = self.runner
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            out_cache_loc=self.out_cache_loc[:bs],
+            seq_lens_cpu=[1] * bs,
+            req_to_token_pool=r.req_to_token_pool,
+            token_to_kv_pool=r.token_to_kv_pool,
+            attn_backend=r.attn_backend,
+        )
+
+    def _run_once(self, fb: ForwardBatch) -> torch.Tensor:
+        self.runner.attn_backend.init_forward_metadata(fb)
+        return self.runner.model(fb.input_ids, fb.positions, fb).next_token_logits
+
+    def _capture(self, bs: int) -> None:
+        fb = self._static_batch(bs)
+        stream = torch.cuda.Stream(self.runner.device)
+        stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
+                self._run_once(fb)
+        torch.cuda.current_stream(self.runner.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            out = self._run_once(fb)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[bs], self.outputs[bs] = graph, out
+
+    def replay(self, fb: ForwardBatch) -> LogitsProcessorOutput:
+        """Run the decode ``fb`` through the graph of the smallest captured
+        size that holds it. Only device copies: no host sync."""
+        bs = fb.batch_size
+        padded = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+        self.input_ids[:bs].copy_(fb.input_ids)
+        self.positions[:bs].copy_(fb.positions)
+        self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
+        self.seq_lens[:bs].copy_(fb.seq_lens)
+        self.out_cache_loc[:bs].copy_(fb.out_cache_loc)
+        if padded > bs:
+            self.req_pool_indices[bs:padded].fill_(self.runner.padding_req_row)
+            self.seq_lens[bs:padded].fill_(1)
+            self.out_cache_loc[bs:padded].zero_()
+        self.graphs[padded].replay()
+        return LogitsProcessorOutput(next_token_logits=self.outputs[padded][:bs])
