@@ -6,7 +6,7 @@ Requests of mixed prompt lengths and output lengths make the decode batch
 shrink step by step, so graphs replay padded. HF then scores our prompt +
 output in one forward (teacher forcing): each of our greedy tokens must be
 HF's argmax wherever HF's top-2 margin is clear, and our logprobs must match
-HF's within bf16 tolerance.
+HF's within bf16 tolerance. A tiny KV pool checks retraction on the GPU.
 """
 
 from __future__ import annotations
@@ -82,15 +82,38 @@ def test_greedy_and_logprobs_match_hf(checkpoint, cuda_graph, overlap):
 
     checked, diffs = 0, []
     for prompt, out, with_lp in zip(prompts, plain, scored):
-        ref = _hf_logprobs(hf, prompt, out["output_ids"])
-        top2 = ref.topk(2, dim=-1)
-        for k, tok in enumerate(out["output_ids"]):
-            if top2.values[k, 0] - top2.values[k, 1] > MARGIN:
-                assert tok == int(top2.indices[k, 0]), f"step {k} of a {len(prompt)}-token prompt"
-                checked += 1
+        checked += _check_greedy(hf, prompt, out["output_ids"])
         assert len(out["output_ids"]) == len(with_lp["output_ids"])
         ref = _hf_logprobs(hf, prompt, with_lp["output_ids"])
         diffs += [abs(lp - float(ref[k, tok])) for k, (lp, tok) in enumerate(with_lp["meta_info"]["output_token_logprobs"])]
     print(f"logprob |diff| vs HF: max {max(diffs):.3f} mean {sum(diffs) / len(diffs):.4f}; {checked} tokens checked")
     assert max(diffs) <= LOGPROB_MAX_DIFF and sum(diffs) / len(diffs) <= LOGPROB_MEAN_DIFF
     assert checked >= sum(OUTPUT_LENS) // 3  # many steps have a clear winner
+
+
+@pytest.mark.parametrize("page_size, pool, new_tokens", [(1, 160, 40), (16, 160, 80)])
+def test_retraction_on_a_tiny_pool_keeps_outputs(checkpoint, page_size, pool, new_tokens):
+    """Graphs and overlap on; a pool of a few requests' worth forces retraction and re-prefill."""
+    folder, hf = checkpoint
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, SHAPE["vocab_size"], (n,), generator=gen).tolist() for n in (20, 25, 18, 30, 22, 16)]
+    with radixserve.Engine(
+        model_path=folder, device="cuda", dtype="bfloat16", max_running_requests=8, max_total_tokens=pool,
+        page_size=page_size, check_invariants=True, disable_tqdm=True,
+    ) as eng:
+        outs = eng.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True})
+        assert eng.scheduler.stats["retractions"] > 0
+        assert eng.scheduler.overlap and eng.scheduler.model_runner.cuda_graph_runner is not None
+    checked = sum(_check_greedy(hf, p, o["output_ids"]) for p, o in zip(prompts, outs))
+    assert all(len(o["output_ids"]) == new_tokens for o in outs) and checked >= 6 * new_tokens // 4
+
+
+def _check_greedy(hf, prompt: list[int], output: list[int]) -> int:
+    """Assert each token is HF's argmax where the top-2 margin is clear; return how many were checked."""
+    top2 = _hf_logprobs(hf, prompt, output).topk(2, dim=-1)
+    checked = 0
+    for k, tok in enumerate(output):
+        if top2.values[k, 0] - top2.values[k, 1] > MARGIN:
+            assert tok == int(top2.indices[k, 0]), f"step {k} of a {len(prompt)}-token prompt"
+            checked += 1
+    return checked
