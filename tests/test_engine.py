@@ -227,12 +227,14 @@ def overlap_engine(folder, **kw):
     return engine(folder, overlap=True, **kw)
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_overlap_greedy_matches_hf_with_staggered_finishes(llama, page_size):
+@pytest.mark.parametrize("page_size, max_running", [(1, 16), (4, 16), (1, 2), (4, 3)])
+def test_overlap_greedy_matches_hf_with_staggered_finishes(llama, page_size, max_running):
+    """Few running slots make prefills (queued while a decode runs) and
+    decodes (queued while a prefill runs) interleave."""
     folder, hf = llama
     batch = prompts([5, 37, 1, 80, 17, 9])
     params = [{**GREEDY, "max_new_tokens": n} for n in (1, 3, 12, 7, 2, 12)]
-    with overlap_engine(folder, page_size=page_size) as eng:
+    with overlap_engine(folder, page_size=page_size, max_running_requests=max_running) as eng:
         outs = eng.generate(input_ids=batch, sampling_params=params)
         for ids, p, out in zip(batch, params, outs):
             assert out["output_ids"] == hf_greedy(hf, ids, p["max_new_tokens"])
@@ -241,7 +243,8 @@ def test_overlap_greedy_matches_hf_with_staggered_finishes(llama, page_size):
         assert eng.scheduler.allocator.available_size() == eng.scheduler.allocator.size
 
 
-def test_overlap_equals_sync_with_sampling_penalties_and_stops(llama):
+@pytest.mark.parametrize("max_running", [16, 2])
+def test_overlap_equals_sync_with_sampling_penalties_and_stops(llama, max_running):
     folder, _ = llama
     batch = prompts([12, 30, 7, 21], seed=11)
     params = [
@@ -250,13 +253,13 @@ def test_overlap_equals_sync_with_sampling_penalties_and_stops(llama):
         {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True, "repetition_penalty": 1.3},
         {"temperature": 0.7, "top_k": 5, "max_new_tokens": 11, "ignore_eos": True, "sampling_seed": 9},
     ]
-    with engine(folder) as eng:
+    with engine(folder, max_running_requests=max_running) as eng:
         sync = eng.generate(input_ids=batch, sampling_params=params)
     # Stop on a token the second request emits mid-way: it then finishes early.
     params[1] = {**params[1], "stop_token_ids": [sync[1]["output_ids"][5]]}
-    with engine(folder) as eng:
+    with engine(folder, max_running_requests=max_running) as eng:
         sync = eng.generate(input_ids=batch, sampling_params=params)
-    with overlap_engine(folder) as eng:
+    with overlap_engine(folder, max_running_requests=max_running, chunked_prefill_size=16) as eng:
         over = eng.generate(input_ids=batch, sampling_params=params)
     assert [o["output_ids"] for o in over] == [s["output_ids"] for s in sync]
     assert [o["meta_info"]["finish_reason"] for o in over] == [s["meta_info"]["finish_reason"] for s in sync]

@@ -48,18 +48,19 @@ class Scheduler:
     conditions and hands finished requests' KV to the prefix cache. It returns
     the requests that got new tokens or finished in that step.
 
-    Overlap scheduling (``overlap``, on by default on CUDA): a decode step
-    queues its forward and sampling on a dedicated device stream and only
-    then processes the previous decode's results, so the host's work (stop
-    checks, detokenization hand-off, the next batch's metadata) hides behind
+    Overlap scheduling (``overlap``, on by default on CUDA): a step queues
+    its forward and sampling on a dedicated device stream and only then
+    processes the previous batch's results, so the host's work (stop checks,
+    output hand-off, the next batch's metadata and admission) hides behind
     the GPU's. Sampled ids stay on the device: a decode reads its input ids
     from ``last_token`` (indexed by request row), which every sampling
-    updates. A decode is therefore queued before the host knows whether the
-    previous one finished some of its requests; such a request gets one
-    extra forward whose token is dropped and whose KV slot is released with
-    the request (``_deferred``). Extends, retraction, aborts and admission
-    first wait for the batch in flight ("drain"), then run as without
-    overlap.
+    updates, and a prefilled request joins the running batch as soon as its
+    extend is queued. A decode is therefore queued before the host knows
+    whether the previous batch finished some of its requests; such a request
+    gets one extra forward whose token is dropped and whose KV slot is
+    released with the request (``_deferred``). The next chunk of a chunked
+    prompt, retraction and aborts first wait for the batch in flight
+    ("drain"), then run as without overlap.
     """
 
     def __init__(self, server_args: ServerArgs, model_runner, tokenizer=None):
@@ -85,7 +86,7 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self._decode_info: SamplingBatchInfo | None = None
         self._decode_info_reqs: list[Req] = []
-        self._decode_filter: tuple[list[int], torch.Tensor] | None = None
+        self._decode_update: tuple | None = None  # see _decode_reqs
         self._finished_outside_batch: list[Req] = []
         # Overlap state: the decode queued on the device, and finished requests
         # whose last KV slot that decode still writes.
@@ -151,7 +152,7 @@ class Scheduler:
     # -- the loop --------------------------------------------------------------
     def step(self) -> list[Req]:
         """Run one batch; returns the requests updated in it (finished ones too).
-        With overlap, a decode's results come back in the next step."""
+        With overlap, a batch's results come back in the next step."""
         out = self._drain() if self._in_flight and self._must_drain() else []
         out += self._process_aborts()
         batch, mode = self._next_batch()
@@ -160,7 +161,7 @@ class Scheduler:
         previous, self._in_flight = self._in_flight, None
         if batch:
             launched = self._launch(batch, mode)
-            if self.overlap and mode == ForwardMode.DECODE:
+            if self.overlap:
                 self._in_flight = launched
             else:
                 out += self._process(launched)
@@ -177,9 +178,10 @@ class Scheduler:
         return self._process(launched)
 
     def _must_drain(self) -> bool:
-        """Whether the next batch needs the host to be up to date: admission,
-        a chunk, an abort, or a decode that may need eviction or retraction."""
-        if self.waiting or self.chunked_req or any(r.to_abort for r in self.running):
+        """Whether the next batch needs the host to be up to date: the next
+        chunk of a prompt, an abort, or a decode that may need eviction or
+        retraction."""
+        if self.chunked_req or any(r.to_abort for r in self.running):
             return True
         return self.allocator.available_size() < self._decode_pages_needed()
 
@@ -189,13 +191,15 @@ class Scheduler:
             return prefill, ForwardMode.EXTEND
         if self.running:
             self._ensure_decode_memory()
-            return list(self.running), ForwardMode.DECODE
+            return self._decode_reqs(), ForwardMode.DECODE
         return [], ForwardMode.IDLE
 
     def _get_new_batch_prefill(self) -> list[Req]:
         if not self.waiting and self.chunked_req is None:
             return []
-        free_rows = self.max_running - len(self.running)  # the chunked request, if any, is in can_run
+        # The chunked request, if any, is in can_run; finished requests whose
+        # last decode is in flight still hold their rows.
+        free_rows = self.max_running - len(self.running) - len(self._deferred)
         adder = PrefillAdder(
             self.tree_cache, self.allocator.available_size(), self.running, self.new_token_ratio,
             self.args.max_prefill_tokens, self.chunk_size, max(free_rows, 0), self.page_size,
@@ -303,8 +307,7 @@ class Scheduler:
         with self._on_forward_stream():
             if mode == ForwardMode.DECODE:
                 fb.input_ids = self.last_token[fb.req_pool_indices]
-                if self._decode_filter is not None:
-                    info.filter(*self._decode_filter)
+                self._update_decode_info()
             logits_out = self.model_runner.forward(fb)
             with torch.inference_mode():
                 sample = self.sampler(logits_out.next_token_logits.float().clone(), info,
@@ -318,6 +321,8 @@ class Scheduler:
                 done.record()
         for req, seq in zip(reqs, batch.seq_lens_cpu):
             req.kv_inflight = seq - req.kv_len
+        if mode == ForwardMode.EXTEND:  # finished prompts decode next, their first token still on the device
+            self.running += [r for r in reqs if not r.is_chunked]
         self.stats["forward_ct"] += 1
         return _Launched(reqs, mode, batch, fb, logits_out, sample, next_ids, done)
 
@@ -369,28 +374,52 @@ class Scheduler:
             seq_lens=seq,
             out_cache_loc=slots,
             seq_lens_cpu=seq.tolist(),
-            sampling_info=self._decode_sampling_info(reqs),
+            sampling_info=self._decode_info,
         )
 
-    def _decode_sampling_info(self, reqs: list[Req]) -> SamplingBatchInfo:
-        """The running batch's sampling state, kept across decodes. When
-        requests only left the batch, the state is filtered (on the forward
-        stream, after the queued sampling has updated it); otherwise rebuilt
-        from the requests' tokens, which are then all on the host (no decode
-        in flight: new requests come through an extend, which drains)."""
+    def _decode_reqs(self) -> list[Req]:
+        """The running requests in the order of the decode sampling state.
+
+        The state (penalty counts, output lengths for seeded sampling) lives on
+        the device and is kept across decodes. When requests only left the
+        batch, it is filtered. Otherwise it is rebuilt from the host's tokens,
+        which lack the token still being sampled for requests with a forward
+        in flight (``kv_inflight``): those requests go last, and their rows
+        are completed from ``last_token`` on the forward stream, then merged
+        (``_update_decode_info``)."""
         info, old = self._decode_info, self._decode_info_reqs
-        self._decode_filter = None
-        if info is not None and reqs != old:
-            pos = {id(r): i for i, r in enumerate(old)}
-            keep = [pos.get(id(r), -1) for r in reqs]
-            if -1 not in keep and keep == sorted(keep):
-                self._decode_filter = (keep, torch.tensor(keep, dtype=torch.int64).to(self.device))
-            else:
-                info = None
-        if info is None:
-            info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device)
-        self._decode_info, self._decode_info_reqs = info, list(reqs)
-        return info
+        self._decode_update = None
+        if info is not None:
+            alive = {id(r) for r in self.running}
+            keep = [i for i, r in enumerate(old) if id(r) in alive]
+            if len(keep) == len(self.running):
+                if len(keep) < len(old):
+                    self._decode_update = ("filter", keep, torch.tensor(keep, dtype=torch.int64).to(self.device))
+                self._decode_info_reqs = [old[i] for i in keep]
+                return self._decode_info_reqs
+        settled = [r for r in self.running if r.kv_inflight == 0]
+        pending = [r for r in self.running if r.kv_inflight > 0]
+        settled_info = SamplingBatchInfo.from_reqs(settled, self.vocab_size, self.device) if settled else None
+        if pending:
+            pending_info = SamplingBatchInfo.from_reqs(pending, self.vocab_size, self.device)
+            rows = torch.tensor([r.req_pool_idx for r in pending], dtype=torch.int64).to(self.device)
+            self._decode_update = ("pending", settled_info, pending_info, rows)
+        self._decode_info = settled_info or pending_info
+        self._decode_info_reqs = settled + pending
+        return self._decode_info_reqs
+
+    def _update_decode_info(self) -> None:
+        """Apply ``_decode_reqs``'s update to the sampling state (on the forward stream)."""
+        update, self._decode_update = self._decode_update, None
+        if update is None:
+            return
+        if update[0] == "filter":
+            self._decode_info.filter(update[1], update[2])
+            return
+        _, settled_info, pending_info, rows = update
+        pending_info.cumulate_output_tokens(self.last_token[rows])
+        if settled_info is not None:
+            settled_info.merge(pending_info)
 
     def _wants_input_logprobs(self, req: Req) -> bool:
         return (
@@ -452,16 +481,15 @@ class Scheduler:
                 self._deferred.append(req)
             else:
                 self._release(req)
+        self.running = [r for r in self.running if not r.finished()]
         if mode == ForwardMode.DECODE:
-            self.running = [r for r in self.running if not r.finished()]
             self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
         else:
             # Cache each prefilled prompt now, not at the end: later requests
             # sharing it reuse its KV while it is still decoding.
-            joined = [r for r in reqs if not r.is_chunked and not r.finished()]
-            for req in joined:
-                self.tree_cache.cache_unfinished_req(req)
-            self.running += joined
+            for req in reqs:
+                if not req.is_chunked and not req.finished():
+                    self.tree_cache.cache_unfinished_req(req)
 
     def _check_finished(self, req: Req) -> None:
         sp, last = req.sampling_params, req.output_ids[-1]
