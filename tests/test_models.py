@@ -277,3 +277,25 @@ def test_qwen_sliding_window_is_refused():
     config = Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=16, architectures=["Qwen2ForCausalLM"])
     with pytest.raises(ValueError, match="sliding"):
         ModelRegistry.resolve(config.architectures)(config)
+
+
+def test_cpu_lm_head_in_vocab_blocks_equals_one_gemm():
+    from radixserve.layers.logits_processor import CPU_LM_HEAD_BLOCK, LogitsProcessor
+
+    vocab = 2 * CPU_LM_HEAD_BLOCK + 77  # a partial last block, and padded vocab rows cut off
+    head = torch.nn.Linear(64, vocab + 11, bias=False)
+    hidden = torch.randn(7, 64)
+    with torch.inference_mode():  # as in every forward
+        logits = LogitsProcessor(vocab)._logits(hidden, head)
+    assert logits.shape == (7, vocab) and logits.is_contiguous()
+    torch.testing.assert_close(logits, torch.nn.functional.linear(hidden, head.weight)[:, :vocab], rtol=1e-6, atol=1e-6)
+
+
+def test_glibc_malloc_settings_apply_and_restore():
+    import sys
+
+    from radixserve.model_executor.cpu_malloc import reuse_freed_memory
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc only")
+    assert reuse_freed_memory() and reuse_freed_memory(False)

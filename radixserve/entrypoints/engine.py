@@ -77,6 +77,10 @@ class Engine:
         return self.scheduler.get_stats()
 
     def shutdown(self) -> None:
+        if self.scheduler is not None and self.scheduler.device.type == "cpu":
+            from radixserve.model_executor.cpu_malloc import reuse_freed_memory
+
+            reuse_freed_memory(False)
         self.scheduler = None
 
     def __enter__(self) -> "Engine":
@@ -212,6 +216,10 @@ def build_scheduler(args: ServerArgs):
     from radixserve.model_loader import resolve_model
 
     device = args.resolved_device()
+    if device == "cpu":
+        from radixserve.model_executor.cpu_malloc import reuse_freed_memory
+
+        reuse_freed_memory()
     model_config = resolve_model(args.model_path, args.load_format, args.dtype, device)
     runner = ModelRunner(
         model_config,

@@ -11,6 +11,11 @@ from torch import nn
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ragged_arange
 
 LOGPROB_CHUNK_ROWS = 1024  # token rows per LM-head call when computing input logprobs
+# CPU, few rows (decode): the LM head as weight @ hidden^T in blocks of vocab
+# rows. One [rows, vocab] GEMM with a huge N runs at half the CPU's GEMM rate;
+# blocks that keep the hidden rows in cache run near it, with the same sums.
+CPU_LM_HEAD_MAX_ROWS = 256
+CPU_LM_HEAD_BLOCK = 2048
 
 
 @dataclass
@@ -71,7 +76,14 @@ class LogitsProcessor(nn.Module):
         return out
 
     def _logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        return F.linear(hidden, lm_head.weight)[:, : self.vocab_size].float()
+        weight = lm_head.weight
+        if hidden.device.type != "cpu" or hidden.shape[0] > CPU_LM_HEAD_MAX_ROWS:
+            return F.linear(hidden, weight)[:, : self.vocab_size].float()
+        weight = weight[: self.vocab_size]  # padded vocabulary rows are never needed
+        out = hidden.new_empty(weight.shape[0], hidden.shape[0])
+        for start in range(0, weight.shape[0], CPU_LM_HEAD_BLOCK):
+            torch.mm(weight[start : start + CPU_LM_HEAD_BLOCK], hidden.t(), out=out[start : start + CPU_LM_HEAD_BLOCK])
+        return out.t().float().contiguous()
 
     def _add_input_logprobs(self, out, input_ids, hidden_states, lm_head, fb: ForwardBatch) -> None:
         rows, lens = _input_logprob_rows(fb)
