@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import gguf
@@ -555,3 +557,14 @@ def test_smollm2_loads_into_radixserve_model(smollm2_dir):
     reference = dict(iter_safetensors(smollm2_dir))
     assert torch.equal(params["model.embed_tokens.weight"], reference["model.embed_tokens.weight"])
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, no lm_head in the file
+
+
+def test_only_gguf_models_import_the_gguf_package():
+    code = (
+        "import sys, radixserve\n"
+        "radixserve.Engine(model_path='tiny-llama', device='cpu', disable_tqdm=True).shutdown()\n"
+        "assert 'gguf' not in sys.modules, 'gguf imported for a dummy model'\n"
+        "from radixserve.model_loader import load_gguf\n"
+        "assert 'gguf' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,7 +1,9 @@
-"""Model sources: HF safetensors folders, GGUF files (converted, cached) and dummy configs."""
+"""Model sources: HF safetensors folders, GGUF files (converted, cached) and dummy configs.
+
+``load_gguf`` is imported on first use, so that only GGUF models need the ``gguf`` package.
+"""
 
 from radixserve.model_loader.dummy_configs import DUMMY_MODEL_NAMES, dummy_config, is_dummy_name
-from radixserve.model_loader.gguf_loader import load_gguf
 from radixserve.model_loader.loader import (
     LOAD_FORMATS,
     SUPPORTED_ARCHITECTURES,
@@ -11,6 +13,14 @@ from radixserve.model_loader.loader import (
     resolve_model,
 )
 from radixserve.model_loader.weight_utils import fill_dummy_weights, iter_safetensors
+
+
+def __getattr__(name: str):
+    if name == "load_gguf":
+        from radixserve.model_loader.gguf_loader import load_gguf
+
+        return load_gguf
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "DUMMY_MODEL_NAMES",

@@ -25,7 +25,6 @@ from transformers import AutoConfig, PretrainedConfig
 
 from radixserve.configs.model_config import ModelConfig
 from radixserve.model_loader.dummy_configs import DUMMY_MODEL_NAMES, dummy_config, is_dummy_name
-from radixserve.model_loader.gguf_loader import load_gguf
 from radixserve.model_loader.weight_utils import fill_dummy_weights, iter_safetensors, safetensors_files
 
 # The HF architectures radixserve.models implements; its registry imports this.
@@ -128,6 +127,8 @@ def _hf_folder(path: str, load_format: str) -> str:
     if path.endswith(".gguf") and os.path.isfile(path):
         if load_format == "safetensors":
             raise ValueError(f"{path} is a GGUF file; use --load-format auto or gguf")
+        from radixserve.model_loader.gguf_loader import load_gguf  # only GGUF models need the gguf package
+
         return load_gguf(path)
     if load_format == "gguf":
         raise ValueError(f"--load-format gguf needs a .gguf file, got {path}")
