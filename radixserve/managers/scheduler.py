@@ -34,7 +34,7 @@ class _Launched:
     mode: ForwardMode
     batch: ModelWorkerBatch
     forward_batch: ForwardBatch  # holds the device inputs until the forward is done
-    logits: LogitsProcessorOutput
+    logits: LogitsProcessorOutput  # read back only for extends (a graph replay reuses a decode's buffer)
     sample: SampleOutput
     next_ids: torch.Tensor  # [bs] on the host (pinned on CUDA), valid once `done` is reached
     done: Any  # torch.cuda.Event, or None off CUDA
