@@ -27,7 +27,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,8 +36,10 @@ import numpy as np
 
 # The metric functions are re-exported: callers and tests use them from here.
 from radixserve.bench.serving_metrics import (RequestRecord, compute_metrics, counters_hit_rate, e2e, itls,  # noqa: F401
-                                              meets_slo, record_to_json, summarize, tpot, ttft)
+                                              meets_slo, parse_prometheus_gauges, record_to_json, summarize, tpot,
+                                              ttft)
 from radixserve.bench.serving_plots import plot_compare, plot_latencies, plot_rates
+from radixserve.bench.serving_report import format_table, write_json
 from radixserve.bench.datasets import (Conversation, Dataset, TokenSampler, generated_shared_prefix_dataset,
                                        jsonl_dataset, multi_turn_dataset, random_dataset)
 
@@ -297,20 +298,6 @@ async def read_server_state(client, cfg: ClientConfig) -> dict | None:
     return None
 
 
-def parse_prometheus_gauges(text: str) -> dict | None:
-    """running / waiting requests from ``*:num_running_reqs`` / ``*:num_queue_reqs`` lines."""
-    names = {"num_running_reqs": "running", "num_queue_reqs": "waiting", "token_usage": "kv_usage"}
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        metric, value = line.rsplit(" ", 1)
-        short = metric.split("{")[0].split(":")[-1]
-        if short in names:
-            out[names[short]] = out.get(names[short], 0) + float(value)
-    return out or None
-
-
 async def poll_server(client, cfg: ClientConfig, state: RunState, interval: float) -> None:
     while True:
         s = await read_server_state(client, cfg)
@@ -430,59 +417,12 @@ def run_result(args, rate: float, state: RunState, dataset: Dataset, before: dic
             **({"requests": [record_to_json(r, state.start) for r in state.records]} if args.save_requests else {})}
 
 
-def format_table(res: dict) -> str:
-    def f(v, fmt="{:.2f}"):
-        return "n/a" if v is None else fmt.format(v)
-
-    rows = [("Backend", res["backend"]), ("Dataset", res["dataset"]), ("Request rate (req/s)", res["request_rate"]),
-            ("Max concurrency", res["max_concurrency"] or "-"), ("Successful requests", res["completed"]),
-            ("Failed requests", res["failed"]), ("Duration (s)", f(res["duration_s"])),
-            ("Total input tokens", res["total_input_tokens"]), ("Total output tokens", res["total_output_tokens"]),
-            ("Request throughput (req/s)", f(res["request_throughput"])),
-            ("Input token throughput (tok/s)", f(res["input_throughput"])),
-            ("Output token throughput (tok/s)", f(res["output_throughput"])),
-            ("Total token throughput (tok/s)", f(res["total_throughput"]))]
-    if res["slo_ttft_ms"] is not None or res["slo_tpot_ms"] is not None:
-        rows += [("Goodput (req/s)", f(res["goodput"])), ("SLO attainment", f(res["slo_attainment"], "{:.1%}"))]
-    rows += [("Cache hit rate (server counters)", f(res["cache_hit_rate"], "{:.1%}")),
-             ("Cache hit rate (per request)", f(res["cache_hit_rate_requests"], "{:.1%}")),
-             ("Ideal cache hit rate", f(res["ideal_cache_hit_rate"], "{:.1%}")),
-             ("Peak running requests", f(res["peak_running_requests"], "{}"))]
-    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E latency")):
-        for stat in ("mean", "median", "p90", "p99"):
-            rows.append((f"{stat.capitalize()} {name} (ms)", f(res[key][stat])))
-    title = " Serving Benchmark Result " + ("(interrupted) " if res["interrupted"] else "")
-    lines = [f"{title:=^56}"] + [f"{k:<38}{v!s:>18}" for k, v in rows] + ["=" * 56]
-    if res["interrupted"]:
-        lines.insert(1, f"{'Unfinished requests (cut off)':<38}{res['unfinished']:>18}")
-    server, per_request = res["cache_hit_rate"], res["cache_hit_rate_requests"]
-    if server is not None and per_request is not None and abs(server - per_request) > 0.02:
-        lines.append("note: the server's cache counters disagree with the cached_tokens of its replies")
-    return "\n".join(lines)
-
-
-def _write_json(path: str, output: dict) -> None:
-    """Indented, except that each saved request record takes a single line."""
-    compact: list[str] = []
-
-    def placeholder(record: dict) -> str:
-        compact.append(json.dumps(record))
-        return f"@@record{len(compact) - 1}@@"
-
-    shown = {**output, "runs": [{**r, "requests": [placeholder(d) for d in r["requests"]]} if "requests" in r else r
-                                for r in output["runs"]]}
-    text = json.dumps(shown, indent=2)
-    text = re.sub(r'"@@record(\d+)@@"', lambda m: compact[int(m.group(1))], text)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text + "\n")
-
-
 def _report(args, output: dict, res: dict) -> None:
     output["runs"].append(res)
     print(format_table(res), file=sys.stderr, flush=True)
     print(json.dumps(res), flush=True)
     if args.output_json:
-        _write_json(args.output_json, output)
+        write_json(args.output_json, output)
 
 
 async def _benchmark(args, cfg: ClientConfig, output: dict, live: dict,

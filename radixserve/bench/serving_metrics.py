@@ -109,3 +109,17 @@ def counters_hit_rate(before: dict | None, after: dict | None) -> float | None:
         return None
     prompt = after["prompt_tokens"] - before["prompt_tokens"]
     return (after["cached_tokens"] - before["cached_tokens"]) / prompt if prompt > 0 else None
+
+
+def parse_prometheus_gauges(text: str) -> dict | None:
+    """running / waiting requests from ``*:num_running_reqs`` / ``*:num_queue_reqs`` lines."""
+    names = {"num_running_reqs": "running", "num_queue_reqs": "waiting", "token_usage": "kv_usage"}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        metric, value = line.rsplit(" ", 1)
+        short = metric.split("{")[0].split(":")[-1]
+        if short in names:
+            out[names[short]] = out.get(names[short], 0) + float(value)
+    return out or None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -31,7 +31,6 @@ class _Launched:
     """A batch whose forward and sampling are queued on the device."""
 
     reqs: list[Req]
-    mode: ForwardMode
     batch: ModelWorkerBatch
     forward_batch: ForwardBatch  # holds the device inputs until the forward is done
     logits: LogitsProcessorOutput  # read back only for extends (a graph replay reuses a decode's buffer)
@@ -86,7 +85,7 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self._decode_info: SamplingBatchInfo | None = None
         self._decode_info_reqs: list[Req] = []
-        self._decode_update: tuple | None = None  # see _decode_reqs
+        self._decode_update: Callable[[], None] | None = None  # see _decode_reqs
         self._finished_outside_batch: list[Req] = []
         # Overlap state: the decode queued on the device, and finished requests
         # whose last KV slot that decode still writes.
@@ -307,7 +306,9 @@ class Scheduler:
         with self._on_forward_stream():
             if mode == ForwardMode.DECODE:
                 fb.input_ids = self.last_token[fb.req_pool_indices]
-                self._update_decode_info()
+                if self._decode_update is not None:
+                    self._decode_update()
+                    self._decode_update = None
             logits_out = self.model_runner.forward(fb)
             with torch.inference_mode():
                 sample = self.sampler(logits_out.next_token_logits.float().clone(), info,
@@ -324,7 +325,7 @@ class Scheduler:
         if mode == ForwardMode.EXTEND:  # finished prompts decode next, their first token still on the device
             self.running += [r for r in reqs if not r.is_chunked]
         self.stats["forward_ct"] += 1
-        return _Launched(reqs, mode, batch, fb, logits_out, sample, next_ids, done)
+        return _Launched(reqs, batch, fb, logits_out, sample, next_ids, done)
 
     def _on_forward_stream(self):
         if self.forward_stream is None:
@@ -386,7 +387,7 @@ class Scheduler:
         which lack the token still being sampled for requests with a forward
         in flight (``kv_inflight``): those requests go last, and their rows
         are completed from ``last_token`` on the forward stream, then merged
-        (``_update_decode_info``)."""
+        (``_decode_update``, run by ``_launch``)."""
         info, old = self._decode_info, self._decode_info_reqs
         self._decode_update = None
         if info is not None:
@@ -394,7 +395,8 @@ class Scheduler:
             keep = [i for i, r in enumerate(old) if id(r) in alive]
             if len(keep) == len(self.running):
                 if len(keep) < len(old):
-                    self._decode_update = ("filter", keep, torch.tensor(keep, dtype=torch.int64).to(self.device))
+                    keep_dev = torch.tensor(keep, dtype=torch.int64).to(self.device)
+                    self._decode_update = lambda: info.filter(keep, keep_dev)
                 self._decode_info_reqs = [old[i] for i in keep]
                 return self._decode_info_reqs
         settled = [r for r in self.running if r.kv_inflight == 0]
@@ -403,23 +405,16 @@ class Scheduler:
         if pending:
             pending_info = SamplingBatchInfo.from_reqs(pending, self.vocab_size, self.device)
             rows = torch.tensor([r.req_pool_idx for r in pending], dtype=torch.int64).to(self.device)
-            self._decode_update = ("pending", settled_info, pending_info, rows)
+
+            def complete_pending() -> None:
+                pending_info.cumulate_output_tokens(self.last_token[rows])
+                if settled_info is not None:
+                    settled_info.merge(pending_info)
+
+            self._decode_update = complete_pending
         self._decode_info = settled_info or pending_info
         self._decode_info_reqs = settled + pending
         return self._decode_info_reqs
-
-    def _update_decode_info(self) -> None:
-        """Apply ``_decode_reqs``'s update to the sampling state (on the forward stream)."""
-        update, self._decode_update = self._decode_update, None
-        if update is None:
-            return
-        if update[0] == "filter":
-            self._decode_info.filter(update[1], update[2])
-            return
-        _, settled_info, pending_info, rows = update
-        pending_info.cumulate_output_tokens(self.last_token[rows])
-        if settled_info is not None:
-            settled_info.merge(pending_info)
 
     def _wants_input_logprobs(self, req: Req) -> bool:
         return (
@@ -434,7 +429,8 @@ class Scheduler:
         """Wait for a launched batch and apply its results to its requests."""
         if launched.done is not None:
             launched.done.synchronize()
-        reqs, mode, batch, sample = launched.reqs, launched.mode, launched.batch, launched.sample
+        reqs, batch, sample = launched.reqs, launched.batch, launched.sample
+        mode = batch.forward_mode
         if mode == ForwardMode.EXTEND:
             self._record_input_logprobs(reqs, batch, launched.logits)
         next_ids = launched.next_ids.tolist()
