@@ -3,10 +3,13 @@ over a paged KV pool whose slots are laid out by hand (pages scattered)."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
-from radixserve.layers.attention import create_attention_backend
+from radixserve.cache_dir import CACHE_ENV
+from radixserve.layers.attention import cpu_kernels, create_attention_backend
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -73,7 +76,7 @@ def make_batch(ctx: PagedContext, mode: ForwardMode, prefix_lens, extend_lens, b
     return fb
 
 
-def run_and_check(mode, prefix_lens, extend_lens, page_size, group, save_kv_cache=True, seed=0):
+def run_and_check(mode, prefix_lens, extend_lens, page_size, group, save_kv_cache=True, seed=0, cpu_kernel=False):
     num_heads = KV_HEADS * group
     ctx = PagedContext([p + n for p, n in zip(prefix_lens, extend_lens)], page_size, seed)
     layer = RadixAttention(num_heads, HEAD_DIM, HEAD_DIM**-0.5, KV_HEADS, LAYER_ID)
@@ -87,6 +90,7 @@ def run_and_check(mode, prefix_lens, extend_lens, page_size, group, save_kv_cach
     k, v = ctx.randn(total, KV_HEADS * HEAD_DIM), ctx.randn(total, KV_HEADS * HEAD_DIM)
 
     backend = create_attention_backend("torch_native", None)
+    backend.cpu_decode_kernel = cpu_kernel
     fb = make_batch(ctx, mode, prefix_lens, extend_lens, backend)
     backend.init_forward_metadata(fb)
     out = layer(q, k, v, fb, save_kv_cache=save_kv_cache)
@@ -125,18 +129,25 @@ def test_extend_matches_dense(page_size, group, prefix_lens, extend_lens):
     run_and_check(ForwardMode.EXTEND, prefix_lens, extend_lens, page_size, group)
 
 
+needs_kernel = pytest.mark.skipif(not cpu_kernels.decode_attention_available(), reason="no C compiler")
+DECODE_PATHS = [pytest.param(True, id="c-kernel", marks=needs_kernel), pytest.param(False, id="sdpa")]
+
+
+@pytest.mark.parametrize("cpu_kernel", DECODE_PATHS)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("group", [1, 2, 4])
-@pytest.mark.parametrize("context_lens", [[0], [0, 16, 3, 150], [31, 31]])
-def test_decode_matches_dense(page_size, group, context_lens):
-    run_and_check(ForwardMode.DECODE, context_lens, [1] * len(context_lens), page_size, group)
+@pytest.mark.parametrize("context_lens", [[0], [0, 16, 3, 150], [31, 31], [700]])
+def test_decode_matches_dense(page_size, group, context_lens, cpu_kernel):
+    """[700] alone: the C kernel splits its keys (see ``num_kv_splits``)."""
+    run_and_check(ForwardMode.DECODE, context_lens, [1] * len(context_lens), page_size, group, cpu_kernel=cpu_kernel)
 
 
+@pytest.mark.parametrize("cpu_kernel", DECODE_PATHS)
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
-def test_without_saving_kv(mode):
+def test_without_saving_kv(mode, cpu_kernel):
     """save_kv_cache=False still attends to the new tokens but leaves the pool alone."""
     extend = [3, 4] if mode.is_extend() else [1, 1]
-    run_and_check(mode, [9, 20], extend, page_size=4, group=2, save_kv_cache=False)
+    run_and_check(mode, [9, 20], extend, page_size=4, group=2, save_kv_cache=False, cpu_kernel=cpu_kernel)
 
 
 def test_unknown_backend_is_rejected():
@@ -144,39 +155,66 @@ def test_unknown_backend_is_rejected():
         create_attention_backend("flashinfer", None)
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_decode_steps_reuse_and_rebuild_the_dense_cache(page_size):
-    """Consecutive decode steps of the same requests reuse the CPU dense K/V
-    cache; a changed batch rebuilds it. Every step must equal the reference."""
-    group, steps, start_lens = 2, 3, [20, 35, 9]
-    num_heads = KV_HEADS * group
-    ctx = PagedContext([n + steps + 1 for n in start_lens], page_size, seed=3)
-    layer = RadixAttention(num_heads, HEAD_DIM, HEAD_DIM**-0.5, KV_HEADS, LAYER_ID)
-    full_k = [ctx.randn(n + steps + 1, KV_HEADS, HEAD_DIM) for n in start_lens]
-    full_v = [ctx.randn(n + steps + 1, KV_HEADS, HEAD_DIM) for n in start_lens]
-    for slots, n, fk, fv in zip(ctx.slots, start_lens, full_k, full_v):
-        ctx.kv.set_kv_buffer(LAYER_ID, slots[:n], fk[:n], fv[:n])
-    backend = create_attention_backend("torch_native", None)
-    plans = []
-    # three steps of all requests, then one step of a smaller batch (the first request left)
-    schedule = [[0, 1, 2]] * steps + [[1, 2]]
-    lens = list(start_lens)
-    for batch in schedule:
-        sub = PagedContext.__new__(PagedContext)
-        sub.__dict__.update(ctx.__dict__)
-        sub.rows, sub.slots = [ctx.rows[i] for i in batch], [ctx.slots[i][: lens[i] + 1] for i in batch]
-        prefix = [lens[i] for i in batch]
-        fb = make_batch(sub, ForwardMode.DECODE, prefix, [1] * len(batch), backend)
-        backend.init_forward_metadata(fb)
-        plans.append(fb.attn_metadata.dense)
-        q = ctx.randn(len(batch), num_heads * HEAD_DIM)
-        k = torch.stack([full_k[i][lens[i]] for i in batch]).view(len(batch), -1)
-        v = torch.stack([full_v[i][lens[i]] for i in batch]).view(len(batch), -1)
-        out = layer(q, k, v, fb)
-        for j, i in enumerate(batch):
-            n = lens[i] + 1
-            ref = dense_reference(q[j].view(1, num_heads, HEAD_DIM), full_k[i][:n], full_v[i][:n], n - 1, layer.scaling)
-            torch.testing.assert_close(out[j].view(1, num_heads, HEAD_DIM), ref, atol=1e-5, rtol=1e-5)
-        for i in batch:
-            lens[i] += 1
-    assert plans == [True, False, False, True], "rebuild, reuse twice, rebuild for the new batch"
+@needs_kernel
+@pytest.mark.parametrize("splits", [1, 3, 8])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (4, 4, 16), (14, 2, 64)])
+def test_cpu_decode_kernel_shapes_and_splits(num_heads, num_kv_heads, head_dim, splits, monkeypatch):
+    """Model head shapes, q as a strided view of a qkv row, keys split any
+    number of ways (more splits than keys included), slots scattered."""
+    monkeypatch.setattr(cpu_kernels, "num_kv_splits", lambda *_: splits)
+    gen = torch.Generator().manual_seed(splits)
+    lens = [1, 2, 33, 300]
+    pool_rows = 1024
+    k_buf, v_buf = (torch.randn(pool_rows, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    req_to_token = torch.zeros(6, 512, dtype=torch.int32)
+    rows = torch.tensor([4, 1, 5, 2])
+    for row, n in zip(rows.tolist(), lens):
+        req_to_token[row, :n] = (torch.randperm(pool_rows - 1, generator=gen)[:n] + 1).to(torch.int32)
+    qkv = torch.randn(len(lens), (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    q = qkv[:, : num_heads * head_dim]
+    scale = head_dim**-0.5
+    out = cpu_kernels.decode_attention(
+        q, k_buf, v_buf, req_to_token, rows, torch.tensor(lens), max(lens), num_heads, scale
+    )
+    for i, (row, n) in enumerate(zip(rows.tolist(), lens)):
+        slots = req_to_token[row, :n].long()
+        ref = dense_reference(q[i].view(1, num_heads, head_dim), k_buf[slots], v_buf[slots], n - 1, scale)
+        torch.testing.assert_close(out[i].view(1, num_heads, head_dim), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_splits_keep_threads_busy_but_splits_long():
+    assert cpu_kernels.num_kv_splits(64, 300, threads=2) == 1
+    assert cpu_kernels.num_kv_splits(1, 100, threads=2) == 1  # too short to split
+    assert cpu_kernels.num_kv_splits(1, 2000, threads=2) == 7  # 8 wanted, 256 keys each at least
+    assert cpu_kernels.num_kv_splits(2, 100_000, threads=16) == 32
+
+
+def test_cpu_kernel_build_is_cached_and_failures_fall_back(tmp_path, monkeypatch, caplog):
+    """A fresh cache builds the library once; a broken compiler means no
+    kernel and a warning, never an exception."""
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    cpu_kernels._library.cache_clear()
+    try:
+        assert cpu_kernels.decode_attention_available()
+        built = list((tmp_path / "kernels").glob("decode_attention-*.so"))
+        assert len(built) == 1
+        mtime = built[0].stat().st_mtime_ns
+        cpu_kernels._library.cache_clear()
+        assert cpu_kernels.decode_attention_available()
+        assert built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
+
+        cpu_kernels._library.cache_clear()
+        monkeypatch.setenv(CACHE_ENV, str(tmp_path / "other"))
+        monkeypatch.setenv("CC", "false")  # a compiler that always fails
+        assert not cpu_kernels.decode_attention_available()
+        assert "building CPU kernels failed" in caplog.text
+        assert not list((tmp_path / "other" / "kernels").iterdir())  # nothing half-written left
+
+        cpu_kernels._library.cache_clear()
+        monkeypatch.delenv("CC")
+        monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
+        assert not cpu_kernels.decode_attention_available()
+    finally:
+        cpu_kernels._library.cache_clear()

@@ -279,16 +279,42 @@ def test_qwen_sliding_window_is_refused():
         ModelRegistry.resolve(config.architectures)(config)
 
 
-def test_cpu_lm_head_in_vocab_blocks_equals_one_gemm():
-    from radixserve.layers.logits_processor import CPU_LM_HEAD_BLOCK, LogitsProcessor
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 
-    vocab = 2 * CPU_LM_HEAD_BLOCK + 77  # a partial last block, and padded vocab rows cut off
-    head = torch.nn.Linear(64, vocab + 11, bias=False)
-    hidden = torch.randn(7, 64)
-    with torch.inference_mode():  # as in every forward
-        logits = LogitsProcessor(vocab)._logits(hidden, head)
-    assert logits.shape == (7, vocab) and logits.is_contiguous()
-    torch.testing.assert_close(logits, torch.nn.functional.linear(hidden, head.weight)[:, :vocab], rtol=1e-6, atol=1e-6)
+
+@needs_onednn
+def test_cpu_prepacked_linear_equals_plain_gemm():
+    from radixserve.layers.linear import QKVParallelLinear
+
+    layer = QKVParallelLinear(64, 16, num_heads=4, num_kv_heads=2, bias=True)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    x = torch.randn(37, 64)[:, :64]
+    with torch.inference_mode():
+        plain = layer(x)
+        assert layer.prepack_for_cpu() and layer.weight.is_mkldnn
+        assert layer.prepack_for_cpu() and layer.weight.is_mkldnn  # packing twice is harmless
+        packed = layer(x)
+        assert layer(x[:0]).shape == (0, 128) and layer(x[:1]).shape == (1, 128)
+    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-4)
+
+
+@needs_onednn
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_runner_prepacks_linears_and_lm_head_on_cpu(tied):
+    """Every test here that runs a model through a ModelRunner on the CPU thus
+    compares the prepacked GEMMs against HF."""
+    config = LlamaConfig(**SHAPE, tie_word_embeddings=tied, architectures=["LlamaForCausalLM"])
+    model = our_model(config, hf_model(config))
+    embedding = model.model.embed_tokens.weight.detach().clone()
+    make_runner(config, model)
+    layer = model.model.layers[0]
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert linear.weight.is_mkldnn
+    assert model.lm_head.lm_head_weight().is_mkldnn
+    torch.testing.assert_close(model.lm_head.lm_head_weight().to_dense(), model.lm_head.weight.to_dense())
+    assert not model.model.embed_tokens.weight.is_mkldnn  # lookups still read the plain matrix
+    assert torch.equal(model.model.embed_tokens.weight, embedding)
 
 
 def test_glibc_malloc_settings_apply_and_restore():

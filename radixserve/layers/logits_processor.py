@@ -5,17 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from radixserve.layers.linear import linear
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ragged_arange
 
 LOGPROB_CHUNK_ROWS = 1024  # token rows per LM-head call when computing input logprobs
-# CPU, few rows (decode): the LM head as weight @ hidden^T in blocks of vocab
-# rows. One [rows, vocab] GEMM with a huge N runs at half the CPU's GEMM rate;
-# blocks that keep the hidden rows in cache run near it, with the same sums.
-CPU_LM_HEAD_MAX_ROWS = 256
-CPU_LM_HEAD_BLOCK = 2048
 
 
 @dataclass
@@ -62,7 +57,7 @@ class LogitsProcessor(nn.Module):
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         hidden_states: torch.Tensor,  # [num_tokens, hidden]
-        lm_head: nn.Module,  # anything with .weight [vocab, hidden]
+        lm_head: nn.Module,  # a VocabParallelEmbedding / ParallelLMHead
         forward_batch: ForwardBatch,
     ) -> LogitsProcessorOutput:
         if forward_batch.forward_mode.is_extend():
@@ -76,14 +71,7 @@ class LogitsProcessor(nn.Module):
         return out
 
     def _logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        weight = lm_head.weight
-        if hidden.device.type != "cpu" or hidden.shape[0] > CPU_LM_HEAD_MAX_ROWS:
-            return F.linear(hidden, weight)[:, : self.vocab_size].float()
-        weight = weight[: self.vocab_size]  # padded vocabulary rows are never needed
-        out = hidden.new_empty(weight.shape[0], hidden.shape[0])
-        for start in range(0, weight.shape[0], CPU_LM_HEAD_BLOCK):
-            torch.mm(weight[start : start + CPU_LM_HEAD_BLOCK], hidden.t(), out=out[start : start + CPU_LM_HEAD_BLOCK])
-        return out.t().float().contiguous()
+        return linear(hidden, lm_head.lm_head_weight())[:, : self.vocab_size].float()
 
     def _add_input_logprobs(self, out, input_ids, hidden_states, lm_head, fb: ForwardBatch) -> None:
         rows, lens = _input_logprob_rows(fb)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.layers.linear import default_weight_loader
+from radixserve.layers.linear import cpu_prepacked_weight, default_weight_loader
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -21,9 +21,30 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)
 
+    def lm_head_weight(self) -> torch.Tensor:
+        """The weight the LM head multiplies by: the CPU-prepacked copy if made."""
+        packed = getattr(self, "packed_weight", None)
+        return self.weight if packed is None else packed
+
+    def prepack_lm_head_for_cpu(self) -> bool:
+        """Keep a CPU-prepacked copy for the LM head (a tied embedding still
+        looks tokens up in the plain weight)."""
+        self.packed_weight = cpu_prepacked_weight(self.weight.data)
+        return self.packed_weight is not None
+
 
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection; applied by :class:`LogitsProcessor`, never called directly."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is applied by LogitsProcessor, not called")
+
+    def prepack_lm_head_for_cpu(self) -> bool:
+        """Nothing looks tokens up here: the packed weight replaces the plain one."""
+        packed = cpu_prepacked_weight(self.weight.data)
+        if packed is not None:
+            self.weight = nn.Parameter(packed, requires_grad=False)
+        return packed is not None
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.weight

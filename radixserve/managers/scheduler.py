@@ -311,8 +311,11 @@ class Scheduler:
                     self._decode_update = None
             logits_out = self.model_runner.forward(fb)
             with torch.inference_mode():
-                sample = self.sampler(logits_out.next_token_logits.float().clone(), info,
-                                      return_logprob=want_lp, top_logprobs_nums=tops)
+                logits = logits_out.next_token_logits
+                if want_lp and mode == ForwardMode.EXTEND:  # read again for chunked prompts' input logprobs
+                    logits = logits.clone()
+                # The sampler penalizes and scales ``logits`` in place.
+                sample = self.sampler(logits, info, return_logprob=want_lp, top_logprobs_nums=tops)
                 self.last_token[fb.req_pool_indices] = sample.next_token_ids
                 info.cumulate_output_tokens(sample.next_token_ids)
                 next_ids = sample.next_token_ids.to("cpu", non_blocking=True)

@@ -24,6 +24,7 @@ from torch import nn
 
 from radixserve.configs.model_config import ModelConfig
 from radixserve.layers.attention import create_attention_backend
+from radixserve.layers.linear import prepack_linears_for_cpu
 from radixserve.layers.logits_processor import LogitsProcessorOutput
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ragged_arange
@@ -75,6 +76,9 @@ class ModelRunner:
         self.page_size = page_size
         self.max_running_requests = max_running_requests
         self.model = (model if model is not None else self._load_model()).eval()
+        if self.device.type == "cpu":
+            packed = prepack_linears_for_cpu(self.model)
+            logger.info("CPU: %d weights prepacked for oneDNN GEMMs", packed)
         self.max_total_tokens = self._kv_pool_tokens(max_total_tokens, mem_fraction_static)
         self.max_context_len = min(max_context_len or model_config.context_len, self.max_total_tokens)
         self._init_memory_pools()

@@ -28,11 +28,12 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from transformers import GenerationConfig, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
+from radixserve.cache_dir import CACHE_ENV, cache_root  # noqa: F401  (CACHE_ENV: tests point it elsewhere)
+
 logger = logging.getLogger(__name__)
 
 # Bump when the converted output changes, so old cache entries are not reused.
 CONVERTER_VERSION = 1
-CACHE_ENV = "RADIXSERVE_CACHE_DIR"
 MARKER_FILE = "radixserve_gguf.json"
 
 # general.architecture -> (HF architecture, HF config class)
@@ -258,11 +259,6 @@ def _convert_tokenizer(gguf_path: str, out_dir: str, max_length: int) -> None:
     # The chat template goes into tokenizer_config.json, where every
     # transformers version looks for it.
     tokenizer.save_pretrained(out_dir, save_jinja_files=False)
-
-
-def cache_root() -> str:
-    """Where converted models are kept: ``$RADIXSERVE_CACHE_DIR`` or ``~/.cache/radixserve``."""
-    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "radixserve")
 
 
 def _source_identity(gguf_path: str) -> dict[str, Any]:

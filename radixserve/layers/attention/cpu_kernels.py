@@ -1,0 +1,141 @@
+"""CPU kernels in C (``csrc/``), built on first use with the host's C
+compiler for the host's vector ISA and loaded with ctypes.
+
+A plain C file needs neither torch's headers nor a build step at install: it
+compiles in about a second, once per machine, into the radixserve cache
+(``$RADIXSERVE_CACHE_DIR``, keyed by source, compiler and CPU). It links the
+OpenMP runtime by soname, so inside a torch process it shares torch's threads.
+Without a compiler (or with ``RADIXSERVE_CPU_KERNELS=0``) :func:`decode_attention_kernel`
+is None and the torch-native backend keeps its SDPA path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+from radixserve.cache_dir import cache_root
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"  # "0" turns the kernels off
+SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "decode_attention.c")
+CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast"]
+BUILD_TIMEOUT_S = 300
+# Split a request's keys only while that leaves at least this many per split.
+MIN_KEYS_PER_SPLIT = 256
+
+
+def _cpu_identity() -> str:
+    """What the compiled code depends on: the CPU model and its feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def _compile(compiler: str, out: str) -> str | None:
+    """Build the shared library at ``out``; returns None or the error text.
+    ``-march=native`` first; a compiler without it gets a generic build."""
+    err = ""
+    for arch in (["-march=native"], []):
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as tmp:
+            tmp_out = os.path.join(tmp, "kernel.so")
+            cmd = [compiler, *CFLAGS, *arch, SOURCE, "-o", tmp_out, "-lm"]
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                return str(e)
+            if proc.returncode == 0:
+                os.replace(tmp_out, out)  # atomic: concurrent builders race harmlessly
+                return None
+            err = proc.stderr.strip()[-2000:]
+    return err
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: CPU decode attention stays on torch SDPA (slower)")
+        return None
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+        with open(SOURCE, "rb") as f:
+            source = f.read()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        logger.warning("cannot build CPU kernels (%s): CPU decode attention stays on torch SDPA", e)
+        return None
+    key = hashlib.sha256(b"\0".join(
+        [source, version.encode(), " ".join(CFLAGS).encode(), platform.machine().encode(), _cpu_identity().encode()]
+    )).hexdigest()[:16]
+    folder = os.path.join(cache_root(), "kernels")
+    path = os.path.join(folder, f"decode_attention-{key}.so")
+    if not os.path.exists(path):
+        os.makedirs(folder, exist_ok=True)
+        error = _compile(compiler, path)
+        if error is not None:
+            logger.warning("building CPU kernels failed; CPU decode attention stays on torch SDPA:\n%s", error)
+            return None
+        logger.info("built CPU kernels into %s", path)
+    lib = ctypes.CDLL(path)
+    fn = lib.rs_decode_attention_f32
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    fn.argtypes = [p, i64, p, p, p, i64, p, p, p, i32, i32, i32, i32, ctypes.c_float, i32, i32]
+    fn.restype = i32
+    return lib
+
+
+def decode_attention_available() -> bool:
+    return _library() is not None
+
+
+def num_kv_splits(batch_size: int, max_len: int, threads: int) -> int:
+    """Splits of each request's keys: enough items for every thread to get a
+    few, while each split keeps at least ``MIN_KEYS_PER_SPLIT`` keys."""
+    want = -(-4 * threads // batch_size)
+    return max(1, min(want, max_len // MIN_KEYS_PER_SPLIT))
+
+
+def decode_attention(
+    q: torch.Tensor,  # [bs, num_heads * head_dim] float32, rows may be strided (a view of qkv)
+    k_buffer: torch.Tensor,  # [pool_rows, num_kv_heads, head_dim] float32, contiguous
+    v_buffer: torch.Tensor,  # same shape
+    req_to_token: torch.Tensor,  # [rows, max_context] int32
+    req_pool_indices: torch.Tensor,  # [bs] int64
+    seq_lens: torch.Tensor,  # [bs] int64, each >= 1, the new token's K/V already in the pool
+    max_len: int,
+    num_heads: int,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per request against its whole context, read straight
+    from the paged pool; returns ``[bs, num_heads * head_dim]``."""
+    bs = q.shape[0]
+    num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
+    assert q.dtype == k_buffer.dtype == v_buffer.dtype == torch.float32 and req_to_token.dtype == torch.int32
+    assert q.stride(1) == 1 and k_buffer.is_contiguous() and v_buffer.is_contiguous() and req_to_token.stride(1) == 1
+    rows = req_pool_indices.to(torch.int64).contiguous()
+    lens = seq_lens.to(torch.int64).contiguous()
+    out = torch.empty(bs, num_heads * head_dim, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    rc = _library().rs_decode_attention_f32(
+        q.data_ptr(), q.stride(0), k_buffer.data_ptr(), v_buffer.data_ptr(), req_to_token.data_ptr(),
+        req_to_token.stride(0), rows.data_ptr(), lens.data_ptr(), out.data_ptr(), bs, num_heads, num_kv_heads,
+        head_dim, scale, num_kv_splits(bs, max_len, threads), threads,
+    )
+    if rc != 0:
+        raise MemoryError("CPU decode attention could not allocate its scratch memory")
+    return out

@@ -1,0 +1,184 @@
+/* Decode attention on the CPU, straight from the paged KV pool.
+ *
+ * One query token per request attends to the request's whole context, whose
+ * K/V rows sit at slots req_to_token[row, 0 .. seq_len) of the pool. The work
+ * is split over (request, KV head, KV split) items; each item streams its K
+ * and V rows once for all query heads of its group (GQA) with a blocked online
+ * softmax, and splits of one request are merged at the end (split-KV, for
+ * small batches with long contexts). Built at run time by cpu_kernels.py with
+ * the host's vector ISA; OpenMP is the one torch already runs.
+ *
+ * float32 only. Layouts (element strides):
+ *   q       [bs, num_heads, head_dim], row stride q_stride (a view of qkv)
+ *   k, v    [pool_rows, num_kv_heads, head_dim], contiguous
+ *   req_to_token [*, rtt_stride] int32; rows [bs] int64; seq_lens [bs] int64
+ *   out     [bs, num_heads, head_dim], contiguous
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 32   /* keys scored before each softmax rescale */
+#define PREFETCH 4 /* keys ahead whose K rows are prefetched */
+
+static inline void prefetch_row(const float *row, int floats) {
+    for (int i = 0; i < floats; i += 16) __builtin_prefetch(row + i, 0, 3);
+}
+
+/* exp(x) for x <= 0 to about 2 ulp (Cephes' expf polynomial); vectorizable. */
+static inline void exp_block(float *x, int n) {
+#pragma omp simd
+    for (int i = 0; i < n; i++) {
+        float v = x[i] < -87.0f ? -87.0f : x[i];
+        float fn = floorf(v * 1.44269504088896341f + 0.5f);
+        float r = v - fn * 0.693359375f + fn * 2.12194440e-4f;
+        float p = 1.9875691500e-4f;
+        p = p * r + 1.3981999507e-3f;
+        p = p * r + 8.3334519073e-3f;
+        p = p * r + 4.1665795894e-2f;
+        p = p * r + 1.6666665459e-1f;
+        p = p * r + 5.0000001201e-1f;
+        p = p * r * r + r + 1.0f;
+        int32_t bits = ((int32_t)fn + 127) << 23;
+        float scale;
+        memcpy(&scale, &bits, sizeof scale);
+        x[i] = p * scale;
+    }
+}
+
+/* One item: every query head of one request over keys [begin, end). Each
+ * key's K (then V) row of all KV heads is read once, contiguously, so rows of
+ * consecutive slots stream from memory. Leaves per query head the running max
+ * m, the sum l and the unnormalized acc [num_heads, head_dim]; s is scratch of
+ * num_heads * BLOCK floats. */
+static void attend_span(const float *q, const float *k, const float *v, const int32_t *slots,
+                        int begin, int end, int num_heads, int group, int head_dim, int kv_row,
+                        float scale, float *s, float *m, float *l, float *acc) {
+    for (int hq = 0; hq < num_heads; hq++) {
+        m[hq] = -INFINITY;
+        l[hq] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * num_heads * head_dim);
+    for (int t0 = begin; t0 < end; t0 += BLOCK) {
+        int n = end - t0 < BLOCK ? end - t0 : BLOCK;
+        for (int j = 0; j < n; j++) {
+            const float *kp = k + (int64_t)slots[t0 + j] * kv_row;
+            /* Slots need not be contiguous: fetch the K row PREFETCH keys ahead,
+             * and this key's V row for the P @ V pass below. */
+            if (t0 + j + PREFETCH < end) prefetch_row(k + (int64_t)slots[t0 + j + PREFETCH] * kv_row, kv_row);
+            prefetch_row(v + (int64_t)slots[t0 + j] * kv_row, kv_row);
+            for (int hq = 0; hq < num_heads; hq++) {
+                const float *qp = q + hq * head_dim, *kh = kp + (hq / group) * head_dim;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int i = 0; i < head_dim; i++) dot += qp[i] * kh[i];
+                s[hq * BLOCK + j] = dot * scale;
+            }
+        }
+        for (int hq = 0; hq < num_heads; hq++) {
+            float *sh = s + hq * BLOCK;
+            float bmax = m[hq];
+            for (int j = 0; j < n; j++) bmax = sh[j] > bmax ? sh[j] : bmax;
+            for (int j = 0; j < n; j++) sh[j] -= bmax;
+            exp_block(sh, n);
+            float alpha = m[hq] == -INFINITY ? 0.0f : expf(m[hq] - bmax);
+            float sum = 0.0f;
+            for (int j = 0; j < n; j++) sum += sh[j];
+            l[hq] = l[hq] * alpha + sum;
+            m[hq] = bmax;
+            if (alpha != 1.0f) {
+                float *ah = acc + hq * head_dim;
+#pragma omp simd
+                for (int i = 0; i < head_dim; i++) ah[i] *= alpha;
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            const float *vp = v + (int64_t)slots[t0 + j] * kv_row;
+            for (int hq = 0; hq < num_heads; hq++) {
+                const float p = s[hq * BLOCK + j], *vh = vp + (hq / group) * head_dim;
+                float *ah = acc + hq * head_dim;
+#pragma omp simd
+                for (int i = 0; i < head_dim; i++) ah[i] += p * vh[i];
+            }
+        }
+    }
+}
+
+int rs_decode_attention_f32(const float *q, int64_t q_stride, const float *k, const float *v,
+                            const int32_t *req_to_token, int64_t rtt_stride, const int64_t *rows,
+                            const int64_t *seq_lens, float *out, int bs, int num_heads,
+                            int num_kv_heads, int head_dim, float scale, int num_splits,
+                            int num_threads) {
+    const int group = num_heads / num_kv_heads;
+    const int kv_row = num_kv_heads * head_dim; /* floats per pool slot */
+    const int part = head_dim + 2;              /* acc, m, l of one query head and split */
+    const int64_t items = (int64_t)bs * num_splits;
+    float *partial = malloc(sizeof(float) * items * num_heads * part);
+    if (partial == NULL) return -1;
+    int failed = 0;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scratch = malloc(sizeof(float) * num_heads * (BLOCK + 2 + head_dim));
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (scratch == NULL) continue;
+            int b = (int)(it / num_splits), split = (int)(it % num_splits);
+            int len = (int)seq_lens[b];
+            int chunk = (len + num_splits - 1) / num_splits;
+            int begin = split * chunk, end = begin + chunk < len ? begin + chunk : len;
+            float *p = partial + it * num_heads * part;
+            if (begin >= end) {
+                for (int hq = 0; hq < num_heads; hq++) p[hq * part + head_dim] = -INFINITY;
+                continue;
+            }
+            float *s = scratch, *m = s + num_heads * BLOCK, *l = m + num_heads, *acc = l + num_heads;
+            attend_span(q + b * q_stride, k, v, req_to_token + rows[b] * rtt_stride, begin, end,
+                        num_heads, group, head_dim, kv_row, scale, s, m, l, acc);
+            for (int hq = 0; hq < num_heads; hq++) {
+                memcpy(p + hq * part, acc + hq * head_dim, sizeof(float) * head_dim);
+                p[hq * part + head_dim] = m[hq];
+                p[hq * part + head_dim + 1] = l[hq];
+            }
+        }
+        free(scratch);
+    }
+    if (failed) {
+        free(partial);
+        return -1;
+    }
+
+    /* Merge the splits of each (request, query head). */
+#pragma omp parallel for num_threads(num_threads)
+    for (int64_t bh = 0; bh < (int64_t)bs * num_heads; bh++) {
+        int b = (int)(bh / num_heads), hq = (int)(bh % num_heads);
+        const float *base = partial + (int64_t)b * num_splits * num_heads * part + hq * part;
+        const int64_t split_stride = (int64_t)num_heads * part;
+        float mmax = -INFINITY;
+        for (int s = 0; s < num_splits; s++) {
+            float ms = base[s * split_stride + head_dim];
+            mmax = ms > mmax ? ms : mmax;
+        }
+        float *o = out + bh * head_dim;
+        float denom = 0.0f;
+        memset(o, 0, sizeof(float) * head_dim);
+        for (int s = 0; s < num_splits; s++) {
+            const float *ps = base + s * split_stride;
+            if (ps[head_dim] == -INFINITY) continue;
+            float w = expf(ps[head_dim] - mmax);
+            denom += w * ps[head_dim + 1];
+#pragma omp simd
+            for (int i = 0; i < head_dim; i++) o[i] += w * ps[i];
+        }
+        float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+#pragma omp simd
+        for (int i = 0; i < head_dim; i++) o[i] *= inv;
+    }
+    free(partial);
+    return 0;
+}
