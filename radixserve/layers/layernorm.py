@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from radixserve.layers.triton_ops import use_triton
@@ -43,10 +44,9 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(dtype)
+        # x * rsqrt(mean(x^2) + eps) in float32 (one fused op), then the weight in x's dtype, as HF does
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.variance_epsilon)
+        return self.weight * normed.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"
