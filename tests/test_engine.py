@@ -177,10 +177,13 @@ def test_seeds_reproduce_alone_and_in_batch(llama):
         assert eng.generate(input_ids=ids, sampling_params={**params, "sampling_seed": 5})["output_ids"] != alone
 
 
-def test_logprobs_match_hf(llama):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_logprobs_match_hf(llama, overlap):
+    """Chunks of 8: with overlap, each chunk's logits score the next chunk's
+    first token while that chunk is already queued."""
     folder, hf = llama
     ids = prompts([20])[0]
-    with engine(folder, chunked_prefill_size=8) as eng:
+    with engine(folder, overlap, chunked_prefill_size=8) as eng:
         out = eng.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 5}, return_logprob=True,
                            logprob_start_len=0, top_logprobs_num=3)
     full = ids + out["output_ids"]
@@ -264,3 +267,28 @@ def test_overlap_equals_sync_with_sampling_penalties_and_stops(llama, max_runnin
     assert [o["output_ids"] for o in over] == [s["output_ids"] for s in sync]
     assert [o["meta_info"]["finish_reason"] for o in over] == [s["meta_info"]["finish_reason"] for s in sync]
 
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_overlap_queues_the_next_chunk_behind_the_one_in_flight(llama, page_size):
+    """Long prompts in chunks of 16, two of them identical (so one's chunks
+    find the other's in the cache, or duplicate it): every next chunk is
+    launched while the previous one is still in flight, and the outputs and
+    the invariant are those of HF and of the sync loop."""
+    folder, hf = llama
+    batch = prompts([70, 45], seed=5)
+    batch.append(list(batch[0]))
+    params = {**GREEDY, "max_new_tokens": 6}
+    with overlap_engine(folder, page_size=page_size, chunked_prefill_size=16) as eng:
+        sched, launch = eng.scheduler, eng.scheduler._launch
+        behind = []
+
+        def spy(reqs, mode):
+            behind.extend(r.kv_inflight > 0 for r in reqs if mode.is_extend())
+            return launch(reqs, mode)
+
+        sched._launch = spy
+        check_against_hf(eng, hf, batch, params)
+        assert sum(behind) >= 4, "next chunks waited for the chunk in flight"
+        eng.scheduler.tree_cache.evict(10**9)
+        assert sched.allocator.available_size() == sched.allocator.size

@@ -116,6 +116,11 @@ class Req:
         return self.origin_input_ids + self.output_ids
 
     @property
+    def kv_end(self) -> int:
+        """Tokens whose KV is written or being written by a queued forward."""
+        return self.kv_len + self.kv_inflight
+
+    @property
     def seqlen(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
 

@@ -139,7 +139,7 @@ class PrefillAdder:
 
     def add_chunked_req(self, req: Req) -> None:
         """Continue the request whose prefill was cut last round."""
-        left = len(req.origin_input_ids) + len(req.output_ids) - req.kv_len
+        left = len(req.fill_ids) - req.kv_end  # its previous chunk may still be in flight
         self._take(req, left, first=False)
 
     def add_one_req(self, req: Req) -> AddResult:

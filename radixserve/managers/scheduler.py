@@ -166,8 +166,8 @@ class Scheduler:
                 out += self._process(launched)
         if previous is not None:
             out += self._process(previous)
-        if self._in_flight and not self.running:  # it only writes finished requests' last KV
-            out += self._drain()
+        if self._in_flight and not self.running and self.chunked_req is None:
+            out += self._drain()  # it only writes finished requests' last KV: nothing to overlap with
         if self.args.check_invariants or self.is_idle():
             self.check_memory()
         return out
@@ -177,10 +177,10 @@ class Scheduler:
         return self._process(launched)
 
     def _must_drain(self) -> bool:
-        """Whether the next batch needs the host to be up to date: the next
-        chunk of a prompt, an abort, or a decode that may need eviction or
-        retraction."""
-        if self.chunked_req or any(r.to_abort for r in self.running):
+        """Whether the next batch needs the host to be up to date: an abort,
+        or a decode that may need eviction or retraction. (The next chunk of
+        a prompt does not: it starts at ``kv_end``, after the chunk in flight.)"""
+        if (self.chunked_req and self.chunked_req.to_abort) or any(r.to_abort for r in self.running):
             return True
         return self.allocator.available_size() < self._decode_pages_needed()
 
@@ -232,7 +232,7 @@ class Scheduler:
 
     def _last_locs(self, reqs: list[Req]) -> torch.Tensor:
         rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        cols = torch.tensor([max(r.kv_len + r.kv_inflight - 1, 0) for r in reqs], dtype=torch.int64)
+        cols = torch.tensor([max(r.kv_end - 1, 0) for r in reqs], dtype=torch.int64)
         return self.req_to_token_pool.req_to_token[rows.to(self.device), cols.to(self.device)].to(torch.int64)
 
     def _prepare_extend(self, reqs: list[Req]) -> list[Req]:
@@ -242,7 +242,7 @@ class Scheduler:
                 self.req_to_token_pool.write(req.req_pool_idx, 0, req.prefix_indices)
         if not reqs:
             return []
-        prefix = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        prefix = torch.tensor([r.kv_end for r in reqs], dtype=torch.int64)
         seq = prefix + torch.tensor([r.extend_input_len for r in reqs], dtype=torch.int64)
         need = sum(-(-r.extend_input_len // self.page_size) * self.page_size for r in reqs) + self.page_size * len(reqs)
         last = self._last_locs(reqs)
@@ -251,14 +251,14 @@ class Scheduler:
             raise RuntimeError(f"KV allocation failed for an admitted prefill of {int((seq - prefix).sum())} tokens")
         start = 0
         for req, s in zip(reqs, (seq - prefix).tolist()):
-            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots[start : start + s])
+            self.req_to_token_pool.write(req.req_pool_idx, req.kv_end, slots[start : start + s])
             start += s
         self._batch_slots = slots
         return reqs
 
     def _decode_pages_needed(self) -> int:
         p = self.page_size
-        return sum(p for r in self.running if (r.kv_len + r.kv_inflight) % p == 0)
+        return sum(p for r in self.running if r.kv_end % p == 0)
 
     def _ensure_decode_memory(self) -> None:
         """Make room for one more token per running request: evict, then
@@ -339,8 +339,8 @@ class Scheduler:
     def _build_extend(self, reqs: list[Req]) -> ModelWorkerBatch:
         input_ids, prefix, ext = [], [], []
         for r in reqs:
-            input_ids += r.fill_ids[r.kv_len : r.kv_len + r.extend_input_len]
-            prefix.append(r.kv_len)
+            input_ids += r.fill_ids[r.kv_end : r.kv_end + r.extend_input_len]
+            prefix.append(r.kv_end)
             ext.append(r.extend_input_len)
         seq = [p + e for p, e in zip(prefix, ext)]
         want_logprob = [self._wants_input_logprobs(r) for r in reqs]
@@ -355,7 +355,7 @@ class Scheduler:
             extend_seq_lens=ext,
             return_logprob=any(want_logprob),
             extend_logprob_start_lens=[
-                max(r.logprob_start_len - 1 - r.kv_len, 0) if w else e for r, w, e in zip(reqs, want_logprob, ext)
+                max(r.logprob_start_len - 1 - p, 0) if w else e for r, w, e, p in zip(reqs, want_logprob, ext, prefix)
             ],
             top_logprobs_nums=[r.top_logprobs_num if w else 0 for r, w in zip(reqs, want_logprob)],
             sampling_info=SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device),
@@ -364,7 +364,7 @@ class Scheduler:
     def _build_decode(self, reqs: list[Req]) -> ModelWorkerBatch:
         """One new token per request. The input ids are left to the device
         (``last_token``), so they may still be being sampled."""
-        seq = torch.tensor([r.kv_len + r.kv_inflight + 1 for r in reqs], dtype=torch.int64)
+        seq = torch.tensor([r.kv_end + 1 for r in reqs], dtype=torch.int64)
         last = self._last_locs(reqs)
         slots = self._alloc_with_evict(self._decode_pages_needed(), lambda: self.allocator.alloc_decode(seq, last))
         if slots is None:
@@ -437,6 +437,8 @@ class Scheduler:
         if mode == ForwardMode.EXTEND:
             self._record_input_logprobs(reqs, batch, launched.logits)
         next_ids = launched.next_ids.tolist()
+        # Entries that prefilled part of a prompt (the next chunk may be in flight already).
+        partial = [mode == ForwardMode.EXTEND and seq < len(req.fill_ids) for req, seq in zip(reqs, batch.seq_lens_cpu)]
         updated = []
         for i, (req, tok) in enumerate(zip(reqs, next_ids)):
             seq = batch.seq_lens_cpu[i]
@@ -449,7 +451,7 @@ class Scheduler:
                 if self.chunked_req is req:
                     self.chunked_req, req.is_chunked = None, False
                 updated.append(req)
-            elif req.is_chunked:
+            elif partial[i]:
                 self.tree_cache.cache_unfinished_req(req)
             elif req.sampling_params.max_new_tokens == 0:
                 req.finished_reason = FinishReason("length", 0)
@@ -457,7 +459,7 @@ class Scheduler:
             else:
                 self._append_token(req, tok, sample, i)
                 updated.append(req)
-        self._update_running(reqs, mode, updated)
+        self._update_running(reqs, mode, updated, partial)
         return updated
 
     def _release_deferred(self, req: Req) -> None:
@@ -474,7 +476,7 @@ class Scheduler:
                 req.output_top_logprobs.append(list(zip(sample.top_logprobs_val[i], sample.top_logprobs_idx[i])))
         self._check_finished(req)
 
-    def _update_running(self, reqs: list[Req], mode: ForwardMode, updated: list[Req]) -> None:
+    def _update_running(self, reqs: list[Req], mode: ForwardMode, updated: list[Req], partial: list[bool]) -> None:
         for req in (r for r in updated if r.finished()):
             if req.kv_inflight:  # a queued decode still writes its KV
                 self._deferred.append(req)
@@ -486,8 +488,8 @@ class Scheduler:
         else:
             # Cache each prefilled prompt now, not at the end: later requests
             # sharing it reuse its KV while it is still decoding.
-            for req in reqs:
-                if not req.is_chunked and not req.finished():
+            for req, part in zip(reqs, partial):
+                if not part and not req.finished():
                     self.tree_cache.cache_unfinished_req(req)
 
     def _check_finished(self, req: Req) -> None:
@@ -528,7 +530,7 @@ class Scheduler:
                     tv, ti = out.input_top_logprobs_val[i][j], out.input_top_logprobs_idx[i][j]
                     req.input_top_logprobs.append(list(zip(tv, ti)))
             nxt = prefix + ext
-            if req.is_chunked and nxt < len(req.origin_input_ids) and nxt >= req.logprob_start_len:
+            if nxt < len(req.origin_input_ids) and nxt >= req.logprob_start_len:  # a chunk: score the next one's first token
                 lp = torch.log_softmax(out.next_token_logits[i].float(), dim=-1)
                 req.input_token_logprobs.append((float(lp[req.origin_input_ids[nxt]]), req.origin_input_ids[nxt]))
                 if req.top_logprobs_num:

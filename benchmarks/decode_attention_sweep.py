@@ -1,0 +1,120 @@
+"""Sweep the Triton decode-attention launch config on one GPU; JSON lines to stdout.
+
+    python benchmarks/decode_attention_sweep.py [--quick]
+
+For each case (head shapes of W1's qwen3-0.6b and W2's llama-3.1-8b, page
+size 1, bf16, slots scattered over the pool), times one layer's
+``decode_attention_fwd`` under CUDA-graph replay for every stage-1 config
+(BLOCK_N x num_warps x num_stages) and, for the first case, split policy (programs per SM aimed
+at, minimum tokens per split), and reports GB/s of K/V read. Each config's
+output is checked against the default config's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import triton
+
+from radixserve.layers.attention.triton_ops import decode_attention as dec
+
+CASES = [  # name, heads, kv heads, head dim, batch, context range
+    ("w1-qwen3-0.6b-bs256", 16, 8, 128, 256, (200, 1500)),
+    ("w1-qwen3-0.6b-bs64", 16, 8, 128, 64, (200, 1500)),
+    ("w2-llama-8b-bs256", 32, 8, 128, 256, (576, 576)),
+]
+
+
+def graph_ms(fn) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+
+
+def run_case(name, heads, kv_heads, dim, bs, ctx_range, configs, policies, gen):
+    lens = torch.randint(ctx_range[0], ctx_range[1] + 1, (bs,), generator=gen)
+    total = int(lens.sum())
+    k_buf = torch.randn(total + 1, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    v_buf = torch.randn_like(k_buf)
+    slots = (torch.randperm(total, generator=gen) + 1).to(torch.int32)
+    req_to_token = torch.zeros(bs, int(lens.max()), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(lens.tolist()):
+        req_to_token[i, :n] = slots[start : start + n]
+        start += n
+    req_to_token = req_to_token.cuda()
+    rows = torch.arange(bs, device="cuda")
+    seq_lens = lens.cuda()
+    q = torch.randn(bs, heads, dim, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    kv_bytes = total * kv_heads * dim * 2 * 2
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    default_cfg, ref = dict(dec.STAGE1_CONFIG), None
+    results = []
+    for (per_sm, min_tokens), cfg in itertools.product(policies, configs):
+        max_splits = max(1, min(dec.MAX_KV_SPLITS, triton.cdiv(per_sm * sms, bs * kv_heads)))
+        wanted = torch.div(seq_lens + (min_tokens - 1), min_tokens, rounding_mode="floor")
+        splits = wanted.clamp(1, max_splits).to(torch.int32)
+        mid_o = torch.empty(bs, heads, max_splits, dim, device="cuda", dtype=torch.float32)
+        mid_lse = torch.empty(bs, heads, max_splits, device="cuda", dtype=torch.float32)
+        dec.STAGE1_CONFIG.update(cfg)
+
+        def fn():
+            dec.decode_attention_fwd(q, k_buf, v_buf, out, req_to_token, rows, seq_lens, splits, max_splits,
+                                     mid_o, mid_lse, dim**-0.5)
+
+        try:
+            fn()
+            torch.cuda.synchronize()
+            if ref is None:
+                ref = out.clone()
+            err = float((out.float() - ref.float()).abs().max())
+            ms = graph_ms(fn)
+        except Exception as e:  # a config the compiler refuses (shared memory)
+            results.append({"case": name, **cfg, "per_sm": per_sm, "min_tokens": min_tokens, "error": repr(e)[:200]})
+            continue
+        finally:
+            dec.STAGE1_CONFIG.clear()
+            dec.STAGE1_CONFIG.update(default_cfg)
+        results.append({"case": name, **cfg, "per_sm": per_sm, "min_tokens": min_tokens, "grid_splits": max_splits,
+                        "us": round(ms * 1e3, 2), "GBps": round(kv_bytes / ms / 1e6, 1), "max_abs_diff": err})
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="a few configs only")
+    args = parser.parse_args()
+    configs = [
+        {"BLOCK_N": bn, "num_warps": nw, "num_stages": ns}
+        for bn, nw, ns in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3))
+    ]
+    policies = [(4, 64), (8, 64), (16, 128), (32, 256)]  # the first is the current one
+    if args.quick:
+        configs, policies = configs[:4], policies[:2]
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(50):  # clocks up
+        a @ a
+    best = {}
+    for i, case in enumerate(CASES):  # split policies only for the first case
+        rows = [r for r in run_case(*case, configs, policies if i == 0 else policies[:1], gen) if "us" in r]
+        default = next(r for r in rows if r["BLOCK_N"] == 64 and r["num_warps"] == 4 and r["num_stages"] == 2
+                       and (r["per_sm"], r["min_tokens"]) == (4, 64))
+        best[case[0]] = {"default": default, "best": min(rows, key=lambda r: r["us"])}
+    print(json.dumps({"summary": best}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
