@@ -207,6 +207,13 @@ def test_decode_other_dtypes(dtype):
     check_against_torch_native(batch, ForwardMode.DECODE)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_wide_heads(dtype):
+    """head_dim 256 (fewer keys a step, so the K/V tiles fit in shared memory)."""
+    batch = PagedBatch(decode_context_lens(5, seed=4), [1] * 5, page_size=16, group=2, head_dim=256, dtype=dtype, seed=10)
+    check_against_torch_native(batch, ForwardMode.DECODE)
+
+
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
 def test_without_saving_kv(mode):
     """save_kv_cache=False attends to the new tokens but leaves the pool alone."""

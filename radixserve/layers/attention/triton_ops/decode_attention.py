@@ -33,8 +33,13 @@ import triton.language as tl
 
 MAX_KV_SPLITS = 64  # splits per request at most
 MIN_TOKENS_PER_SPLIT = 64  # a shorter chunk is not worth its own program
-# Stage-1 launch: BLOCK_N context tokens per step inside a program.
-STAGE1_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+# Stage-1 launch: BLOCK_N context tokens per step inside a program. Chosen on
+# an H200 by benchmarks/decode_attention_sweep.py (27 configs; W1's qwen3-0.6b
+# at 64 and 256 requests and W2's llama-3.1-8b at 256: 3-10% faster than
+# BLOCK_N 64). Heads wider than 128 take half the keys a step, so that two
+# stages of K and V tiles fit in shared memory.
+STAGE1_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
+WIDE_HEAD_BLOCK_N = 64
 LOG2E = 1.4426950408889634
 
 
@@ -180,6 +185,9 @@ def decode_attention_fwd(
     if mid_lse.shape[2] < max_splits or mid_o.shape[2] < max_splits:
         raise ValueError(f"decode scratch holds {mid_lse.shape[2]} splits, the grid has {max_splits}")
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    config = dict(STAGE1_CONFIG)
+    if max(head_dim, v_head_dim) > 128 or q.dtype == torch.float32:
+        config["BLOCK_N"] = min(config["BLOCK_N"], WIDE_HEAD_BLOCK_N)
     _decode_split_kernel[(bs, kv_heads, max_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse,
         sm_scale * LOG2E,
@@ -192,7 +200,7 @@ def decode_attention_fwd(
         D=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         DV=v_head_dim, BLOCK_DV=max(16, triton.next_power_of_2(v_head_dim)),
         DOT_PRECISION=precision,
-        **STAGE1_CONFIG,
+        **config,
     )
     _decode_merge_kernel[(bs, num_heads)](
         mid_o, mid_lse, out, num_kv_splits,
