@@ -27,6 +27,8 @@ base 2 (``exp2``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -36,10 +38,12 @@ MIN_TOKENS_PER_SPLIT = 64  # a shorter chunk is not worth its own program
 # Stage-1 launch: BLOCK_N context tokens per step inside a program. Chosen on
 # an H200 by benchmarks/decode_attention_sweep.py (27 configs; W1's qwen3-0.6b
 # at 64 and 256 requests and W2's llama-3.1-8b at 256: 3-10% faster than
-# BLOCK_N 64). Heads wider than 128 take half the keys a step, so that two
-# stages of K and V tiles fit in shared memory.
+# BLOCK_N 64). SMALL_BLOCK_N instead for heads wider than 128 or float32 (two
+# stages of K and V tiles must fit in shared memory), and for batches with
+# fewer (request, KV head) pairs than multiprocessors, whose programs come
+# from splitting contexts: smaller blocks leave more splits non-empty.
 STAGE1_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
-WIDE_HEAD_BLOCK_N = 64
+SMALL_BLOCK_N = 64
 LOG2E = 1.4426950408889634
 
 
@@ -140,6 +144,11 @@ def _decode_merge_kernel(
     tl.store(Out + b * stride_ob + h * stride_oh + offs_dv, out.to(Out.dtype.element_ty), mask=dv_mask)
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def splits_grid(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
     """The grid's split axis for a batch: enough programs for a few per
     multiprocessor, at most ``MAX_KV_SPLITS``. Depends on the batch size only,
@@ -186,8 +195,8 @@ def decode_attention_fwd(
         raise ValueError(f"decode scratch holds {mid_lse.shape[2]} splits, the grid has {max_splits}")
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     config = dict(STAGE1_CONFIG)
-    if max(head_dim, v_head_dim) > 128 or q.dtype == torch.float32:
-        config["BLOCK_N"] = min(config["BLOCK_N"], WIDE_HEAD_BLOCK_N)
+    if max(head_dim, v_head_dim) > 128 or q.dtype == torch.float32 or bs * kv_heads < _num_sms(q.device):
+        config["BLOCK_N"] = min(config["BLOCK_N"], SMALL_BLOCK_N)
     _decode_split_kernel[(bs, kv_heads, max_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse,
         sm_scale * LOG2E,
