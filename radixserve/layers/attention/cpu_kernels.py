@@ -92,6 +92,7 @@ def _library() -> ctypes.CDLL | None:
             return None
         logger.info("built CPU kernels into %s", path)
     lib = ctypes.CDLL(path)
+    logger.info("CPU decode attention: C kernel %s", os.path.basename(path))
     fn = lib.rs_decode_attention_f32
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     fn.argtypes = [p, i64, p, p, p, i64, p, p, p, i32, i32, i32, i32, ctypes.c_float, i32, i32]
