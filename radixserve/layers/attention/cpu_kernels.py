@@ -128,6 +128,7 @@ def decode_attention(
     num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
     assert q.dtype == k_buffer.dtype == v_buffer.dtype == torch.float32 and req_to_token.dtype == torch.int32
     assert q.stride(1) == 1 and k_buffer.is_contiguous() and v_buffer.is_contiguous() and req_to_token.stride(1) == 1
+    assert v_buffer.shape == k_buffer.shape and q.shape[1] == num_heads * head_dim and num_heads % num_kv_heads == 0
     rows = req_pool_indices.to(torch.int64).contiguous()
     lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty(bs, num_heads * head_dim, dtype=torch.float32)

@@ -65,7 +65,10 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def _kernel_decodes(self, forward_batch: "ForwardBatch") -> bool:
         pool = forward_batch.token_to_kv_pool
-        return self.cpu_decode_kernel and pool.device.type == "cpu" and pool.dtype == torch.float32
+        return (
+            self.cpu_decode_kernel and pool.device.type == "cpu" and pool.dtype == torch.float32
+            and pool.v_head_dim == pool.head_dim
+        )
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         if not forward_batch.forward_mode.is_decode():
