@@ -61,6 +61,15 @@ def cpu_prepacked_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def swap_in_prepacked_weight(module: nn.Module) -> bool:
+    """Replace ``module.weight`` by its oneDNN-packed form (see
+    :func:`cpu_prepacked_weight`); True if it was packed."""
+    packed = cpu_prepacked_weight(module.weight.data)
+    if packed is not None:
+        module.weight = nn.Parameter(packed, requires_grad=False)
+    return packed is not None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for a plain or a CPU-prepacked weight."""
     if weight.is_mkldnn:
@@ -100,11 +109,7 @@ class ColumnParallelLinear(nn.Module):
         return linear(x, self.weight, self.bias)
 
     def prepack_for_cpu(self) -> bool:
-        """Swap the weight for its oneDNN-packed form (see :func:`cpu_prepacked_weight`)."""
-        packed = cpu_prepacked_weight(self.weight.data)
-        if packed is not None:
-            self.weight = nn.Parameter(packed, requires_grad=False)
-        return packed is not None
+        return swap_in_prepacked_weight(self)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         default_weight_loader(param, loaded_weight, shard_id)

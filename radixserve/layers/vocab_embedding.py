@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.layers.linear import cpu_prepacked_weight, default_weight_loader
+from radixserve.layers.linear import cpu_prepacked_weight, default_weight_loader, swap_in_prepacked_weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -17,14 +17,14 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
+        self.packed_weight: torch.Tensor | None = None  # CPU-prepacked copy for the LM head, if made
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)
 
     def lm_head_weight(self) -> torch.Tensor:
         """The weight the LM head multiplies by: the CPU-prepacked copy if made."""
-        packed = getattr(self, "packed_weight", None)
-        return self.weight if packed is None else packed
+        return self.weight if self.packed_weight is None else self.packed_weight
 
     def prepack_lm_head_for_cpu(self) -> bool:
         """Keep a CPU-prepacked copy for the LM head (a tied embedding still
@@ -41,10 +41,4 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def prepack_lm_head_for_cpu(self) -> bool:
         """Nothing looks tokens up here: the packed weight replaces the plain one."""
-        packed = cpu_prepacked_weight(self.weight.data)
-        if packed is not None:
-            self.weight = nn.Parameter(packed, requires_grad=False)
-        return packed is not None
-
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.weight
+        return swap_in_prepacked_weight(self)

@@ -5,8 +5,9 @@ A plain C file needs neither torch's headers nor a build step at install: it
 compiles in about a second, once per machine, into the radixserve cache
 (``$RADIXSERVE_CACHE_DIR``, keyed by source, compiler and CPU). It links the
 OpenMP runtime by soname, so inside a torch process it shares torch's threads.
-Without a compiler (or with ``RADIXSERVE_CPU_KERNELS=0``) :func:`decode_attention_kernel`
-is None and the torch-native backend keeps its SDPA path.
+Without a compiler (or with ``RADIXSERVE_CPU_KERNELS=0``)
+:func:`decode_attention_available` is False and the torch-native backend keeps
+its SDPA path.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
  *
  * One query token per request attends to the request's whole context, whose
  * K/V rows sit at slots req_to_token[row, 0 .. seq_len) of the pool. The work
- * is split over (request, KV head, KV split) items; each item streams its K
- * and V rows once for all query heads of its group (GQA) with a blocked online
- * softmax, and splits of one request are merged at the end (split-KV, for
- * small batches with long contexts). Built at run time by cpu_kernels.py with
+ * is split over (request, KV split) items; each item streams the K and V rows
+ * of its keys once (all KV heads of a slot are contiguous) for every query
+ * head, with a blocked online softmax, and splits of one request are merged
+ * at the end (split-KV, for small batches with long contexts). Built at run time by cpu_kernels.py with
  * the host's vector ISA; OpenMP is the one torch already runs.
  *
  * float32 only. Layouts (element strides):
