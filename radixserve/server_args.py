@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 EVICTION_POLICIES = ("lru", "lfu")
+CHARS_PER_TOKEN_LIMIT = 32  # default --max-prompt-chars per token of context
 
 
 @dataclass
@@ -45,6 +46,21 @@ class ServerArgs:
     mem_fraction_static: float = field(default=0.8, metadata={"help": "GPU memory share for weights + KV"})
     random_seed: int = field(default=0, metadata={"help": "seed of the global RNG"})
     check_invariants: bool = field(default=False, metadata={"help": "check the memory invariant after every step"})
+    # Limits on what clients may ask (docs/limits.md).
+    max_queued_requests: int | None = field(default=4096, metadata={
+        "help": "requests (each prompt and sample counts) that may wait beyond --max-running-requests; "
+                "more get HTTP 429"})
+    request_timeout: float | None = field(default=None, metadata={
+        "help": "seconds from a request's arrival to its last token; a request that takes longer is aborted "
+                "(HTTP 504, or an error event in a stream); default: no limit"})
+    max_request_body_bytes: int = field(default=32 << 20, metadata={"help": "larger HTTP bodies get HTTP 413"})
+    max_prompt_chars: int | None = field(default=None, metadata={
+        "help": "characters of one text prompt, checked before tokenizing; default 32 per token of the context length"})
+    http_header_timeout: float = field(default=30.0, metadata={
+        "help": "seconds a connection may take to send a request's headers before it is closed"})
+    max_connections: int | None = field(default=None, metadata={
+        "help": "open HTTP connections (and requests in progress) beyond which requests get HTTP 503; "
+                "default 4096, or fewer where the open-file limit is lower"})
     disable_tqdm: bool = field(default=False, metadata={"help": "no progress bar for batches"})
 
     def __post_init__(self) -> None:
@@ -60,6 +76,13 @@ class ServerArgs:
             raise ValueError(f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens {self.max_total_tokens} is smaller than one page ({self.page_size})")
+        for name in ("max_queued_requests", "max_prompt_chars", "max_connections"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("request_timeout", "http_header_timeout", "max_request_body_bytes"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
 
@@ -85,6 +108,12 @@ class ServerArgs:
         if self.disable_cuda_graph or self.resolved_device() != "cuda" or self.resolved_attention_backend() != "triton":
             return 0
         return min(self.cuda_graph_max_bs or 256, self.max_running_requests)
+
+    def resolved_max_prompt_chars(self, context_len: int) -> int:
+        """A prompt longer than this many characters cannot fit the context
+        (a token is rarely more than a few characters), so it is refused
+        before the tokenizer spends seconds on it."""
+        return self.max_prompt_chars if self.max_prompt_chars is not None else CHARS_PER_TOKEN_LIMIT * context_len
 
     def resolved_attention_backend(self) -> str:
         if self.attention_backend != "auto":

@@ -19,7 +19,10 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, api_key: str | None = None, timeout: float = 300):
+    """``radixserve.launch_server`` with ``args``; ``env`` adds environment
+    variables (``TMPDIR`` decides where its IPC directory goes)."""
+
+    def __init__(self, *args: str, api_key: str | None = None, timeout: float = 300, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -27,7 +30,8 @@ class ServerProcess:
         if api_key:
             cmd += ["--api-key", api_key]
         self.log = open(os.devnull, "w") if not os.environ.get("RADIXSERVE_TEST_LOG") else None
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT if self.log else None)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT if self.log else None,
+                                     env={**os.environ, **(env or {})})
         self._wait(timeout)
 
     def headers(self) -> dict:
@@ -57,6 +61,15 @@ class ServerProcess:
                 return state
             time.sleep(0.2)
 
+    def children(self) -> dict[str, int]:
+        """The engine's child processes by role: ``scheduler``, ``detokenizer``
+        (spawned in that order: the detokenizer first) and any others."""
+        with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+            pids = [int(x) for x in f.read().split()]
+        spawned = [p for p in pids if "spawn_main" in cmdline(p)]
+        roles = dict(zip(("detokenizer", "scheduler"), spawned))
+        return {**roles, **{f"other-{p}": p for p in pids if p not in spawned}}
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -68,3 +81,20 @@ class ServerProcess:
         if self.log:
             self.log.close()
         return self.proc.returncode
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

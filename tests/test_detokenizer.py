@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.managers.detokenizer_manager import DecodeStatus
+from radixserve.managers.detokenizer_manager import DecodeStatus, DetokenizerManager
 from radixserve.managers.io_struct import BatchStrOut, BatchTokenIDOut, decode, encode
 
 TEXTS = [
@@ -67,3 +67,29 @@ def test_messages_round_trip_through_msgpack():
     assert decode(encode(s)) == s
     with pytest.raises(TypeError):
         encode(object())
+
+
+class _Undecodable:
+    """The real tokenizer, except that token 10**9 has no text."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def decode(self, ids, **kwargs):
+        if 10 ** 9 in ids:
+            raise IndexError("token id 1000000000 is out of range")
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+def test_a_request_that_cannot_be_decoded_ends_alone(tokenizer, tmp_path):
+    manager = DetokenizerManager(_Undecodable(tokenizer), f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+    good = tokenizer.encode("Hello")
+    running = {"finish_reason": None}
+    out = manager.handle(BatchTokenIDOut(["bad", "good"], [[10 ** 9], good], [dict(running), dict(running)]))
+    assert out.rids == ["bad", "good"] and out.deltas[1] == "Hello"
+    assert out.meta[0]["finish_reason"]["type"] == "abort" and out.meta[0]["abort_upstream"]
+    # the scheduler's later outputs for it are dropped until its own finish arrives
+    out = manager.handle(BatchTokenIDOut(["bad", "good"], [[1], []], [dict(running), {"finish_reason": {"type": "length"}}]))
+    assert out.rids == ["good"]
+    out = manager.handle(BatchTokenIDOut(["bad"], [[]], [{"finish_reason": {"type": "abort"}}]))
+    assert out.rids == [] and not manager.failed and not manager.status

@@ -164,6 +164,38 @@ def test_abort_waiting_and_running(llama):
         sched.check_memory()
 
 
+class _StopCheckFails:
+    """A tokenizer whose decode fails for one token, as a broken vocabulary might."""
+
+    def encode(self, text, add_special_tokens=True):
+        return [1]
+
+    def decode(self, ids, **kwargs):
+        if 7 in ids:
+            raise KeyError("no text for token 7")
+        return " ".join(map(str, ids))
+
+
+def test_an_error_while_serving_one_request_aborts_only_that_one(llama):
+    folder, _ = llama
+    from radixserve.managers.schedule_batch import Req
+    from radixserve.sampling.sampling_params import SamplingParams
+
+    with engine(folder) as eng:
+        sched = eng.scheduler
+        sched.tokenizer = _StopCheckFails()
+        bias = {"logit_bias": {7: 100.0}, "max_new_tokens": 6, "ignore_eos": True}
+        doomed = Req("doomed", prompts([8])[0], SamplingParams(stop=["x"], **bias).normalize(320))
+        fine = Req("fine", prompts([9])[0], SamplingParams(**bias).normalize(320))
+        for r in (doomed, fine):
+            sched.add_request(r)
+        while not sched.is_idle():
+            sched.step()
+        assert doomed.finished_reason.type == "abort" and "no text for token 7" in doomed.finished_reason.message
+        assert fine.finished_reason.type == "length" and fine.output_ids == [7] * 6
+        sched.check_memory()
+
+
 def test_seeds_reproduce_alone_and_in_batch(llama):
     folder, _ = llama
     params = {"temperature": 1.0, "max_new_tokens": 10, "ignore_eos": True, "sampling_seed": 1234}
@@ -214,7 +246,7 @@ def test_n_samples_and_limits(llama):
             eng.generate(input_ids=[1] * 600)
         with pytest.raises(ValueError, match="temperature"):
             eng.generate(input_ids=[1, 2], sampling_params={"temperature": -1})
-        with pytest.raises(ValueError, match="unknown sampling parameter"):
+        with pytest.raises(ValueError, match="max_tokens: unknown field"):
             eng.generate(input_ids=[1, 2], sampling_params={"max_tokens": 3})
         eng.scheduler.check_memory()
 

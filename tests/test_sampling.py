@@ -103,24 +103,42 @@ def assert_frequencies_match(tokens: torch.Tensor, expected: torch.Tensor) -> No
         ({"stop_token_ids": [5, 100]}, "stop_token_ids"),
         ({"stop": ["ok", ""]}, "stop"),
         ({"sampling_seed": 1.5}, "sampling_seed"),
+        # strict types and bounds: what once crashed a server process
+        ({"skip_special_tokens": "yes"}, "skip_special_tokens"),
+        ({"skip_special_tokens": [True]}, "skip_special_tokens"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"max_new_tokens": 1 << 64}, "max_new_tokens"),
+        ({"max_new_tokens": 8.0}, "max_new_tokens"),
+        ({"sampling_seed": 1 << 64}, "sampling_seed"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"logit_bias": {"3": 1e308}}, "logit_bias"),
+        ({"n": 100000}, "n"),
+        ({"stop": ["x"] * 1000}, "stop"),
+        ({"stop": "y" * 5000}, "stop"),
+        ({"stop": [3]}, "stop"),
+        ({"stop_token_ids": ["5"]}, "stop_token_ids"),
     ],
 )
 def test_verify_names_the_bad_field(kwargs, name):
-    with pytest.raises(ValueError, match=rf"\b{name}="):
-        SamplingParams(**kwargs).verify(vocab_size=50)
+    with pytest.raises(ValueError, match=rf"^{name}(\[\d+\])?: .*\b{name}"):
+        SamplingParams.from_dict(kwargs).verify(vocab_size=50)
 
 
 def test_verify_accepts_defaults_and_edges():
     SamplingParams().verify(50)
     SamplingParams(temperature=0, top_p=1.0, top_k=50, min_p=1.0, frequency_penalty=-2,
                    presence_penalty=2, min_new_tokens=128, logit_bias={"49": -100.0},
-                   stop="x", stop_token_ids=[0, 49], sampling_seed=-(1 << 70)).verify(50)
+                   stop="x", stop_token_ids=[0, 49], sampling_seed=-(1 << 63)).verify(50)
+    assert SamplingParams.from_dict({"temperature": 1, "sampling_seed": (1 << 64) - 1}).temperature == 1.0
 
 
 def test_from_dict_rejects_unknown_keys_by_name():
     assert SamplingParams.from_dict({"temperature": 0.5, "top_k": 3}).top_k == 3
-    with pytest.raises(ValueError, match="max_tokens.*topk|topk.*max_tokens"):
+    with pytest.raises(ValueError, match="^(max_tokens|topk): unknown field"):
         SamplingParams.from_dict({"temperature": 0.5, "topk": 3, "max_tokens": 9})
+    with pytest.raises(ValueError, match="^sampling_params: must be an object"):
+        SamplingParams.from_dict([1, 2])
 
 
 def test_normalize():

@@ -2,6 +2,9 @@
 OpenAI API (/v1/...), on FastAPI + uvicorn, in front of the TokenizerManager.
 
     radixserve serve --model-path ... [--host 127.0.0.1] [--port 30000] [--api-key KEY]
+
+Every error is a JSON body in OpenAI's shape; docs/limits.md lists the
+statuses, the limits and what happens when a process dies.
 """
 
 from __future__ import annotations
@@ -13,31 +16,40 @@ import logging
 import os
 import signal
 import sys
+import threading
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
 import radixserve
+from radixserve.entrypoints import http_guards
+from radixserve.entrypoints.http_guards import error_body
 from radixserve.entrypoints.launcher import EngineProcesses, start_engine_processes
-from radixserve.entrypoints.openai.adapters import openai_error, validation_error_to_openai, value_error_to_openai
+from radixserve.entrypoints.openai.adapters import validation_error_to_openai, value_error_to_openai
 from radixserve.entrypoints.streaming import peek, sse_stream
 from radixserve.managers.io_struct import GenerateReqInput
+from radixserve.managers.tokenizer_manager import EngineDeadError, RequestTimeoutError, ServerBusyError
 from radixserve.server_args import ServerArgs
+from radixserve.validation import FIELD_PREFIX, first_error
 
 logger = logging.getLogger("radixserve.server")
 
 API_VERSION = "v1"
 WATCHDOG_S = 1.0
+SHUTDOWN_GRACE_S = 5.0  # after SIGTERM, requests in flight get this long before they are ended with an error
+EXIT_DEADLINE_S = 30.0  # once shutting down, the process is gone within this long, whatever hangs
+HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("RADIXSERVE_HEALTH_CHECK_TIMEOUT", 20))
 _OPEN_PATHS = {"/health", "/metrics"}
 
 
-def error_response(message: str, status: int = 400, param: str | None = None, err_type: str | None = None) -> JSONResponse:
+def error_response(message: str, status: int = 400, param: str | None = None, err_type: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
-    err_type = err_type or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(
-        status, "server_error")
-    return JSONResponse(openai_error(message, err_type, param, status), status)
+    return JSONResponse(error_body(message, status, err_type, param), status, headers=headers)
 
 
 async def _json_events(outputs: AsyncIterator[dict]) -> AsyncIterator[str]:
@@ -45,28 +57,31 @@ async def _json_events(outputs: AsyncIterator[dict]) -> AsyncIterator[str]:
         yield "data: " + json.dumps(out, ensure_ascii=False) + "\n\n"
 
 
-def _generate_input(body: Any) -> GenerateReqInput:
+async def read_json(request: Request) -> Any:
+    """The request's body as JSON; ``ValueError("body: ...")`` for anything
+    that is not (bad UTF-8, bad syntax, nesting too deep, huge integers)."""
+    data = await request.body()
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("body: invalid JSON (nested too deeply)") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, integers of over 4300 digits
+        raise ValueError(f"body: invalid JSON ({str(exc).splitlines()[0][:200]})") from None
+
+
+def generate_input(body: Any) -> GenerateReqInput:
+    """A /generate body as a checked ``GenerateReqInput``; ``ValueError`` naming the field."""
     if not isinstance(body, dict):
         raise ValueError("body: a JSON object is expected")
-    known = {f.name for f in dataclasses.fields(GenerateReqInput)}
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise ValueError(f"{unknown[0]}: unknown field")
-    return GenerateReqInput(**body)
+    try:
+        return GenerateReqInput(**body)
+    except ValidationError as exc:
+        raise first_error(exc) from None
+    except TypeError as exc:  # a key that is not a Python identifier
+        raise ValueError(f"body: {exc}") from None
 
 
-def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
-    app = FastAPI(title="radixserve", version=radixserve.__version__)
-    app.state.engine, app.state.args, app.state.healthy = engine, args, True
-    tm = engine.tokenizer_manager
-
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if args.api_key and request.url.path not in _OPEN_PATHS:
-            if request.headers.get("authorization", "") != f"Bearer {args.api_key}":
-                return error_response("invalid or missing API key", 401)
-        return await call_next(request)
-
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
@@ -78,15 +93,58 @@ def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
     async def on_value_error(request: Request, exc: ValueError):
         return JSONResponse(value_error_to_openai(exc), 400)
 
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, exc: HTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 400 and not message.startswith("body:"):
+            message = f"body: {message}"  # FastAPI's own body-parsing failures
+        match = FIELD_PREFIX.match(message)
+        return error_response(message, exc.status_code, param=match.group(1) if match else None, headers=exc.headers)
+
+    @app.exception_handler(ServerBusyError)
+    async def on_busy(request: Request, exc: ServerBusyError):
+        return error_response(str(exc), 429, headers={"Retry-After": "1"})
+
+    @app.exception_handler(EngineDeadError)
+    async def on_dead(request: Request, exc: EngineDeadError):
+        return error_response(str(exc), 503)
+
+    @app.exception_handler(RequestTimeoutError)
+    async def on_timeout(request: Request, exc: RequestTimeoutError):
+        return error_response(str(exc), 504)
+
+
+def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
+    app = FastAPI(title="radixserve", version=radixserve.__version__)
+    app.state.engine, app.state.args, app.state.healthy = engine, args, True
+    tm = engine.tokenizer_manager
+    _add_error_handlers(app)
+    # Outermost last: errors are caught around everything, then the body
+    # limit, then the key is checked before any body is read.
+    if args.api_key:
+        app.add_middleware(http_guards.RequireApiKey, key=args.api_key, open_paths=_OPEN_PATHS)
+    app.add_middleware(http_guards.LimitBody, limit=args.max_request_body_bytes)
+    app.add_middleware(http_guards.CatchErrors)
+
     @app.get("/health")
     async def health():
-        return Response(status_code=200) if app.state.healthy else Response(status_code=503)
+        return Response(status_code=200) if app.state.healthy and tm.dead is None else Response(status_code=503)
 
     @app.get("/health_generate")
     async def health_generate():
         obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "ignore_eos": True})
-        async for _ in tm.generate_request(obj):
-            pass
+        gen = tm.generate_request(obj)
+
+        async def run():
+            async for _ in gen:
+                pass
+
+        try:
+            await asyncio.wait_for(run(), HEALTH_CHECK_TIMEOUT_S)
+        except (asyncio.TimeoutError, RequestTimeoutError):
+            return error_response(f"no token generated in time ({HEALTH_CHECK_TIMEOUT_S:g} s)", 503)
+        finally:
+            await gen.aclose()
         return Response(status_code=200)
 
     @app.get("/get_model_info")
@@ -99,7 +157,8 @@ def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
     @app.get("/get_server_info")
     async def get_server_info():
         state = await tm.get_internal_state()
-        return {**dataclasses.asdict(args), **engine.model_info, "version": radixserve.__version__,
+        public = {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"}
+        return {**public, **engine.model_info, "version": radixserve.__version__,
                 "api_version": API_VERSION, "internal_states": [state]}
 
     @app.post("/flush_cache")
@@ -110,24 +169,19 @@ def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        body = await request.json()
+        body = await read_json(request)
         if not isinstance(body, dict) or not isinstance(body.get("rid"), str):
             return error_response("rid: a request id (string) is required", 400, "rid")
         tm.abort_request(body["rid"])
         return Response(status_code=200)
 
     @app.get("/metrics")
-    async def metrics():
-        tm.metrics.update_from_state(await tm.get_internal_state())
+    async def metrics():  # from the figures the scheduler pushes: a scrape never waits for it
         return Response(tm.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/generate")
     async def generate(request: Request):
-        try:
-            body = await request.json()
-        except json.JSONDecodeError as exc:
-            return error_response(f"body: invalid JSON ({exc.msg})", 400)
-        obj = _generate_input(body)
+        obj = generate_input(await read_json(request))
         gen = tm.generate_request(obj, request)
         if obj.stream:
             return StreamingResponse(sse_stream(_json_events(await peek(gen))), media_type="text/event-stream")
@@ -143,16 +197,42 @@ def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
 
 
 async def _watchdog(app: FastAPI, server) -> None:
-    """A dead child process makes the server unhealthy and then exit."""
+    """A dead child ends every request with an error, makes the server
+    unhealthy and then exit. Once the server is stopping (a signal or a dead
+    child), requests get ``SHUTDOWN_GRACE_S`` to finish and are then ended,
+    and a last-resort timer guarantees the process is gone."""
     engine: EngineProcesses = app.state.engine
-    while True:
+    while not server.should_exit:
         await asyncio.sleep(WATCHDOG_S)
         dead = engine.dead()
-        if dead:
-            logger.error("child process(es) died: %s; shutting down", ", ".join(dead))
+        if dead and not server.should_exit:
+            reason = f"child process(es) died: {', '.join(dead)}"
+            logger.error("%s; shutting down", reason)
             app.state.healthy = False
+            engine.tokenizer_manager.fail_all(reason)
             server.should_exit = True
-            return
+    _exit_deadline(engine, EXIT_DEADLINE_S)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + SHUTDOWN_GRACE_S
+    while engine.tokenizer_manager.num_running_requests() and loop.time() < deadline:
+        await asyncio.sleep(0.1)
+    if engine.tokenizer_manager.dead is None:
+        engine.tokenizer_manager.fail_all("the server is shutting down")
+
+
+def _exit_deadline(engine: EngineProcesses, seconds: float) -> None:
+    """Kill the children and exit(1) in ``seconds`` unless the process has exited by then."""
+
+    def expire():
+        logger.error("shutdown did not finish within %gs; exiting now", seconds)
+        for p in engine.processes:
+            if p.is_alive():
+                p.kill()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
 
 
 def launch_server(args: ServerArgs) -> int:
@@ -160,11 +240,15 @@ def launch_server(args: ServerArgs) -> int:
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    max_connections = http_guards.resolved_max_connections(args.max_connections, http_guards.raise_open_file_limit())
     engine = start_engine_processes(args)
     app = create_app(engine, args)
     loop = "uvloop" if _has_uvloop() else "asyncio"
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, loop=loop,
-                                           log_level=args.log_level, timeout_keep_alive=30))
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, loop=loop, log_level=args.log_level, timeout_keep_alive=30,
+        http=http_guards.protocol_with_header_timeout(args.http_header_timeout), limit_concurrency=max_connections,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5,
+    ))
 
     @app.on_event("startup")
     async def _started():
@@ -173,7 +257,7 @@ def launch_server(args: ServerArgs) -> int:
         print(f"radixserve is serving {args.model_name()} on http://{args.host}:{args.port}", flush=True)
 
     # uvicorn re-raises the signal that stopped it once it has shut down; with
-    # these no-op handlers that lands here, and we stop the children and exit 0.
+    # these no-op handlers that lands here, and we stop the children and exit.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:

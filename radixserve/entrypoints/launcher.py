@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 from radixserve.managers.detokenizer_manager import run_detokenizer_process
 from radixserve.managers.scheduler_process import run_scheduler_process
-from radixserve.managers.tokenizer_manager import TokenizerManager
+from radixserve.managers.tokenizer_manager import RequestLimits, TokenizerManager
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 900
+STOP_TIMEOUT_S = 10  # a child that has not exited this long after SIGTERM is killed
 
 
 @dataclass
@@ -31,13 +32,20 @@ class EngineProcesses:
         return [p.name for p in self.processes if not p.is_alive()]
 
     def shutdown(self) -> None:
+        """Stop every child (SIGTERM, then SIGKILL) and remove the IPC directory;
+        returns within about ``STOP_TIMEOUT_S`` whatever state they are in."""
         for p in self.processes:
             if p.is_alive():
                 p.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
         for p in self.processes:
-            p.join(timeout=10)
+            p.join(timeout=max(deadline - time.monotonic(), 0))
             if p.is_alive():
+                logger.error("%s did not stop within %ds; killing it", p.name, STOP_TIMEOUT_S)
                 p.kill()
+                p.join(timeout=5)
+        if self.tokenizer_manager is not None:
+            self.tokenizer_manager.close()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
@@ -74,11 +82,11 @@ def start_engine_processes(args: ServerArgs) -> EngineProcesses:
     pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
     detok = ctx.Process(
         target=run_detokenizer_process, name="detokenizer", daemon=True,
-        args=(model_config.tokenizer_dir, addr["detokenizer"], addr["tokenizer"], pipes[0][1]),
+        args=(model_config.tokenizer_dir, addr["detokenizer"], addr["tokenizer"], pipes[0][1], ipc_dir),
     )
     sched = ctx.Process(
         target=run_scheduler_process, name="scheduler", daemon=True,
-        args=(args, addr["scheduler"], addr["detokenizer"], pipes[1][1]),
+        args=(args, addr["scheduler"], addr["detokenizer"], pipes[1][1], ipc_dir),
     )
     procs = [detok, sched]
     for p in procs:
@@ -90,5 +98,15 @@ def start_engine_processes(args: ServerArgs) -> EngineProcesses:
         raise
     info.update(model_path=model_config.model_path, tokenizer_path=model_config.tokenizer_dir,
                 weights_dir=model_config.weights_dir, dtype=str(model_config.dtype).replace("torch.", ""))
-    tm = TokenizerManager(tokenizer, info, args.model_name(), addr["scheduler"], addr["tokenizer"])
+    tm = TokenizerManager(tokenizer, info, args.model_name(), addr["scheduler"], addr["tokenizer"], request_limits(args, info))
     return EngineProcesses(tm, procs, ipc_dir, info)
+
+
+def request_limits(args: ServerArgs, info: dict) -> RequestLimits:
+    """The TokenizerManager's limits from the options and what the scheduler reported."""
+    queued = args.max_queued_requests
+    return RequestLimits(
+        max_prompt_chars=args.resolved_max_prompt_chars(info["context_len"]),
+        max_in_flight=None if queued is None else info["max_running_requests"] + queued,
+        request_timeout=args.request_timeout,
+    )

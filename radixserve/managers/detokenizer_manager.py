@@ -11,10 +11,8 @@ the TokenizerManager; the offline Engine uses ``DecodeStatus`` directly.
 from __future__ import annotations
 
 import logging
-import os
 
-import zmq
-
+from radixserve.managers.child_process import ParentWatch, zmq_context
 from radixserve.managers.io_struct import BatchStrOut, BatchTokenIDOut, decode, encode, pipeline_sockets
 
 logger = logging.getLogger(__name__)
@@ -79,49 +77,83 @@ class DecodeStatus:
 
 class DetokenizerManager:
     """Process loop: BatchTokenIDOut from the scheduler -> BatchStrOut to the
-    tokenizer manager; every other message is forwarded unchanged."""
+    tokenizer manager; every other message is forwarded unchanged.
 
-    def __init__(self, tokenizer, recv_addr: str, send_addr: str):
+    A request whose tokens cannot be decoded ends there with an abort (and
+    ``abort_upstream``, so that the tokenizer manager stops it in the
+    scheduler too); the others in the batch go on. A message that cannot be
+    decoded is dropped."""
+
+    def __init__(self, tokenizer, recv_addr: str, send_addr: str, watch: ParentWatch | None = None):
         self.tokenizer = tokenizer
-        self.recv, self.send = pipeline_sockets(zmq.Context(2), recv_addr, send_addr)
+        self.watch = watch
+        self.recv, self.send = pipeline_sockets(zmq_context(), recv_addr, send_addr)
         self.status: dict[str, DecodeStatus] = {}
+        self.failed: set[str] = set()  # aborted here; the scheduler's last outputs for them are dropped
 
     def handle(self, out: BatchTokenIDOut) -> BatchStrOut:
+        keep = []
         deltas = []
-        for rid, ids, meta in zip(out.rids, out.new_ids, out.meta):
-            st = self.status.get(rid)
-            if st is None:
-                st = self.status[rid] = DecodeStatus(
-                    self.tokenizer, meta.get("skip_special_tokens", True),
-                    meta.get("spaces_between_special_tokens", True), meta.get("stop"), meta.get("no_stop_trim", False),
-                )
-            deltas.append(st.feed(ids, meta.get("finish_reason"), meta.get("no_stop_trim", False)))
-            if meta.get("finish_reason") is not None:
-                del self.status[rid]
-        return BatchStrOut(out.rids, deltas, out.new_ids, out.meta)
+        for i, (rid, ids, meta) in enumerate(zip(out.rids, out.new_ids, out.meta)):
+            finished = meta.get("finish_reason") is not None
+            if rid in self.failed:
+                if finished:
+                    self.failed.discard(rid)
+                continue
+            try:
+                deltas.append(self._feed(rid, ids, meta))
+            except Exception as exc:  # this request's output cannot be decoded; the rest of the batch can
+                logger.error("request %s: detokenization failed: %s: %s", rid, type(exc).__name__, exc)
+                self.status.pop(rid, None)
+                if not finished:
+                    self.failed.add(rid)
+                meta["finish_reason"] = {"type": "abort", "message": f"detokenization failed: {exc}"}
+                meta["abort_upstream"] = not finished
+                deltas.append("")
+            keep.append(i)
+        return BatchStrOut([out.rids[i] for i in keep], deltas, [out.new_ids[i] for i in keep],
+                           [out.meta[i] for i in keep])
+
+    def _feed(self, rid: str, ids: list[int], meta: dict) -> str:
+        st = self.status.get(rid)
+        if st is None:
+            st = self.status[rid] = DecodeStatus(
+                self.tokenizer, meta.get("skip_special_tokens", True),
+                meta.get("spaces_between_special_tokens", True), meta.get("stop"), meta.get("no_stop_trim", False),
+            )
+        delta = st.feed(ids, meta.get("finish_reason"), meta.get("no_stop_trim", False))
+        if meta.get("finish_reason") is not None:
+            del self.status[rid]
+        return delta
 
     def event_loop(self) -> None:
-        parent = os.getppid()
         while True:
             if not self.recv.poll(1000):
-                if os.getppid() != parent:  # the server died: do not linger
-                    return
+                if self.watch is not None and not self.watch.alive():
+                    self.watch.exit_orphaned()
                 continue
-            msg = decode(self.recv.recv())
+            try:
+                msg = decode(self.recv.recv())
+            except ValueError as exc:
+                logger.error("dropped a malformed message: %s", str(exc).splitlines()[0])
+                continue
             if isinstance(msg, BatchTokenIDOut):
                 msg = self.handle(msg)
             self.send.send(encode(msg))
 
 
-def run_detokenizer_process(tokenizer_dir: str | None, recv_addr: str, send_addr: str, ready) -> None:
+def run_detokenizer_process(tokenizer_dir: str | None, recv_addr: str, send_addr: str, ready,
+                            ipc_dir: str | None = None) -> None:
     """Entry point of the detokenizer process."""
+    logging.basicConfig(level=logging.INFO, format="[detokenizer] %(message)s")
+    watch = ParentWatch(ipc_dir)
     try:
         tokenizer = None
         if tokenizer_dir:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        manager = DetokenizerManager(NullTokenizer() if tokenizer is None else tokenizer, recv_addr, send_addr)
+        manager = DetokenizerManager(NullTokenizer() if tokenizer is None else tokenizer, recv_addr, send_addr, watch)
         ready.send({"status": "ready"})
     except Exception as exc:  # report start-up failures to the launcher
         ready.send({"status": "error", "error": f"{type(exc).__name__}: {exc}"})

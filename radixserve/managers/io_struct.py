@@ -13,29 +13,104 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationInfo, field_validator, model_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
-
+from radixserve.sampling.sampling_params import MAX_INT32
+from radixserve.validation import shown
 
 # -- front door (in-process only: never sent) ----------------------------------
-@dataclass
+MAX_TOP_LOGPROBS = 20  # alternatives per position (OpenAI's limit for chat)
+MAX_RID_CHARS = 512
+
+
+@pydantic_dataclass(config=ConfigDict(strict=True, extra="forbid", allow_inf_nan=False))
 class GenerateReqInput:
-    """A /generate request as SGLang names it: one prompt or a batch."""
+    """A /generate request as SGLang names it: one prompt or a batch.
+
+    Built from the request body, it checks every field's type and range and
+    that the fields agree (one of ``text`` / ``input_ids``; per-prompt lists
+    as long as the batch), raising ``pydantic.ValidationError`` naming the
+    field. What needs the model (token ids within the vocabulary, prompt
+    lengths, the sampling params themselves) is checked by the
+    TokenizerManager."""
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict | list[dict] | None = None
     rid: str | list[str] | None = None
     return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
+    logprob_start_len: int = Field(-1, ge=-1, le=MAX_INT32)
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     return_text_in_logprobs: bool = False
     stream: bool = False
+
+    # Shapes are checked by hand, in one pass with one message, before pydantic
+    # would report each bad element of a million-token list on its own.
+    @field_validator("text", "sampling_params", mode="before")
+    @classmethod
+    def _one_or_a_list(cls, v: Any, info: ValidationInfo) -> Any:
+        kind, what = _ONE_OR_A_LIST[info.field_name]
+        if v is None or isinstance(v, kind) or _non_empty_list_of(v, kind):
+            return v
+        raise ValueError(f"must be {what} or a non-empty list of them")
+
+    @field_validator("input_ids", mode="before")
+    @classmethod
+    def _input_ids(cls, v: Any) -> Any:
+        if v is None or _non_empty_list_of(v, int):
+            return v
+        if _non_empty_list_of(v, list) and all(_non_empty_list_of(ids, int) for ids in v):
+            return v
+        raise ValueError("must be a non-empty list of token ids or a non-empty list of such lists")
+
+    @field_validator("rid", mode="before")
+    @classmethod
+    def _rid(cls, v: Any) -> Any:
+        rids = [v] if isinstance(v, str) else v
+        if v is not None and not (_non_empty_list_of(rids, str) and all(0 < len(r) <= MAX_RID_CHARS for r in rids)):
+            raise ValueError(f"must be a request id (a string of 1 to {MAX_RID_CHARS} characters) or a list of them")
+        if isinstance(v, list) and len(set(v)) != len(v):
+            raise ValueError("request ids in a batch must be distinct")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "GenerateReqInput":
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("text: give exactly one of text and input_ids")
+        n = self.batch_size
+        for name in ("sampling_params", "rid"):
+            value = getattr(self, name)
+            if isinstance(value, list) and len(value) != n:
+                raise ValueError(f"{name}: {len(value)} given for {n} prompts")
+            if self.is_single and isinstance(value, list):
+                raise ValueError(f"{name}: a list is for a batch of prompts; this request has one")
+        return self
 
     @property
     def is_single(self) -> bool:
         if self.text is not None:
             return isinstance(self.text, str)
         return bool(self.input_ids) and isinstance(self.input_ids[0], int)
+
+    @property
+    def batch_size(self) -> int:
+        """How many prompts the request holds."""
+        if self.is_single:
+            return 1
+        return len(self.text if self.text is not None else self.input_ids)
+
+
+_ONE_OR_A_LIST = {"text": (str, "a string"), "sampling_params": (dict, "an object")}
+
+
+def _non_empty_list_of(v: Any, kind: type) -> bool:
+    """A non-empty list whose items are all of ``kind`` (bools are not ints)."""
+    if not isinstance(v, list) or not v:
+        return False
+    if kind is int:
+        return all(type(x) is int for x in v)
+    return all(isinstance(x, kind) for x in v)
 
 
 # -- tokenizer manager -> scheduler ------------------------------------------------
@@ -76,10 +151,11 @@ class GetInternalStateReqOutput:
 
 
 @dataclass
-class HealthCheckOutput:
-    """Scheduler heartbeat, forwarded to the tokenizer manager."""
+class SchedulerStats:
+    """The scheduler's load and cache figures, sent every so often while it
+    works and when it goes idle; ``/metrics`` serves the latest."""
 
-    forward_ct: int
+    state: dict
 
 
 # -- scheduler -> detokenizer ---------------------------------------------------------
@@ -110,7 +186,7 @@ _TYPES = {
     cls.__name__: cls
     for cls in (
         TokenizedGenerateReqInput, AbortReq, FlushCacheReq, FlushCacheReqOutput, GetInternalStateReq,
-        GetInternalStateReqOutput, HealthCheckOutput, BatchTokenIDOut, BatchStrOut,
+        GetInternalStateReqOutput, SchedulerStats, BatchTokenIDOut, BatchStrOut,
     )
 }
 
@@ -120,14 +196,25 @@ def encode(obj: Any) -> bytes:
     name = type(obj).__name__
     if name not in _TYPES:
         raise TypeError(f"{name} is not a message type")
-    return msgpack.packb([name, dataclasses.asdict(obj)], use_bin_type=True)
+    # A shallow dict: msgpack walks the nested lists and dicts itself, and
+    # dataclasses.asdict's deep copy cost milliseconds a step at batch 256.
+    fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    return msgpack.packb([name, fields], use_bin_type=True)
+
+
+_ADAPTERS = {name: TypeAdapter(cls) for name, cls in _TYPES.items()}
 
 
 def decode(data: bytes) -> Any:
-    name, fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    if name not in _TYPES:
-        raise ValueError(f"unknown message type {name!r}")
-    return _TYPES[name](**fields)
+    """The message dataclass encoded in ``data``, its fields type-checked.
+    Raises ``ValueError`` for anything that is not a well-formed message."""
+    try:
+        name, fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types, and unpacking a non-pair too
+        raise ValueError(f"not a message: {type(exc).__name__}") from None
+    if not isinstance(name, str) or name not in _TYPES or not isinstance(fields, dict):
+        raise ValueError(f"unknown message type {shown(name)}")
+    return _ADAPTERS[name].validate_python(fields)  # pydantic's ValidationError is a ValueError
 
 
 def pipeline_sockets(ctx, recv_addr: str, send_addr: str):

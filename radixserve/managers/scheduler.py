@@ -457,7 +457,11 @@ class Scheduler:
                 req.finished_reason = FinishReason("length", 0)
                 updated.append(req)
             else:
-                self._append_token(req, tok, sample, i)
+                try:
+                    self._append_token(req, tok, sample, i)
+                except Exception as exc:  # e.g. a stop-string check that cannot decode this output
+                    logger.error("request %s aborted: %s: %s", req.rid, type(exc).__name__, exc)
+                    req.finished_reason = FinishReason("abort", message=f"internal error: {exc}")
                 updated.append(req)
         self._update_running(reqs, mode, updated, partial)
         return updated

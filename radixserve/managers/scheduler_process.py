@@ -4,10 +4,11 @@ Scheduler, send new tokens to the detokenizer."""
 from __future__ import annotations
 
 import logging
-import os
+import time
 
 import zmq
 
+from radixserve.managers.child_process import ParentWatch, zmq_context
 from radixserve.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -15,6 +16,7 @@ from radixserve.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    SchedulerStats,
     TokenizedGenerateReqInput,
     decode,
     encode,
@@ -28,6 +30,7 @@ from radixserve.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000
+STATS_INTERVAL_S = 0.5  # how often a busy scheduler reports its load (for /metrics)
 
 
 def req_meta(req: Req, sent_logprobs: int) -> dict:
@@ -53,29 +56,46 @@ def req_meta(req: Req, sent_logprobs: int) -> dict:
 
 
 class SchedulerProcess:
-    """Owns the sockets and the sent-so-far bookkeeping around a Scheduler."""
+    """Owns the sockets and the sent-so-far bookkeeping around a Scheduler.
 
-    def __init__(self, scheduler: Scheduler, recv_addr: str, send_addr: str, eos_ids: set[int]):
+    A message that cannot be decoded is dropped; a request that fails
+    validation or raises while being added is answered with an abort; an
+    exception inside a step is fatal (the process exits, and the server with
+    it), because the batch's KV state can no longer be trusted."""
+
+    def __init__(self, scheduler: Scheduler, recv_addr: str, send_addr: str, eos_ids: set[int],
+                 watch: ParentWatch | None = None):
         self.scheduler = scheduler
         self.eos_ids = eos_ids
-        self.recv, self.send = pipeline_sockets(zmq.Context(2), recv_addr, send_addr)
+        self.watch = watch
+        self.recv, self.send = pipeline_sockets(zmq_context(), recv_addr, send_addr)
         self.sent: dict[str, tuple[int, int]] = {}  # rid -> (output ids sent, logprobs sent)
+        self._stats_at = 0.0
 
     def event_loop(self) -> None:
-        parent = os.getppid()
         while True:
+            if self.watch is not None and not self.watch.alive():
+                self.watch.exit_orphaned()
             idle = self.scheduler.is_idle()
             if idle and not self.recv.poll(IDLE_POLL_MS):
-                if os.getppid() != parent:
-                    return
                 continue
-            while True:
-                try:
-                    self.handle(decode(self.recv.recv(zmq.NOBLOCK)))
-                except zmq.Again:
-                    break
+            self.receive_all()
             if not self.scheduler.is_idle():
                 self.send_outputs(self.scheduler.step())
+            self.report_stats(became_idle=not idle and self.scheduler.is_idle())
+
+    def receive_all(self) -> None:
+        while True:
+            try:
+                data = self.recv.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(data)
+            except ValueError as exc:
+                logger.error("dropped a malformed message: %s", str(exc).splitlines()[0])
+                continue
+            self.handle(msg)
 
     def handle(self, msg) -> None:
         if isinstance(msg, TokenizedGenerateReqInput):
@@ -86,6 +106,8 @@ class SchedulerProcess:
             self.send.send(encode(FlushCacheReqOutput(self.scheduler.flush_cache())))
         elif isinstance(msg, GetInternalStateReq):
             self.send.send(encode(GetInternalStateReqOutput(self.internal_state())))
+        else:
+            logger.error("dropped a %s: not a message for the scheduler", type(msg).__name__)
 
     def add(self, msg: TokenizedGenerateReqInput) -> None:
         try:
@@ -95,9 +117,10 @@ class SchedulerProcess:
             req = Req(msg.rid, msg.input_ids, sp, self.eos_ids, msg.return_logprob, msg.logprob_start_len,
                       msg.top_logprobs_num)
             self.scheduler.add_request(req)
-        except ValueError as exc:  # the tokenizer manager validates first; this is the backstop
+        except Exception as exc:  # the tokenizer manager validates first; this is the backstop
+            logger.error("request %s refused: %s", msg.rid, exc)
             req = Req(msg.rid, msg.input_ids or [0], SamplingParams())
-            req.finished_reason = FinishReason("abort", message=str(exc))
+            req.finished_reason = FinishReason("abort", message=f"invalid request: {exc}")
             self.send_outputs([req])
 
     def send_outputs(self, reqs: list[Req]) -> None:
@@ -115,31 +138,45 @@ class SchedulerProcess:
                 self.sent[req.rid] = (len(req.output_ids), len(req.output_token_logprobs))
         self.send.send(encode(BatchTokenIDOut(rids, new_ids, metas)))
 
-    def internal_state(self) -> dict:
+    def report_stats(self, became_idle: bool = False) -> None:
+        """Send the load figures when due, so that /metrics never has to ask."""
+        now = time.monotonic()
+        if became_idle or now - self._stats_at >= STATS_INTERVAL_S:
+            self._stats_at = now
+            self.send.send(encode(SchedulerStats(self.load_stats())))
+
+    def load_stats(self) -> dict:
+        """Counters and gauges: cheap, computed at any time."""
         sched = self.scheduler
         state = sched.get_stats()
         state["max_total_tokens"] = sched.allocator.size
         state["kv_usage"] = 1 - (sched.allocator.available_size() + sched.tree_cache.evictable_size()) / sched.allocator.size
-        prompt = max(state["prompt_tokens"], 1)
-        state["cache_hit_rate"] = state["cached_tokens"] / prompt
+        state["cache_hit_rate"] = state["cached_tokens"] / max(state["prompt_tokens"], 1)
+        return state
+
+    def internal_state(self) -> dict:
+        """The load figures plus the memory invariant, checked when the scheduler is idle."""
+        state = self.load_stats()
         state["memory_check"] = "busy"
-        if sched.is_idle():
+        if self.scheduler.is_idle():
             try:
-                sched.check_memory()
+                self.scheduler.check_memory()
                 state["memory_check"] = "ok"
             except AssertionError as exc:
                 state["memory_check"] = str(exc)
         return state
 
 
-def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: str, ready) -> None:
+def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: str, ready, ipc_dir: str | None = None) -> None:
     """Entry point of the scheduler process: load the model, report, loop."""
     logging.basicConfig(level=logging.INFO, format="[scheduler] %(message)s")
+    watch = ParentWatch(ipc_dir)
     try:
         from radixserve.entrypoints.engine import build_scheduler, eos_token_ids
 
         scheduler, tokenizer = build_scheduler(server_args)
-        proc = SchedulerProcess(scheduler, recv_addr, send_addr, eos_token_ids(scheduler.model_runner.model_config, tokenizer))
+        eos_ids = eos_token_ids(scheduler.model_runner.model_config, tokenizer)
+        proc = SchedulerProcess(scheduler, recv_addr, send_addr, eos_ids, watch)
         runner = scheduler.model_runner
         ready.send({
             "status": "ready",

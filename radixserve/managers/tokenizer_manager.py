@@ -1,15 +1,18 @@
 """The TokenizerManager (main process): validates and tokenizes requests,
 sends them to the scheduler, and turns the detokenizer's text deltas into
-per-request results and streams. Aborts requests whose client went away."""
+per-request results and streams. Aborts requests whose client went away,
+refuses work beyond the server's limits, and ends every request with an
+error when the engine's processes die."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import zmq
 import zmq.asyncio
@@ -22,6 +25,7 @@ from radixserve.managers.io_struct import (
     GenerateReqInput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    SchedulerStats,
     TokenizedGenerateReqInput,
     decode,
     encode,
@@ -30,7 +34,36 @@ from radixserve.managers.io_struct import (
 from radixserve.managers.metrics import ServerMetrics
 from radixserve.sampling.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 DISCONNECT_POLL_S = 0.5
+INLINE_TOKENIZE_CHARS = 8192  # shorter texts are tokenized on the event loop (faster than a thread hop)
+TOKENIZER_THREADS = 2
+
+
+class EngineDeadError(RuntimeError):
+    """The scheduler or the detokenizer is gone: nothing can be served (HTTP 503)."""
+
+
+class ServerBusyError(RuntimeError):
+    """More requests are waiting than the server takes (HTTP 429)."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request ran past ``--request-timeout`` and was aborted (HTTP 504)."""
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request, and all of them together, may ask of the engine.
+    ``max_in_flight`` counts sub-requests (prompts x samples); None: no limit."""
+
+    max_prompt_chars: int
+    max_in_flight: int | None = None
+    request_timeout: float | None = None
+
+
+_ENGINE_DEAD = object()  # put on a request's queue when the engine dies
 
 
 @dataclass
@@ -45,6 +78,7 @@ class ReqState:
     output_ids: list[int] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
     finished: bool = False
+    queued: bool = False  # on the queue already: later updates coalesce into that entry
     first_token_time: float | None = None
     last_token_time: float | None = None
     logprobs: dict = field(default_factory=lambda: {
@@ -54,18 +88,25 @@ class ReqState:
 class TokenizerManager:
     """The front of the engine in the HTTP process (see module docstring)."""
 
-    def __init__(self, tokenizer, model_info: dict, served_model_name: str, send_addr: str, recv_addr: str):
+    def __init__(self, tokenizer, model_info: dict, served_model_name: str, send_addr: str, recv_addr: str,
+                 limits: RequestLimits):
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.context_len: int = model_info["context_len"]
         self.vocab_size: int = model_info["vocab_size"]
         self.served_model_name = served_model_name
+        self.limits = limits
         self.ctx = zmq.asyncio.Context(2)
+        self.ctx.setsockopt(zmq.LINGER, 0)
+        # Sends never block: admission bounds what can queue up in the socket.
+        self.ctx.setsockopt(zmq.SNDHWM, 0)
         self.recv, self.send = pipeline_sockets(self.ctx, recv_addr, send_addr)
         self.states: dict[str, ReqState] = {}
         self.control: dict[type, asyncio.Future] = {}
         self._control_lock: asyncio.Lock | None = None
         self.metrics = ServerMetrics()
+        self.dead: str | None = None  # why the engine stopped serving, once it has
+        self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
         self._loop_task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -73,64 +114,66 @@ class TokenizerManager:
         if self._loop_task is None:
             self._loop_task = asyncio.get_running_loop().create_task(self._recv_loop())
 
-    # -- requests ------------------------------------------------------------------
-    def _tokenize(self, obj: GenerateReqInput) -> list[list[int]]:
-        if (obj.text is None) == (obj.input_ids is None):
-            raise ValueError("text: give exactly one of text and input_ids")
-        if obj.text is not None:
-            if not isinstance(obj.text, (str, list)):
-                raise ValueError("text: must be a string or a list of strings")
-            texts = [obj.text] if isinstance(obj.text, str) else list(obj.text)
-            if self.tokenizer is None:
-                raise ValueError("text: this model has no tokenizer; send input_ids")
-            if not all(isinstance(t, str) for t in texts):
-                raise ValueError("text: must be a string or a list of strings")
-            return [self.tokenizer.encode(t) for t in texts]
-        ids = obj.input_ids
-        if not isinstance(ids, list):
-            raise ValueError("input_ids: must be a list of token ids or a list of such lists")
-        batch = [ids] if obj.is_single else list(ids)
-        if not batch:
-            raise ValueError("input_ids: the prompt is empty")
-        if not all(isinstance(x, list) and all(isinstance(t, int) for t in x) for x in batch):
-            raise ValueError("input_ids: must be a list of token ids or a list of such lists")
-        return batch
+    async def run_blocking(self, fn: Callable, *args) -> Any:
+        """``fn(*args)`` on the tokenizer threads, so that the event loop keeps serving."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def _validate_ids(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("input_ids: the prompt is empty")
+    # -- requests ------------------------------------------------------------------
+    async def _tokenize(self, obj: GenerateReqInput) -> list[list[int]]:
+        if obj.input_ids is not None:
+            return [obj.input_ids] if obj.is_single else obj.input_ids
+        texts = [obj.text] if obj.is_single else obj.text
+        if self.tokenizer is None:
+            raise ValueError("text: this model has no tokenizer; send input_ids")
+        limit = self.limits.max_prompt_chars
+        for i, text in enumerate(texts):
+            if len(text) > limit:
+                where = "text" if obj.is_single else f"text[{i}]"
+                raise ValueError(f"{where}: the prompt has {len(text)} characters; this server takes at most "
+                                 f"{limit} (--max-prompt-chars)")
+        if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
+            return self._encode(texts)
+        return await self.run_blocking(self._encode, texts)
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        return [self.tokenizer.encode(t) for t in texts]
+
+    def _validate_ids(self, ids: list[int], where: str) -> None:
         if len(ids) >= self.context_len:
             raise ValueError(
-                f"input_ids: the prompt has {len(ids)} tokens but the context window is {self.context_len} tokens"
+                f"{where}: the prompt has {len(ids)} tokens but the context window is {self.context_len} tokens"
             )
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"input_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(f"{where}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
-    def _sampling(self, params: dict | None) -> SamplingParams:
-        if params is not None and not isinstance(params, dict):
-            raise ValueError("sampling_params: must be an object")
+    def _sampling(self, params: dict | None, where: str) -> SamplingParams:
         try:
-            sp = SamplingParams.from_dict(dict(params or {}))
+            sp = SamplingParams.from_dict(params or {})
             sp.verify(self.vocab_size)
-        except TypeError as exc:
-            raise ValueError(f"sampling_params: {exc}") from exc
+        except ValueError as exc:
+            raise ValueError(f"{where}.{exc}") from None
         return sp
 
-    def _expand(self, obj: GenerateReqInput) -> list[TokenizedGenerateReqInput]:
+    async def _expand(self, obj: GenerateReqInput) -> list[TokenizedGenerateReqInput]:
         """Validate everything first, then one tokenized request per prompt and sample."""
-        prompts = self._tokenize(obj)
-        params = obj.sampling_params if isinstance(obj.sampling_params, list) else [obj.sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        rids = obj.rid if isinstance(obj.rid, list) else [obj.rid] * len(prompts)
+        if obj.top_logprobs_num > self.vocab_size:
+            raise ValueError(f"top_logprobs_num: at most the vocabulary size ({self.vocab_size})")
+        n_prompts = obj.batch_size
+        params = obj.sampling_params if isinstance(obj.sampling_params, list) else [obj.sampling_params] * n_prompts
+        where = ["sampling_params"] * n_prompts if not isinstance(obj.sampling_params, list) else [
+            f"sampling_params[{i}]" for i in range(n_prompts)]
+        sps = [self._sampling(p, w) for p, w in zip(params, where)]
+        self._check_capacity(sum(sp.n for sp in sps), admitting=False)
+        prompts = await self._tokenize(obj)
+        rids = obj.rid if isinstance(obj.rid, list) else [obj.rid] * n_prompts
+        key = "input_ids" if obj.input_ids is not None else "text"
         out = []
-        for ids, p, rid in zip(prompts, params, rids):
-            self._validate_ids(ids)
-            sp = self._sampling(p)
+        for i, (ids, sp, rid) in enumerate(zip(prompts, sps, rids)):
+            self._validate_ids(ids, key if obj.is_single else f"{key}[{i}]")
             base = rid or uuid.uuid4().hex
             for j in range(sp.n):
-                d = dataclasses.asdict(sp)
+                d = sp.to_dict()
                 d["n"] = 1
                 if sp.sampling_seed is not None:
                     d["sampling_seed"] = sp.sampling_seed + j
@@ -138,39 +181,78 @@ class TokenizerManager:
                     base if sp.n == 1 else f"{base}-{j}", ids, d, obj.return_logprob, obj.logprob_start_len,
                     obj.top_logprobs_num, obj.stream,
                 ))
-        if len({r.rid for r in out} | set(self.states)) != len(out) + len(self.states):
-            raise ValueError("rid: a request with this id is already running")
         return out
+
+    def _check_capacity(self, n: int, admitting: bool = True) -> None:
+        """Refuse ``n`` more sub-requests when they never fit (400) or do not fit now (429)."""
+        cap = self.limits.max_in_flight
+        if cap is None:
+            return
+        if n > cap:
+            raise ValueError(f"n: this request asks for {n} generations (prompts x n); the server runs and "
+                             f"queues at most {cap} at once")
+        if admitting and len(self.states) + n > cap:
+            raise ServerBusyError(f"the server is busy: {len(self.states)} requests are in flight and at most "
+                                  f"{cap} are queued or running; retry later")
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine is not serving: {self.dead}")
 
     async def generate_request(self, obj: GenerateReqInput, request: Any = None) -> AsyncIterator[dict]:
         """Yield outputs (cumulative text) of one request or a batch; see io_struct.
-        Raises ValueError naming the field before anything is sent."""
+        Raises ValueError naming the field, ServerBusyError, RequestTimeoutError
+        or EngineDeadError; nothing is registered or sent for a request refused."""
         self.start()
-        reqs = self._expand(obj)
+        self._check_alive()
+        reqs = await self._expand(obj)
+        payloads = [encode(r) for r in reqs]  # before registering: a failure here leaves nothing behind
+        self._check_alive()
+        self._check_capacity(len(reqs))
+        if any(r.rid in self.states for r in reqs):
+            raise ValueError("rid: a request with this id is already running")
         queue: asyncio.Queue = asyncio.Queue()
         now = time.perf_counter()
         states = [ReqState(r.rid, i, queue, now) for i, r in enumerate(reqs)]
-        for st, r in zip(states, reqs):
-            self.states[st.rid] = st
-            self.metrics.on_request(len(r.input_ids))
-            await self.send.send(encode(r))
         single = len(states) == 1 and obj.is_single
-        watcher = asyncio.ensure_future(self._watch_disconnect(request, states)) if request is not None else None
+        watcher = None
         try:
-            pending = len(states)
-            while pending:
-                st = await queue.get()
-                if st.finished:
-                    pending -= 1
+            for st, r, data in zip(states, reqs, payloads):
+                self.states[st.rid] = st
+                self.metrics.on_request(len(r.input_ids))
+                self.send.send(data, zmq.NOBLOCK)
+            if request is not None:
+                watcher = asyncio.ensure_future(self._watch_disconnect(request, states))
+            async for st in self._updates(queue, len(states)):
                 if obj.stream or st.finished:
                     yield self._result(st, obj, None if single else st.index)
         finally:
             if watcher:
                 watcher.cancel()
             for st in states:
-                if not st.finished:
+                if not st.finished and self.states.get(st.rid) is st:
                     self.abort_request(st.rid)
-                self.states.pop(st.rid, None)
+                if self.states.get(st.rid) is st:
+                    del self.states[st.rid]
+
+    async def _updates(self, queue: asyncio.Queue, pending: int) -> AsyncIterator[ReqState]:
+        """The request's states as they change, until all are finished; raises
+        when the engine dies or the request's time is up."""
+        timeout = self.limits.request_timeout
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        while pending:
+            try:
+                if deadline is None:
+                    st = await queue.get()
+                else:
+                    st = await asyncio.wait_for(queue.get(), max(deadline - asyncio.get_running_loop().time(), 0))
+            except asyncio.TimeoutError:
+                raise RequestTimeoutError(f"the request did not finish within {timeout:g} s (--request-timeout)") from None
+            if st is _ENGINE_DEAD:
+                raise EngineDeadError(f"the engine is not serving: {self.dead}")
+            st.queued = False
+            pending -= st.finished
+            yield st
 
     def _result(self, st: ReqState, obj: GenerateReqInput, index: int | None) -> dict:
         meta = {
@@ -208,18 +290,38 @@ class TokenizerManager:
                 return
 
     def abort_request(self, rid: str) -> None:
-        self.send.send(encode(AbortReq(rid)))
+        if self.dead is None:
+            self.send.send(encode(AbortReq(rid)), zmq.NOBLOCK)
+
+    def fail_all(self, reason: str) -> None:
+        """The engine is gone: every request in flight and every control call
+        ends with ``EngineDeadError(reason)``, and so does every later one."""
+        self.dead = reason
+        for st in list(self.states.values()):
+            st.queue.put_nowait(_ENGINE_DEAD)
+        for fut in self.control.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(f"the engine is not serving: {reason}"))
 
     # -- receiving -----------------------------------------------------------------------
     async def _recv_loop(self) -> None:
         while True:
-            msg = decode(await self.recv.recv())
-            if isinstance(msg, BatchStrOut):
-                self._on_outputs(msg)
-            else:
-                fut = self.control.pop(type(msg), None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
+            data = await self.recv.recv()
+            try:
+                self._dispatch(decode(data))
+            except Exception as exc:  # one bad message must not stop every request's replies
+                logger.error("dropped a message from the detokenizer: %s: %s", type(exc).__name__, exc)
+                logger.debug("dropped message", exc_info=True)
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, BatchStrOut):
+            self._on_outputs(msg)
+        elif isinstance(msg, SchedulerStats):
+            self.metrics.update_from_state(msg.state)
+        else:
+            fut = self.control.pop(type(msg), None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
 
     def _on_outputs(self, out: BatchStrOut) -> None:
         now = time.perf_counter()
@@ -231,23 +333,31 @@ class TokenizerManager:
             st.output_ids.extend(ids)
             for key in st.logprobs:
                 st.logprobs[key].extend(meta.pop(key, []) or [])
+            if meta.pop("abort_upstream", False):  # the detokenizer ended it: stop it in the scheduler too
+                self.abort_request(rid)
             st.meta = meta
             if ids:
                 self.metrics.on_tokens(st, len(ids), now)
             st.finished = meta.get("finish_reason") is not None
             if st.finished:
                 self.metrics.on_finish(st, now)
-            st.queue.put_nowait(st)
+            if not st.queued:
+                st.queued = True
+                st.queue.put_nowait(st)
 
     async def _control(self, request, reply_type: type, timeout: float = 30.0):
         """Send a control request and await its reply (one at a time)."""
         self.start()
         self._control_lock = self._control_lock or asyncio.Lock()
         async with self._control_lock:
+            self._check_alive()
             fut = asyncio.get_running_loop().create_future()
             self.control[reply_type] = fut
-            await self.send.send(encode(request))
-            return await asyncio.wait_for(fut, timeout)
+            self.send.send(encode(request), zmq.NOBLOCK)
+            try:
+                return await asyncio.wait_for(fut, timeout)
+            finally:
+                self.control.pop(reply_type, None)
 
     async def flush_cache(self) -> bool:
         reply: FlushCacheReqOutput = await self._control(FlushCacheReq(), FlushCacheReqOutput)
@@ -259,3 +369,8 @@ class TokenizerManager:
 
     def num_running_requests(self) -> int:
         return len(self.states)
+
+    def close(self) -> None:
+        """Stop the tokenizer threads and close the sockets (the process is exiting)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.ctx.destroy(linger=0)

@@ -1,24 +1,37 @@
 """``SamplingParams``: what a user may ask of the sampler for one request.
 
 Field names and defaults follow SGLang so that requests written for SGLang
-work unchanged. Validation happens once, at the edge (``verify``); the engine
-then works on ``normalize``d params and never re-checks them.
+work unchanged. Types and ranges are declared once, here, and checked by
+pydantic when the params are built (strictly: a bool must be a bool, an int
+an int, a float finite); ``verify`` adds what needs the vocabulary. The
+engine then works on ``normalize``d params and never re-checks them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass
 from typing import Any
+
+from pydantic import ConfigDict, Field, ValidationError, field_validator
+from pydantic.dataclasses import dataclass
+
+from radixserve.validation import first_error
 
 # A temperature below this is treated as greedy decoding.
 GREEDY_EPS = 1e-6
 # top_k meaning "no limit" when the vocabulary size is not known yet.
 TOP_K_ALL = 1 << 30
+# Bounds that keep one request's work and every number the engine derives
+# from it finite (float32 logits, 64-bit seeds, 32-bit token counts).
+MAX_INT32 = (1 << 31) - 1
+MAX_N = 128  # samples per prompt
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 1024  # per stop string: the scheduler re-decodes this much output each step
+MAX_LOGIT_BIAS = 1e6  # |bias|: still finite in float32 once divided by a tiny temperature
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a 64-bit seed (and msgpack) holds
 
 
-@dataclass
+@dataclass(config=ConfigDict(strict=True, extra="forbid", allow_inf_nan=False))
 class SamplingParams:
     """Per-request sampling settings (SGLang's names and defaults).
 
@@ -28,33 +41,62 @@ class SamplingParams:
     which other requests share its batch.
     """
 
-    max_new_tokens: int = 128
+    max_new_tokens: int = Field(128, ge=0, le=MAX_INT32)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, le=MAX_INT32)
+    min_p: float = Field(0.0, ge=0, le=1)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)
+    min_new_tokens: int = Field(0, ge=0, le=MAX_INT32)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     logit_bias: dict[int | str, float] | None = None
-    sampling_seed: int | None = None
+    sampling_seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if not all(0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop strings must be non-empty and at most {MAX_STOP_CHARS} characters")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("must be -1 (all) or >= 1")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[int | str, float] | None) -> dict[int | str, float] | None:
+        for key, bias in (v or {}).items():
+            if not _is_token_key(key):
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if abs(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"biases must be within ±{MAX_LOGIT_BIAS:g}, got {bias} for token {key}")
+        return v
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
-        """Build from a plain dict, rejecting keys that are not fields."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"{unknown[0]}: unknown sampling parameter(s): {', '.join(unknown)}")
-        return cls(**d)
+        """Build from a plain dict; raises ``ValueError("<field>: ...")`` naming
+        the first bad or unknown field."""
+        if not isinstance(d, dict):
+            raise ValueError("sampling_params: must be an object")
+        try:
+            return cls(**d)
+        except ValidationError as exc:
+            raise first_error(exc, "invalid sampling parameter") from None
 
     @property
     def is_greedy(self) -> bool:
@@ -62,16 +104,17 @@ class SamplingParams:
         return self.temperature < GREEDY_EPS or self.top_k == 1
 
     def verify(self, vocab_size: int | None = None) -> None:
-        """Raise ``ValueError`` naming the first invalid field and its value.
-
-        Token ids (``logit_bias`` keys, ``stop_token_ids``) are range-checked
-        only when ``vocab_size`` is given.
-        """
-        self._verify_ranges()
-        self._verify_stops(vocab_size)
-        self._verify_logit_bias(vocab_size)
-        if self.sampling_seed is not None:
-            _require(_is_int(self.sampling_seed), "sampling_seed", self.sampling_seed, "an integer")
+        """Raise ``ValueError`` naming the first invalid field and its value:
+        the checks that span fields or need the vocabulary. Token ids
+        (``logit_bias`` keys, ``stop_token_ids``) are range-checked only when
+        ``vocab_size`` is given."""
+        limit = f"in [0, max_new_tokens={self.max_new_tokens}]"
+        _require(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens", self.min_new_tokens, limit)
+        ok = all(_is_token(tok, vocab_size) for tok in self.stop_token_ids or [])
+        _require(ok, "stop_token_ids", self.stop_token_ids, f"token ids {_token_range(vocab_size)}")
+        for key, bias in (self.logit_bias or {}).items():
+            ok = _is_token_key(key) and _is_token(_bias_key(key), vocab_size)
+            _require(ok, "logit_bias", {key: bias}, f"keyed by token ids {_token_range(vocab_size)}")
 
     def normalize(self, vocab_size: int | None = None) -> "SamplingParams":
         """Put the params in the canonical form the engine relies on; returns self.
@@ -101,6 +144,10 @@ class SamplingParams:
             self.top_k = limit
         return self
 
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (what crosses a process boundary)."""
+        return dataclasses.asdict(self)
+
     def stop_str_max_len(self, tokenizer: Any = None) -> int:
         """Length of the longest stop string: in tokens when a tokenizer is
         given (how far back a detokenizer must look), else in characters."""
@@ -109,75 +156,25 @@ class SamplingParams:
             return max((len(s) for s in stops), default=0)
         return max((len(tokenizer.encode(s, add_special_tokens=False)) for s in stops), default=0)
 
-    def _verify_ranges(self) -> None:
-        for name, ok, expectation in _NUMBER_RULES:
-            value = getattr(self, name)
-            _require(_is_num(value) and ok(value), name, value, expectation)
-        for name, ok, expectation in _INT_RULES:
-            value = getattr(self, name)
-            _require(_is_int(value) and ok(value), name, value, expectation)
-        low_enough = _is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens
-        limit = f"in [0, max_new_tokens={self.max_new_tokens}]"
-        _require(low_enough, "min_new_tokens", self.min_new_tokens, limit)
-
-    def _verify_stops(self, vocab_size: int | None) -> None:
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        if stops is not None:
-            ok = isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)
-            _require(ok, "stop", self.stop, "a non-empty string or a list of them")
-        ok = all(_is_token(tok, vocab_size) for tok in self.stop_token_ids or [])
-        _require(ok, "stop_token_ids", self.stop_token_ids, f"token ids {_token_range(vocab_size)}")
-
-    def _verify_logit_bias(self, vocab_size: int | None) -> None:
-        for key, bias in (self.logit_bias or {}).items():
-            entry = {key: bias}
-            in_vocab = _is_token(_bias_key(key), vocab_size)
-            _require(in_vocab, "logit_bias", entry, f"keyed by token ids {_token_range(vocab_size)}")
-            _require(_is_num(bias) and math.isfinite(bias), "logit_bias", entry, "finite biases")
-
-
-# (field, test of a valid value, what the error says it must be)
-_NUMBER_RULES = (
-    ("temperature", lambda v: v >= 0, ">= 0"),
-    ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
-    ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
-    ("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
-    ("repetition_penalty", lambda v: 0 < v < math.inf, "> 0 and finite"),
-)
-_INT_RULES = (
-    ("top_k", lambda v: v == -1 or v >= 1, "-1 (all) or >= 1"),
-    ("max_new_tokens", lambda v: v >= 0, ">= 0"),
-    ("n", lambda v: v >= 1, ">= 1"),
-)
-
 
 def _require(ok: bool, field: str, value: Any, expectation: str) -> None:
     if not ok:
         raise ValueError(f"{field}: invalid sampling parameter {field}={value!r}: must be {expectation}")
 
 
-def _is_num(x: Any) -> bool:
-    """A real number that is not a bool and not NaN."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _is_token(tok: Any, vocab_size: int | None) -> bool:
-    return _is_int(tok) and tok >= 0 and (vocab_size is None or tok < vocab_size)
+    return isinstance(tok, int) and not isinstance(tok, bool) and tok >= 0 and (vocab_size is None or tok < vocab_size)
 
 
 def _token_range(vocab_size: int | None) -> str:
     return "in [0, vocab_size)" if vocab_size is None else f"in [0, {vocab_size})"
 
 
+def _is_token_key(key: int | str) -> bool:
+    return (isinstance(key, int) and not isinstance(key, bool)) or (
+        isinstance(key, str) and key.strip().lstrip("-").isdigit() and len(key) < 20)
+
+
 def _bias_key(key: int | str) -> int:
     """A logit_bias key as a token id; OpenAI's JSON sends them as strings."""
-    if _is_int(key):
-        return key
-    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
-        return int(key)
-    raise ValueError(f"logit_bias: invalid sampling parameter logit_bias={{{key!r}: ...}}: must be keyed by token ids")
+    return key if isinstance(key, int) else int(key)

@@ -14,12 +14,11 @@ built here ask for ``return_text_in_logprobs``.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from typing import Any, Iterable
 
 from jinja2 import TemplateError
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from radixserve.entrypoints.openai.protocol import (
     ChatCompletionChoice,
@@ -42,6 +41,7 @@ from radixserve.entrypoints.openai.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from radixserve.validation import FIELD_PREFIX, error_path
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -65,7 +65,7 @@ _SAMPLING_NAMES = {
 }
 # Roles chat templates know; OpenAI's "developer" is a system message to them.
 _TEMPLATE_ROLES = {"developer": "system"}
-_FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
+_MAX_ERRORS = 3  # errors quoted in one message (a bad list can have thousands)
 
 
 # -- requests ------------------------------------------------------------------------------
@@ -103,7 +103,7 @@ def chat_to_generate(req: ChatCompletionRequest, tokenizer: Any) -> dict:
     """
     prompt = render_chat(req, tokenizer)
     kwargs = {
-        "input_ids": tokenizer.encode(prompt, add_special_tokens=False),
+        "input_ids": encode_chat_prompt(tokenizer, prompt, [m.text() for m in req.messages]),
         "sampling_params": sampling_params(req, req.max_new_tokens),
         "stream": req.stream,
     }
@@ -121,6 +121,37 @@ def render_chat(req: ChatCompletionRequest, tokenizer: Any) -> str:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except TemplateError as e:
         raise ValueError(f"messages: the chat template rejected them: {e}") from e
+
+
+def encode_chat_prompt(tokenizer: Any, prompt: str, contents: list[str | None]) -> list[int]:
+    """Token ids of a rendered chat prompt in which only the template's own
+    special tokens are special: text in a message that spells a special token
+    (``<|im_start|>system``) stays text, so a user cannot forge role markers.
+
+    Raises ``ValueError("messages[i].content: ...")`` when such a message
+    cannot be found in the prompt (the template rewrote it), rather than
+    guess where it lies."""
+    special = _special_texts(tokenizer)
+    risky = [i for i, text in enumerate(contents) if text and any(tok in text for tok in special)]
+    if not risky:
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    ids, pos = [], 0
+    for i in risky:
+        text = contents[i].strip()
+        start = prompt.find(text, pos)
+        if start < 0:
+            raise ValueError(f"messages[{i}].content: it contains special-token text, and the chat template "
+                             "changed it in a way that cannot be tokenized as plain text")
+        ids += tokenizer.encode(prompt[pos:start], add_special_tokens=False)
+        ids += tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        pos = start + len(text)
+    return ids + tokenizer.encode(prompt[pos:], add_special_tokens=False)
+
+
+def _special_texts(tokenizer: Any) -> list[str]:
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    texts = [tok.content for tok in added.values() if getattr(tok, "special", False)]
+    return texts or list(getattr(tokenizer, "all_special_tokens", []))
 
 
 def _template_message(msg: Any) -> dict:
@@ -388,32 +419,29 @@ def openai_error(message: str, type: str = "invalid_request_error", param: str |
 def validation_error_to_openai(errors: list[dict]) -> dict:
     """A 400 body from pydantic's ``errors()`` (of a ``ValidationError`` or
     FastAPI's ``RequestValidationError``). ``param`` is the first error's
-    field, e.g. ``messages[0].content``; the message lists every error."""
-    parts = [_describe(err) for err in errors]
+    field, e.g. ``messages[0].content``; the message lists the first few errors."""
+    parts = [_describe(err) for err in errors[:_MAX_ERRORS]]
     params = [p for p, _ in parts if p]
-    return openai_error("; ".join(msg for _, msg in parts), param=params[0] if params else None)
+    more = f" (and {len(errors) - _MAX_ERRORS} more errors)" if len(errors) > _MAX_ERRORS else ""
+    return openai_error("; ".join(msg for _, msg in parts) + more, param=params[0] if params else None)
 
 
 def value_error_to_openai(exc: ValueError) -> dict:
     """A 400 body from a ``ValueError("<field>: <message>")`` raised by the
-    engine or a model validator; ``param`` is the field."""
+    engine or a model validator (or a pydantic ``ValidationError``); ``param``
+    is the field."""
+    if isinstance(exc, ValidationError):
+        return validation_error_to_openai(exc.errors(include_url=False))
     message = str(exc)
-    match = _FIELD_PREFIX.match(message)
+    match = FIELD_PREFIX.match(message)
     return openai_error(message, param=match.group(1) if match else None)
 
 
 def _describe(err: dict) -> tuple[str | None, str]:
     loc = [part for part in err.get("loc", ()) if part != "body"]
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")
-    param = _param_path(loc)
+    param = error_path(loc) or None
     if param is None:
-        match = _FIELD_PREFIX.match(msg)
+        match = FIELD_PREFIX.match(msg)
         return (match.group(1) if match else None), msg
     return param, f"{param}: {msg}"
-
-
-def _param_path(loc: list) -> str | None:
-    path = ""
-    for part in loc:
-        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
-    return path or None

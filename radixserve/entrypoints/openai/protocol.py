@@ -17,8 +17,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-MAX_N = 128  # most samples per prompt
-MAX_TOP_LOGPROBS = 20  # most alternatives per position (OpenAI's limit for chat)
+from radixserve.managers.io_struct import MAX_TOP_LOGPROBS
+from radixserve.sampling.sampling_params import MAX_N
+
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's bound on one bias
 
 # Known fields we do not support yet -> values that ask for nothing and so are accepted.
@@ -48,14 +49,15 @@ def _reject_unsupported(value: Any, info: ValidationInfo) -> Any:
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a final chunk with the usage."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
 class _GenerationRequest(BaseModel):
     """Sampling fields shared by completions and chat; ``None`` means the engine's default."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # strict: a bool must be a bool and an int an int ("false" never streams); ints are floats
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     model: str | None = None
     temperature: float | None = Field(None, ge=0, le=2)
@@ -163,6 +165,8 @@ class CompletionRequest(_GenerationRequest):
 class TextContentPart(BaseModel):
     """One ``{"type": "text", "text": ...}`` part of a message's content."""
 
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
@@ -171,7 +175,7 @@ class ChatMessageParam(BaseModel):
     """One message of a chat request. ``developer`` is OpenAI's newer name for
     ``system``; content may be omitted only by an assistant (tool calls)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = Field(None, validate_default=True)

@@ -80,7 +80,7 @@ def add_openai_routes(app: FastAPI, tm: TokenizerManager) -> None:
     async def chat(req: ChatCompletionRequest, request: Request):
         if (err := _model_error(tm, req.model)) is not None:
             return err
-        obj = GenerateReqInput(**A.chat_to_generate(req, tm.tokenizer))
+        obj = GenerateReqInput(**await tm.run_blocking(A.chat_to_generate, req, tm.tokenizer))
         gen = tm.generate_request(obj, request)
         created, rid = int(time.time()), A.new_request_id("chatcmpl")
         if not req.stream:

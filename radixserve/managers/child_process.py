@@ -1,0 +1,59 @@
+"""What every child process of the server (scheduler, detokenizer) does to
+die with its parent: the kernel signals it when the parent dies (Linux), its
+loop also checks the parent between steps, its sockets never linger, and the
+last one out removes the IPC directory a killed parent could not."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import sys
+
+import zmq
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+PARENT_DEATH_SIGNAL = signal.SIGUSR2
+
+
+class ParentWatch:
+    """Install in a child at start-up; ``alive()`` is cheap enough to call every step.
+
+    The kernel sends ``PARENT_DEATH_SIGNAL`` when the thread that started the
+    child exits: for a Python parent, its main thread, so the whole process
+    is going. A signal of its own (not SIGTERM, which the parent sends to
+    stop a child it will clean up after) says so without asking
+    ``getppid()``, which still names the dying process while its other
+    threads exit."""
+
+    def __init__(self, ipc_dir: str | None = None):
+        self.parent = os.getppid()
+        self.ipc_dir = ipc_dir
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+        signal.signal(PARENT_DEATH_SIGNAL, lambda *_: self.exit_orphaned())
+        if sys.platform.startswith("linux"):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL, 0, 0, 0)
+        if not self.alive():  # the parent died before the kernel was told to warn us
+            self.exit_orphaned()
+
+    def alive(self) -> bool:
+        return os.getppid() == self.parent
+
+    def exit_orphaned(self) -> None:
+        """The parent is gone: clean up what it would have, and leave now."""
+        logger.error("the server process is gone; exiting")
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        os._exit(1)
+
+
+def zmq_context() -> zmq.Context:
+    """A context whose sockets drop unsent messages on close, so that exiting never blocks."""
+    ctx = zmq.Context(2)
+    ctx.setsockopt(zmq.LINGER, 0)
+    return ctx

@@ -1,0 +1,239 @@
+"""Dead and stuck processes, and the operator's limits, against real servers
+(tiny-llama on the CPU, in subprocesses): a killed child ends every request
+with an error and the server with it; a killed server leaves no process and
+no IPC directory behind; idle sockets, queues and slow requests are cut off;
+garbage on the IPC sockets is dropped; /metrics never waits for the scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import msgpack
+import pytest
+import zmq
+
+from server_harness import ServerProcess, alive
+
+TINY = ("--model-path", "tiny-llama", "--max-total-tokens", "4096")
+# The default model (SmolLM2) decodes slowly enough on a CPU that requests are surely in flight when it is killed.
+REAL = ("--max-total-tokens", "16384")
+LONG = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+
+
+def ipc_dirs(tmp: Path) -> list[Path]:
+    return sorted(tmp.glob("radixserve-ipc-*"))
+
+
+async def _long_request(ac: httpx.AsyncClient, stream: bool, started: asyncio.Event) -> tuple[int, dict | None, float]:
+    """(status, the error body or event if any, seconds after the kill it ended)."""
+    body = {**LONG, "stream": stream}
+    if not stream:  # its response starts only when it ends
+        started.set()
+    async with ac.stream("POST", "/generate", json=body) as r:
+        if not stream:
+            data = json.loads(await r.aread())
+            return r.status_code, data.get("error") if isinstance(data, dict) else None, time.monotonic()
+        error = None
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                started.set()
+                event = json.loads(line[len("data: "):])
+                error = event.get("error", error)
+        return r.status_code, error, time.monotonic()
+
+
+def _in_flight_then(srv: ServerProcess, action) -> list[tuple[int, dict | None, float]]:
+    """Start 3 streaming and 3 plain long requests, run ``action`` once they
+    run, return how each ended (times relative to the action)."""
+
+    async def run():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as ac:
+            started = [asyncio.Event() for _ in range(6)]
+            tasks = [asyncio.create_task(_long_request(ac, i % 2 == 0, started[i])) for i in range(6)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
+            await asyncio.sleep(0.3)
+            t0 = time.monotonic()
+            action()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            return [r if isinstance(r, BaseException) else (r[0], r[1], r[2] - t0) for r in results]
+
+    return asyncio.run(run())
+
+
+def _assert_answered(results: list, within: float, expected) -> None:
+    """Every client got an answer that ``expected(error)`` accepts, within ``within`` seconds."""
+    for res in results:
+        assert not isinstance(res, BaseException), f"a client got no answer: {res!r}"
+        status, error, after = res
+        assert expected(error), res
+        assert after < within, f"the answer came {after:.1f}s after the event"
+
+
+def _wait_exit(proc: subprocess.Popen, seconds: float) -> int | None:
+    try:
+        return proc.wait(seconds)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["scheduler", "detokenizer"])
+def test_a_killed_child_ends_every_request_and_the_server(tmp_path, victim):
+    srv = ServerProcess(*REAL, env={"TMPDIR": str(tmp_path)})
+    try:
+        kids = srv.children()
+        assert len(ipc_dirs(tmp_path)) == 1
+        results = _in_flight_then(srv, lambda: os.kill(kids[victim], signal.SIGKILL))
+        _assert_answered(results, 10, lambda error: error is not None and error["code"] == 503 and victim in error["message"])
+        assert {r[0] for r in results} == {200, 503}, "streams fail with an error event, the others with a 503"
+        code = _wait_exit(srv.proc, 30)
+        assert code is not None and code != 0, "the server exits non-zero within 30 s"
+        time.sleep(0.5)
+        assert [role for role, pid in kids.items() if alive(pid)] == [], "no child outlives the server"
+        assert ipc_dirs(tmp_path) == [], "the IPC directory is removed"
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_a_killed_server_leaves_no_process_behind(tmp_path):
+    srv = ServerProcess(*REAL, env={"TMPDIR": str(tmp_path)})
+    kids = srv.children()
+    try:
+        _in_flight_then(srv, lambda: os.kill(srv.proc.pid, signal.SIGKILL))
+        deadline = time.monotonic() + 15
+        while any(alive(p) for p in kids.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [role for role, pid in kids.items() if alive(pid)] == [], "children exit with the server"
+        assert ipc_dirs(tmp_path) == [], "the last child out removes the IPC directory"
+    finally:
+        for pid in kids.values():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_sigterm_with_requests_in_flight_ends_them_and_exits_0(tmp_path):
+    srv = ServerProcess(*REAL, env={"TMPDIR": str(tmp_path)})
+    kids = srv.children()
+    try:
+        results = _in_flight_then(srv, lambda: srv.proc.send_signal(signal.SIGTERM))
+        # finished in the grace period, or ended with a 503
+        _assert_answered(results, 15, lambda error: error is None or error["code"] == 503)
+        assert _wait_exit(srv.proc, 30) == 0
+        assert not any(alive(p) for p in kids.values()) and ipc_dirs(tmp_path) == []
+    finally:
+        srv.stop()
+
+
+# -- limits and stuck processes, on one server ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ipc")
+    srv = ServerProcess(*TINY, "--max-running-requests", "2", "--max-queued-requests", "2",
+                        "--request-timeout", "0.5", "--http-header-timeout", "1", "--max-connections", "16",
+                        env={"TMPDIR": str(tmp), "RADIXSERVE_HEALTH_CHECK_TIMEOUT": "1"})
+    srv.tmp = tmp
+    yield srv
+    assert srv.stop() == 0
+
+
+def _whole(srv: ServerProcess) -> None:
+    """No request state is left and the KV pool is whole."""
+    state = srv.wait_idle()
+    assert state["memory_check"] == "ok" and state["running"] == 0 and state["waiting"] == 0
+    assert httpx.post(srv.url + "/flush_cache").status_code == 200
+
+
+def test_idle_and_half_sent_connections_are_closed(limited):
+    socks = [socket.create_connection(("127.0.0.1", limited.port)) for _ in range(20)]
+    socks[0].sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+    try:
+        time.sleep(0.3)
+        r = httpx.get(limited.url + "/health")
+        assert r.status_code == 503, "past --max-connections, requests are refused"
+        time.sleep(1.5)
+        for s in socks:
+            s.settimeout(2)
+            assert s.recv(1) == b"", "the server closed a connection that sent no request in time"
+        assert httpx.get(limited.url + "/health").status_code == 200
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_a_full_queue_answers_429_and_too_large_a_request_400(limited):
+    short = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=limited.url, timeout=30) as ac:
+            return await asyncio.gather(*(ac.post("/generate", json=short) for _ in range(12)))
+
+    replies = asyncio.run(run())
+    codes = sorted(r.status_code for r in replies)
+    assert 200 in codes and 429 in codes and set(codes) <= {200, 429}, codes
+    busy = next(r for r in replies if r.status_code == 429)
+    assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "rate_limit_error"
+    r = httpx.post(limited.url + "/generate", json={**short, "sampling_params": {"max_new_tokens": 4, "n": 5}})
+    assert r.status_code == 400 and "at most 4" in r.json()["error"]["message"]
+    _whole(limited)
+
+
+def test_a_slow_request_times_out_with_504(limited):
+    r = httpx.post(limited.url + "/generate", json=LONG, timeout=30)
+    assert r.status_code == 504 and "--request-timeout" in r.json()["error"]["message"]
+    r = httpx.post(limited.url + "/generate", json={**LONG, "stream": True}, timeout=30)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert r.status_code == 200 and events[-1]["error"]["code"] == 504
+    _whole(limited)
+
+
+def test_garbage_on_the_ipc_sockets_is_dropped(limited):
+    (ipc,) = ipc_dirs(limited.tmp)
+    ctx = zmq.Context()
+    try:
+        sockets = {}
+        for name in ("scheduler", "detokenizer", "tokenizer"):
+            sockets[name] = ctx.socket(zmq.PUSH)
+            sockets[name].setsockopt(zmq.LINGER, 2000)
+            sockets[name].connect(f"ipc://{ipc}/{name}")
+        junk = [b"\x00junk", msgpack.packb(5), msgpack.packb(["NoSuchMessage", {}]),
+                msgpack.packb(["TokenizedGenerateReqInput", {"rid": 5, "input_ids": "x"}]),
+                msgpack.packb(["TokenizedGenerateReqInput", {"rid": "r1", "input_ids": [10 ** 9], "sampling_params": {}}]),
+                msgpack.packb(["TokenizedGenerateReqInput", {"rid": "r2", "input_ids": [1], "sampling_params": {"n": "x"}}]),
+                msgpack.packb(["BatchTokenIDOut", {"rids": ["r3"], "new_ids": [[1]], "meta": "x"}])]
+        for sock in sockets.values():
+            for data in junk:
+                sock.send(data)
+        time.sleep(1)
+    finally:
+        ctx.destroy(linger=2000)
+    r = httpx.post(limited.url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}})
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 4
+    assert all(alive(pid) for pid in limited.children().values())
+    _whole(limited)
+
+
+def test_metrics_do_not_wait_for_a_stopped_scheduler_and_health_generate_times_out(limited):
+    scheduler = limited.children()["scheduler"]
+    os.kill(scheduler, signal.SIGSTOP)
+    try:
+        r = httpx.get(limited.url + "/metrics", timeout=5)
+        assert r.status_code == 200 and "radixserve:num_running_reqs" in r.text
+        r = httpx.get(limited.url + "/health_generate", timeout=10)
+        assert r.status_code == 503 and "no token generated" in r.json()["error"]["message"]
+    finally:
+        os.kill(scheduler, signal.SIGCONT)
+    assert httpx.get(limited.url + "/health_generate", timeout=10).status_code == 200
+    _whole(limited)
