@@ -23,8 +23,9 @@ import zmq
 from server_harness import ServerProcess, alive
 
 TINY = ("--model-path", "tiny-llama", "--max-total-tokens", "4096")
-# The default model (SmolLM2) decodes slowly enough on a CPU that requests are surely in flight when it is killed.
-REAL = ("--max-total-tokens", "16384")
+# The default model (SmolLM2) decodes slowly enough on a CPU that requests are surely in flight when it
+# is killed; on a GPU, RADIXSERVE_FAULT_SERVER_ARGS names a larger one ("--model-path qwen3-0.6b ...").
+REAL = tuple(os.environ.get("RADIXSERVE_FAULT_SERVER_ARGS", "--max-total-tokens 16384").split())
 LONG = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
 
 
@@ -138,14 +139,28 @@ def test_sigterm_with_requests_in_flight_ends_them_and_exits_0(tmp_path):
 # -- limits and stuck processes, on one server ---------------------------------------------
 
 
+def _warm(srv: ServerProcess) -> ServerProcess:
+    """One request first: a GPU compiles its kernels on the first forward."""
+    r = httpx.post(srv.url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 8}}, timeout=120)
+    assert r.status_code in (200, 504), r.text
+    return srv
+
+
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ipc")
     srv = ServerProcess(*TINY, "--max-running-requests", "2", "--max-queued-requests", "2",
-                        "--request-timeout", "0.5", "--http-header-timeout", "1", "--max-connections", "16",
+                        "--http-header-timeout", "1", "--max-connections", "16",
                         env={"TMPDIR": str(tmp), "RADIXSERVE_HEALTH_CHECK_TIMEOUT": "1"})
     srv.tmp = tmp
-    yield srv
+    yield _warm(srv)
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def timed():
+    srv = ServerProcess(*TINY, "--request-timeout", "0.5")
+    yield _warm(srv)
     assert srv.stop() == 0
 
 
@@ -174,7 +189,7 @@ def test_idle_and_half_sent_connections_are_closed(limited):
 
 
 def test_a_full_queue_answers_429_and_too_large_a_request_400(limited):
-    short = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
+    short = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
 
     async def run():
         async with httpx.AsyncClient(base_url=limited.url, timeout=30) as ac:
@@ -190,13 +205,13 @@ def test_a_full_queue_answers_429_and_too_large_a_request_400(limited):
     _whole(limited)
 
 
-def test_a_slow_request_times_out_with_504(limited):
-    r = httpx.post(limited.url + "/generate", json=LONG, timeout=30)
+def test_a_slow_request_times_out_with_504(timed):
+    r = httpx.post(timed.url + "/generate", json=LONG, timeout=30)
     assert r.status_code == 504 and "--request-timeout" in r.json()["error"]["message"]
-    r = httpx.post(limited.url + "/generate", json={**LONG, "stream": True}, timeout=30)
+    r = httpx.post(timed.url + "/generate", json={**LONG, "stream": True}, timeout=30)
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     assert r.status_code == 200 and events[-1]["error"]["code"] == 504
-    _whole(limited)
+    _whole(timed)
 
 
 def test_garbage_on_the_ipc_sockets_is_dropped(limited):
