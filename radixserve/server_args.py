@@ -96,6 +96,12 @@ class ServerArgs:
             return "SmolLM2-135M-Instruct"
         return os.path.basename(os.path.normpath(self.model_path)) or self.model_path
 
+    def model_names(self, model_path: str) -> set[str]:
+        """Every name a client may give for the model: the served name, the
+        path given on the command line, and ``model_path`` (the resolved one
+        that /get_model_info reports and SGLang's router lists)."""
+        return {self.model_name(), model_path, *([self.model_path] if self.model_path else [])}
+
     def resolved_chunked_prefill_size(self) -> int:
         """A CPU prefills ~10^3 tokens/s: smaller chunks keep decodes (and TTFT) moving."""
         if self.chunked_prefill_size is not None:

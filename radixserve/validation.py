@@ -4,10 +4,11 @@ a 400 whose ``param`` is the field path."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import ValidationError, ValidationInfo, field_validator
 
 # Tags pydantic puts in an error's location for union members.
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "tuple", "set", "none", "None", "bytes"}
@@ -51,6 +52,38 @@ def shown(value: Any) -> str:
 
 
 def first_error(exc: ValidationError, what: str = "invalid value", prefix: str = "") -> ValueError:
-    """The first error of ``exc`` as a ``ValueError`` naming its field."""
+    """The first error of ``exc`` as a ``ValueError`` naming its field. Of a
+    union's errors for one field, the one that reached deepest into the value
+    says most (``top_logprobs_num[0]`` is over 20, not "not an integer")."""
     errors = exc.errors(include_url=False)
-    return ValueError(describe_error(errors[0], what, prefix) if errors else f"{prefix or 'body'}: invalid")
+    if not errors:
+        return ValueError(f"{prefix or 'body'}: invalid")
+    field = errors[0]["loc"][:1]
+    same_field = [e for e in errors if e["loc"][:1] == field]
+    return ValueError(describe_error(max(same_field, key=lambda e: len(e["loc"])), what, prefix))
+
+
+def require_no_op(field: str, value: Any, no_ops: tuple) -> Any:
+    """``value`` if it asks for nothing (one of ``no_ops``, or a list of such
+    values); else ``ValueError`` saying the field is not supported."""
+    if _is_no_op(value, no_ops):
+        return value
+    accepted = " or ".join(json.dumps(v) for v in no_ops)
+    raise ValueError(f"'{field}' is not supported by this server (only {accepted} is accepted)")
+
+
+def _is_no_op(value: Any, no_ops: tuple) -> bool:
+    if any(value == ok and type(value) is type(ok) for ok in no_ops):
+        return True
+    return isinstance(value, list) and bool(value) and all(_is_no_op(v, no_ops) for v in value)
+
+
+def no_op_validator(table: dict[str, tuple], fields: tuple[str, ...] | None = None):
+    """A pydantic field validator that holds each field of ``table`` (or
+    ``fields`` of it) to its no-op values (``require_no_op``); assign it in a
+    model or pydantic dataclass body."""
+
+    def check(value: Any, info: ValidationInfo) -> Any:
+        return require_no_op(info.field_name, value, table[info.field_name])
+
+    return field_validator(*(fields or tuple(table)))(check)

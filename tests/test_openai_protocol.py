@@ -133,9 +133,14 @@ def test_unknown_fields_ignored_and_neutral_unsupported_values_accepted():
             "response_format": {"type": "text"},
             "modalities": ["text"],
             "temperature": None,
+            "some_vendor_field": 1,
+            "lora_path": None,
+            "return_hidden_states": False,
+            "separate_reasoning": True,
         }
     )
-    assert req.user == "u1" and not hasattr(req, "store") and req.temperature is None
+    assert req.user == "u1" and req.store is False and req.temperature is None
+    assert not hasattr(req, "some_vendor_field")
 
 
 def test_prompt_shapes_accepted():

@@ -186,3 +186,50 @@ def test_metrics_change_as_requests_are_served(client):
     assert value(after, "radixserve:generation_tokens_total") >= value(before, "radixserve:generation_tokens_total") + 4
     assert value(after, "radixserve:prompt_tokens_total") > value(before, "radixserve:prompt_tokens_total")
     assert "radixserve:time_to_first_token_seconds_bucket" in after and "radixserve:cache_hit_rate" in after
+
+
+# SGLang's own clients send every field they know, most at a default or null.
+SGLANG_BENCH_SERVING = {  # bench_serving --backend sglang
+    "text": PROMPT, "sampling_params": {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True},
+    "stream": True, "lora_path": None, "return_logprob": False, "return_routed_experts": False, "logprob_start_len": -1,
+}
+SGLANG_FRONTEND = {  # sgl.gen through RuntimeEndpoint
+    "text": PROMPT, "sampling_params": {
+        "skip_special_tokens": True, "spaces_between_special_tokens": True, "max_new_tokens": 8, "min_new_tokens": 0,
+        "n": 1, "stop": [], "stop_token_ids": [], "stop_regex": None, "temperature": 0, "top_p": 1.0, "top_k": -1,
+        "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "ignore_eos": False, "regex": None,
+        "json_schema": None}}
+
+
+@pytest.mark.parametrize("body", [SGLANG_BENCH_SERVING, SGLANG_FRONTEND,
+                                  {**SGLANG_FRONTEND, "background": False, "routed_dp_rank": None, "priority": 3,
+                                   "session_id": "s1", "routing_key": "k", "image_data": None, "log_metrics": False}])
+def test_sglang_clients_bodies_are_accepted(client, body):
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    out = sse_events(r.text)[-1] if body.get("stream") else r.json()
+    assert out["text"].startswith("The capital of France is")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"text": "hi", "lora_path": "my-adapter"}, "lora_path"),
+    ({"text": "hi", "image_data": "http://example.com/cat.png"}, "image_data"),
+    ({"text": "hi", "return_hidden_states": True}, "return_hidden_states"),
+    ({"text": "hi", "routed_dp_rank": 1}, "routed_dp_rank"),
+    ({"text": "hi", "sampling_params": {"regex": "[0-9]+"}}, "sampling_params.regex"),
+    ({"text": "hi", "sampling_params": {"json_schema": "{}"}}, "sampling_params.json_schema"),
+])
+def test_unsupported_fields_with_real_values_are_refused_by_name(client, body, param):
+    r = client.post("/generate", json=body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param and "not supported" in err["message"]
+
+
+def test_per_prompt_logprob_settings_and_stream_interval(client):
+    outs = client.post("/generate", json={"text": [PROMPT, "Hello"], "return_logprob": [True, False],
+                                          "top_logprobs_num": [2, 0], "sampling_params": GREEDY}).json()
+    assert len(outs[0]["meta_info"]["output_top_logprobs"][0]) == 2
+    assert "output_token_logprobs" not in outs[1]["meta_info"]
+    body = {"text": PROMPT, "stream": True, "sampling_params": {**GREEDY, "ignore_eos": True, "stream_interval": 4}}
+    events = sse_events(client.post("/generate", json=body).text)
+    assert [len(e["output_ids"]) for e in events] == [4, 8, 12, 16]

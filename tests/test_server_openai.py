@@ -4,6 +4,7 @@ stop, logprobs, usage with cached tokens, and the error cases."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -113,3 +114,19 @@ def test_completion_errors(client):
         openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0).models.list()
     # the server keeps serving
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_the_model_path_is_a_model_name_too(server, client):
+    path = httpx.get(server.url + "/get_model_info", headers={"Authorization": f"Bearer {KEY}"}).json()["model_path"]
+    out = client.chat.completions.create(model=path, messages=QUESTION, temperature=0, max_tokens=8)
+    assert out.choices[0].message.content.startswith("The capital of France is")
+
+
+def test_continue_final_message_and_sglang_extensions(client):
+    messages = QUESTION + [{"role": "assistant", "content": "The capital of France"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=6, extra_body={
+        "continue_final_message": True, "rid": "chat-rid-1", "separate_reasoning": True, "lora_path": None,
+        "chat_template_kwargs": {"enable_thinking": False}})
+    assert out.choices[0].message.content.startswith(" is Paris")
+    with pytest.raises(openai.BadRequestError, match="lora_path"):
+        client.chat.completions.create(model=MODEL, messages=QUESTION, extra_body={"lora_path": "adapter"})

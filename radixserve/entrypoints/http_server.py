@@ -132,7 +132,7 @@ def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate():
-        obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "ignore_eos": True})
+        obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "ignore_eos": True}, log_metrics=False)
         gen = tm.generate_request(obj)
 
         async def run():

@@ -98,7 +98,8 @@ def start_engine_processes(args: ServerArgs) -> EngineProcesses:
         raise
     info.update(model_path=model_config.model_path, tokenizer_path=model_config.tokenizer_dir,
                 weights_dir=model_config.weights_dir, dtype=str(model_config.dtype).replace("torch.", ""))
-    tm = TokenizerManager(tokenizer, info, args.model_name(), addr["scheduler"], addr["tokenizer"], request_limits(args, info))
+    tm = TokenizerManager(tokenizer, info, args.model_name(), addr["scheduler"], addr["tokenizer"],
+                          request_limits(args, info), args.model_names(model_config.model_path))
     return EngineProcesses(tm, procs, ipc_dir, info)
 
 

@@ -10,40 +10,141 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgpack
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationInfo, field_validator, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from radixserve.sampling.sampling_params import MAX_INT32
-from radixserve.validation import shown
+from radixserve.validation import no_op_validator, shown
 
 # -- front door (in-process only: never sent) ----------------------------------
 MAX_TOP_LOGPROBS = 20  # alternatives per position (OpenAI's limit for chat)
 MAX_RID_CHARS = 512
 
+_StartLen = Annotated[int, Field(ge=-1, le=MAX_INT32)]
+_TopNum = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+
+# SGLang's GenerateReqInput fields (v0.5) that this engine does not implement,
+# with the values that ask for nothing: those are accepted and ignored, any
+# other value is refused by name. A list of such values counts as one (a
+# batch's per-prompt `lora_path: [null, null]`). (docs/api.md)
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "input_embeds": (None,), "image_data": (None, []), "video_data": (None, []), "audio_data": (None, []),
+    "mm_hashes": (None,), "mm_content_hashes": (None,), "use_audio_in_video": (False,), "video_config": (None,),
+    "watermark": (None,), "token_ids_logprob": (None, []), "return_sampling_mask": (None, False),
+    "sampling_logprobs_mode": (None,), "return_flat_raw_top_logprobs": (False,),
+    "return_flat_raw_output_top_logprobs": (False,), "return_flat_raw_top_logprobs_b64": (False,),
+    "return_hidden_states": (False,), "return_routed_experts": (False,), "routed_experts_start_len": (0,),
+    "return_indexer_topk": (False,), "modalities": (None, []), "session_params": (None,), "lora_path": (None,),
+    "lora_id": (None,), "custom_logit_processor": (None,), "positional_embed_overrides": (None,),
+    "bootstrap_host": (None,), "bootstrap_port": (None,), "bootstrap_room": (None,), "bootstrap_pair_key": (None,),
+    "decode_tp_size": (None,), "routed_dp_rank": (None, 0), "data_parallel_rank": (None, 0),
+    "disagg_prefill_dp_rank": (None,), "http_worker_ipc": (None,), "background": (False,),
+    "require_reasoning": (False,), "max_thinking_tokens": (None,), "extra_key": (None, ""), "return_bytes": (False,),
+    "return_entropy": (False,), "return_prompt_token_ids": (False,), "need_wait_for_mm_inputs": (None, False),
+    "num_items_assigned": (None,), "encoder_urls": (None, []), "max_dynamic_patch": (None,),
+    "min_dynamic_patch": (None,), "image_max_dynamic_patch": (None,), "video_max_dynamic_patch": (None,),
+    "images_config": (None,), "mm_processor_kwargs": (None,), "multi_item_delimiter_indices": (None,),
+    "token_indices_to_pool": (None,), "cache_salt": (None, ""),
+}
+
 
 @pydantic_dataclass(config=ConfigDict(strict=True, extra="forbid", allow_inf_nan=False))
 class GenerateReqInput:
-    """A /generate request as SGLang names it: one prompt or a batch.
+    """A /generate request as SGLang names it (v0.5): one prompt or a batch.
 
     Built from the request body, it checks every field's type and range and
     that the fields agree (one of ``text`` / ``input_ids``; per-prompt lists
     as long as the batch), raising ``pydantic.ValidationError`` naming the
     field. What needs the model (token ids within the vocabulary, prompt
     lengths, the sampling params themselves) is checked by the
-    TokenizerManager."""
+    TokenizerManager.
+
+    ``return_logprob``, ``logprob_start_len`` and ``top_logprobs_num`` take
+    one value or one per prompt; null means the default. Hints that cannot
+    change the output (``session_id``, ``routing_key``, ``priority``, ...) are
+    accepted and ignored, as SGLang ignores ``priority`` without priority
+    scheduling; the fields of ``UNSUPPORTED_FIELDS`` only at their no-op value.
+    """
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict | list[dict] | None = None
     rid: str | list[str] | None = None
-    return_logprob: bool = False
-    logprob_start_len: int = Field(-1, ge=-1, le=MAX_INT32)
-    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: _StartLen | list[_StartLen] | None = None
+    top_logprobs_num: _TopNum | list[_TopNum] | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False
+    log_metrics: bool = True
+    # hints for routers, tracing and bookkeeping: they never change the output
+    session_id: str | None = None
+    routing_key: str | None = None
+    conversation_id: str | None = None
+    priority: int | None = None
+    no_logs: bool = False  # this engine never logs prompts or outputs
+    custom_labels: dict[str, str] | None = None
+    external_trace_header: dict | None = None
+    received_time: float | None = None
+    kv_hints: dict | list | None = None
+    # not implemented (see UNSUPPORTED_FIELDS)
+    input_embeds: Any = None
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    mm_hashes: Any = None
+    mm_content_hashes: Any = None
+    use_audio_in_video: Any = False
+    video_config: Any = None
+    watermark: Any = None
+    token_ids_logprob: Any = None
+    return_sampling_mask: Any = None
+    sampling_logprobs_mode: Any = None
+    return_flat_raw_top_logprobs: Any = False
+    return_flat_raw_output_top_logprobs: Any = False
+    return_flat_raw_top_logprobs_b64: Any = False
+    return_hidden_states: Any = False
+    return_routed_experts: Any = False
+    routed_experts_start_len: Any = 0
+    return_indexer_topk: Any = False
+    modalities: Any = None
+    session_params: Any = None
+    lora_path: Any = None
+    lora_id: Any = None
+    custom_logit_processor: Any = None
+    positional_embed_overrides: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    bootstrap_pair_key: Any = None
+    decode_tp_size: Any = None
+    routed_dp_rank: Any = None
+    data_parallel_rank: Any = None
+    disagg_prefill_dp_rank: Any = None
+    http_worker_ipc: Any = None
+    background: Any = False
+    require_reasoning: Any = False
+    max_thinking_tokens: Any = None
+    extra_key: Any = None
+    return_bytes: Any = False
+    return_entropy: Any = False
+    return_prompt_token_ids: Any = False
+    need_wait_for_mm_inputs: Any = None
+    num_items_assigned: Any = None
+    encoder_urls: Any = None
+    max_dynamic_patch: Any = None
+    min_dynamic_patch: Any = None
+    image_max_dynamic_patch: Any = None
+    video_max_dynamic_patch: Any = None
+    images_config: Any = None
+    mm_processor_kwargs: Any = None
+    multi_item_delimiter_indices: Any = None
+    token_indices_to_pool: Any = None
+    cache_salt: Any = None
+
+    _only_no_op = no_op_validator(UNSUPPORTED_FIELDS)
 
     # Shapes are checked by hand, in one pass with one message, before pydantic
     # would report each bad element of a million-token list on its own.
@@ -79,7 +180,7 @@ class GenerateReqInput:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("text: give exactly one of text and input_ids")
         n = self.batch_size
-        for name in ("sampling_params", "rid"):
+        for name in ("sampling_params", "rid", *_PER_PROMPT):
             value = getattr(self, name)
             if isinstance(value, list) and len(value) != n:
                 raise ValueError(f"{name}: {len(value)} given for {n} prompts")
@@ -100,7 +201,14 @@ class GenerateReqInput:
             return 1
         return len(self.text if self.text is not None else self.input_ids)
 
+    def per_prompt(self, name: str) -> list:
+        """A per-prompt field as one value per prompt, defaults for nulls."""
+        value = getattr(self, name)
+        values = value if isinstance(value, list) else [value] * self.batch_size
+        return [_PER_PROMPT[name] if v is None else v for v in values]
 
+
+_PER_PROMPT = {"return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0}  # and their defaults
 _ONE_OR_A_LIST = {"text": (str, "a string"), "sampling_params": (dict, "an object")}
 
 

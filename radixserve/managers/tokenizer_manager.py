@@ -77,6 +77,10 @@ class ReqState:
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
+    return_logprob: bool = False
+    log_metrics: bool = True
+    stream_interval: int = 1  # output tokens between stream events
+    streamed: int = 0  # output tokens when the last stream event went out
     finished: bool = False
     queued: bool = False  # on the queue already: later updates coalesce into that entry
     first_token_time: float | None = None
@@ -89,12 +93,13 @@ class TokenizerManager:
     """The front of the engine in the HTTP process (see module docstring)."""
 
     def __init__(self, tokenizer, model_info: dict, served_model_name: str, send_addr: str, recv_addr: str,
-                 limits: RequestLimits):
+                 limits: RequestLimits, model_names: set[str] = frozenset()):
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.context_len: int = model_info["context_len"]
         self.vocab_size: int = model_info["vocab_size"]
         self.served_model_name = served_model_name
+        self.model_names = {served_model_name, *model_names}  # every name the OpenAI routes accept
         self.limits = limits
         self.ctx = zmq.asyncio.Context(2)
         self.ctx.setsockopt(zmq.LINGER, 0)
@@ -157,7 +162,7 @@ class TokenizerManager:
 
     async def _expand(self, obj: GenerateReqInput) -> list[TokenizedGenerateReqInput]:
         """Validate everything first, then one tokenized request per prompt and sample."""
-        if obj.top_logprobs_num > self.vocab_size:
+        if any(n > self.vocab_size for n in obj.per_prompt("top_logprobs_num")):
             raise ValueError(f"top_logprobs_num: at most the vocabulary size ({self.vocab_size})")
         n_prompts = obj.batch_size
         params = obj.sampling_params if isinstance(obj.sampling_params, list) else [obj.sampling_params] * n_prompts
@@ -168,8 +173,9 @@ class TokenizerManager:
         prompts = await self._tokenize(obj)
         rids = obj.rid if isinstance(obj.rid, list) else [obj.rid] * n_prompts
         key = "input_ids" if obj.input_ids is not None else "text"
+        logprobs = zip(*(obj.per_prompt(name) for name in ("return_logprob", "logprob_start_len", "top_logprobs_num")))
         out = []
-        for i, (ids, sp, rid) in enumerate(zip(prompts, sps, rids)):
+        for i, (ids, sp, rid, (want, start, top)) in enumerate(zip(prompts, sps, rids, logprobs)):
             self._validate_ids(ids, key if obj.is_single else f"{key}[{i}]")
             base = rid or uuid.uuid4().hex
             for j in range(sp.n):
@@ -177,10 +183,8 @@ class TokenizerManager:
                 d["n"] = 1
                 if sp.sampling_seed is not None:
                     d["sampling_seed"] = sp.sampling_seed + j
-                out.append(TokenizedGenerateReqInput(
-                    base if sp.n == 1 else f"{base}-{j}", ids, d, obj.return_logprob, obj.logprob_start_len,
-                    obj.top_logprobs_num, obj.stream,
-                ))
+                rid_j = base if sp.n == 1 else f"{base}-{j}"
+                out.append(TokenizedGenerateReqInput(rid_j, ids, d, want, start, top, obj.stream))
         return out
 
     def _check_capacity(self, n: int, admitting: bool = True) -> None:
@@ -213,18 +217,21 @@ class TokenizerManager:
             raise ValueError("rid: a request with this id is already running")
         queue: asyncio.Queue = asyncio.Queue()
         now = time.perf_counter()
-        states = [ReqState(r.rid, i, queue, now) for i, r in enumerate(reqs)]
+        states = [ReqState(r.rid, i, queue, now, return_logprob=r.return_logprob, log_metrics=obj.log_metrics,
+                           stream_interval=r.sampling_params.get("stream_interval") or 1) for i, r in enumerate(reqs)]
         single = len(states) == 1 and obj.is_single
         watcher = None
         try:
             for st, r, data in zip(states, reqs, payloads):
                 self.states[st.rid] = st
-                self.metrics.on_request(len(r.input_ids))
+                if obj.log_metrics:
+                    self.metrics.on_request(len(r.input_ids))
                 self.send.send(data, zmq.NOBLOCK)
             if request is not None:
                 watcher = asyncio.ensure_future(self._watch_disconnect(request, states))
             async for st in self._updates(queue, len(states)):
-                if obj.stream or st.finished:
+                if st.finished or (obj.stream and len(st.output_ids) - st.streamed >= st.stream_interval):
+                    st.streamed = len(st.output_ids)
                     yield self._result(st, obj, None if single else st.index)
         finally:
             if watcher:
@@ -263,7 +270,7 @@ class TokenizerManager:
             "finish_reason": st.meta.get("finish_reason"),
             "e2e_latency": (st.last_token_time or time.perf_counter()) - st.created,
         }
-        if obj.return_logprob:
+        if st.return_logprob:
             for key, entries in st.logprobs.items():
                 meta[key] = self._logprob_entries(entries, key.endswith("top_logprobs"), obj.return_text_in_logprobs)
         out = {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
@@ -336,10 +343,10 @@ class TokenizerManager:
             if meta.pop("abort_upstream", False):  # the detokenizer ended it: stop it in the scheduler too
                 self.abort_request(rid)
             st.meta = meta
-            if ids:
+            if ids and st.log_metrics:
                 self.metrics.on_tokens(st, len(ids), now)
             st.finished = meta.get("finish_reason") is not None
-            if st.finished:
+            if st.finished and st.log_metrics:
                 self.metrics.on_finish(st, now)
             if not st.queued:
                 st.queued = True

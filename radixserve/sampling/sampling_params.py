@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
 
-from radixserve.validation import first_error
+from radixserve.validation import first_error, no_op_validator
 
 # A temperature below this is treated as greedy decoding.
 GREEDY_EPS = 1e-6
@@ -31,6 +31,14 @@ MAX_LOGIT_BIAS = 1e6  # |bias|: still finite in float32 once divided by a tiny t
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a 64-bit seed (and msgpack) holds
 
 
+# SGLang's sampling params that this engine does not implement, with the
+# values that ask for nothing (accepted and ignored); any other value is refused.
+UNSUPPORTED_SAMPLING: dict[str, tuple] = {
+    "stop_regex": (None, []), "json_schema": (None,), "regex": (None,), "ebnf": (None,), "structural_tag": (None,),
+    "custom_params": (None,), "watermark": (None,), "beam_width": (None, 1), "ebnf_full_assistant": (False,),
+}
+
+
 @dataclass(config=ConfigDict(strict=True, extra="forbid", allow_inf_nan=False))
 class SamplingParams:
     """Per-request sampling settings (SGLang's names and defaults).
@@ -38,7 +46,7 @@ class SamplingParams:
     ``top_k == -1`` means no top-k limit. ``logit_bias`` maps token ids (int, or
     str as OpenAI's JSON sends them) to a bias added to the logits.
     ``sampling_seed`` makes the request's sampling reproducible, independent of
-    which other requests share its batch.
+    which other requests share its batch. A null field means its default.
     """
 
     max_new_tokens: int = Field(128, ge=0, le=MAX_INT32)
@@ -59,6 +67,19 @@ class SamplingParams:
     n: int = Field(1, ge=1, le=MAX_N)
     logit_bias: dict[int | str, float] | None = None
     sampling_seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stream_interval: int | None = Field(None, ge=1, le=MAX_INT32)  # tokens per stream event
+    # not implemented (see UNSUPPORTED_SAMPLING)
+    stop_regex: Any = None
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
+    custom_params: Any = None
+    watermark: Any = None
+    beam_width: Any = None
+    ebnf_full_assistant: Any = False
+
+    _only_no_op = no_op_validator(UNSUPPORTED_SAMPLING)
 
     @field_validator("stop")
     @classmethod
@@ -93,8 +114,13 @@ class SamplingParams:
         the first bad or unknown field."""
         if not isinstance(d, dict):
             raise ValueError("sampling_params: must be an object")
+        # null means the default, as in SGLang (its frontend sends "regex": null and the like),
+        # except that a null max_new_tokens, as there, means up to the context length
+        given = {k: v for k, v in d.items() if v is not None or k not in _FIELD_NAMES}
+        if "max_new_tokens" in d and d["max_new_tokens"] is None:
+            given["max_new_tokens"] = MAX_INT32
         try:
-            return cls(**d)
+            return cls(**given)
         except ValidationError as exc:
             raise first_error(exc, "invalid sampling parameter") from None
 
@@ -155,6 +181,9 @@ class SamplingParams:
         if tokenizer is None:
             return max((len(s) for s in stops), default=0)
         return max((len(tokenizer.encode(s, add_special_tokens=False)) for s in stops), default=0)
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def _require(ok: bool, field: str, value: Any, expectation: str) -> None:

@@ -86,7 +86,8 @@ def completion_to_generate(req: CompletionRequest) -> dict:
     """Keyword arguments of ``GenerateReqInput`` for a completions request.
     ``echo`` with ``logprobs`` asks for input logprobs from the first token."""
     key = "text" if isinstance(req.prompt, str) or isinstance(req.prompt[0], str) else "input_ids"
-    kwargs = {key: req.prompt, "sampling_params": sampling_params(req, req.max_tokens), "stream": req.stream}
+    kwargs = {key: req.prompt, "sampling_params": sampling_params(req, req.max_tokens), "stream": req.stream,
+              **_rid(req)}
     if req.logprobs is not None:
         kwargs.update(_logprob_args(req.logprobs, logprob_start_len=0 if req.echo else -1))
     return kwargs
@@ -106,19 +107,28 @@ def chat_to_generate(req: ChatCompletionRequest, tokenizer: Any) -> dict:
         "input_ids": encode_chat_prompt(tokenizer, prompt, [m.text() for m in req.messages]),
         "sampling_params": sampling_params(req, req.max_new_tokens),
         "stream": req.stream,
+        **_rid(req),
     }
     if req.logprobs:
         kwargs.update(_logprob_args(req.top_logprobs or 0, logprob_start_len=-1))
     return kwargs
 
 
+def _rid(req: CompletionRequest | ChatCompletionRequest) -> dict:
+    return {} if req.rid is None else {"rid": req.rid}
+
+
 def render_chat(req: ChatCompletionRequest, tokenizer: Any) -> str:
-    """The prompt text of a chat request, with the generation prompt appended."""
+    """The prompt text of a chat request: the generation prompt appended, or
+    with ``continue_final_message`` the last (assistant) message left open;
+    ``chat_template_kwargs`` go to the template (``enable_thinking`` ...)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: this model has no chat template; use /v1/completions")
     messages = [_template_message(m) for m in req.messages]
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=not req.continue_final_message,
+            continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
     except TemplateError as e:
         raise ValueError(f"messages: the chat template rejected them: {e}") from e
 

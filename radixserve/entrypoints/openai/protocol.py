@@ -17,33 +17,42 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from radixserve.managers.io_struct import MAX_TOP_LOGPROBS
+from radixserve.managers.io_struct import MAX_RID_CHARS, MAX_TOP_LOGPROBS
 from radixserve.sampling.sampling_params import MAX_N
+from radixserve.validation import no_op_validator
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's bound on one bias
 
-# Known fields we do not support yet -> values that ask for nothing and so are accepted.
-_UNSUPPORTED = {
-    "response_format": (None, {"type": "text"}),
-    "regex": (None,),
-    "json_schema": (None,),
-    "ebnf": (None,),
+# Fields of OpenAI's API and of SGLang's OpenAI extensions that this server
+# does not implement -> the values that ask for nothing, which are accepted
+# (any other value is refused by name). Hints that never change the output
+# (`user`, `metadata`, `store`, `session_id`, `priority`, ...) are plain fields.
+_UNSUPPORTED: dict[str, tuple] = {
+    # sampling, both routes
+    "response_format": (None, {"type": "text"}), "regex": (None,), "json_schema": (None,), "ebnf": (None,),
+    "stop_regex": (None, []), "custom_params": (None,), "custom_logit_processor": (None,), "watermark": (None,),
+    "lora_path": (None,), "session_params": (None,), "extra_key": (None, ""), "cache_salt": (None, ""),
+    "images_config": (None,), "mm_processor_kwargs": (None,),
+    "return_hidden_states": (False,), "return_routed_experts": (False,), "routed_experts_start_len": (0,),
+    "return_cached_tokens_details": (False,), "return_spec_tokens_details": (False,), "return_token_ids": (False,),
+    "bootstrap_host": (None,), "bootstrap_port": (None,), "bootstrap_room": (None,),
+    "routed_dp_rank": (None, 0), "data_parallel_rank": (None, 0), "disagg_prefill_dp_rank": (None,),
+    # completions
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "functions": (None, []),
-    "function_call": (None, "none", "auto"),
-    "audio": (None,),
-    "prediction": (None,),
-    "web_search_options": (None,),
-    "modalities": (None, ["text"]),
+    # chat
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "audio": (None,), "prediction": (None,), "web_search_options": (None,),
+    "modalities": (None, ["text"]), "verbosity": (None,), "reasoning_effort": (None,), "thinking": (None,),
+    "task": (None,), "input_ids": (None,), "return_prompt_token_ids": (False,), "return_meta_info": (False,),
+    "return_input_ids_in_sglext": (False,), "return_output_ids_in_sglext": (False,),
+    "return_sampling_mask": (False,), "sampling_logprobs_mode": (None,), "return_flat_raw_output_top_logprobs": (False,),
+    "max_dynamic_patch": (None,), "min_dynamic_patch": (None,), "use_audio_in_video": (False,), "video_config": (None,),
 }
-
-
-def _reject_unsupported(value: Any, info: ValidationInfo) -> Any:
-    if value not in _UNSUPPORTED[info.field_name]:
-        raise ValueError(f"'{info.field_name}' is not supported by this server")
-    return value
+_SHARED_UNSUPPORTED = tuple(_UNSUPPORTED)[: tuple(_UNSUPPORTED).index("suffix")]
+_CHAT_UNSUPPORTED = tuple(_UNSUPPORTED)[tuple(_UNSUPPORTED).index("tools"):]
+# chat_template_kwargs may not set what the server itself passes to the template
+_TEMPLATE_RESERVED = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+                      "return_dict", "return_tensors", "chat_template"}
 
 
 class StreamOptions(BaseModel):
@@ -80,13 +89,45 @@ class _GenerationRequest(BaseModel):
     skip_special_tokens: bool | None = None
     stop_token_ids: list[int] | None = None
     no_stop_trim: bool | None = None
-    # Structured output: not yet.
+    rid: str | None = Field(None, min_length=1, max_length=MAX_RID_CHARS)
+    # hints that never change the output
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    session_id: str | None = None
+    priority: int | None = None
+    custom_labels: dict[str, str] | None = None
+    # not implemented: accepted only at their no-op values (_UNSUPPORTED)
     response_format: Any = None
     regex: Any = None
     json_schema: Any = None
     ebnf: Any = None
+    stop_regex: Any = None
+    custom_params: Any = None
+    custom_logit_processor: Any = None
+    watermark: Any = None
+    lora_path: Any = None
+    session_params: Any = None
+    extra_key: Any = None
+    cache_salt: Any = None
+    images_config: Any = None
+    mm_processor_kwargs: Any = None
+    return_hidden_states: Any = False
+    return_routed_experts: Any = False
+    routed_experts_start_len: Any = 0
+    return_cached_tokens_details: Any = False
+    return_spec_tokens_details: Any = False
+    return_token_ids: Any = False
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    routed_dp_rank: Any = None
+    data_parallel_rank: Any = None
+    disagg_prefill_dp_rank: Any = None
 
-    _check_unsupported = field_validator("response_format", "regex", "json_schema", "ebnf")(_reject_unsupported)
+    _check_unsupported = no_op_validator(_UNSUPPORTED, _SHARED_UNSUPPORTED)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -141,7 +182,7 @@ class CompletionRequest(_GenerationRequest):
     best_of: int | None = None
     suffix: Any = None
 
-    _check_suffix = field_validator("suffix")(_reject_unsupported)
+    _check_suffix = no_op_validator(_UNSUPPORTED, ("suffix",))
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -217,6 +258,13 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # reasoning output is not separated yet (no reasoning parser): these ask for nothing today
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    parallel_tool_calls: bool = True  # meaningful with tools only
+    return_flat_raw_top_logprobs_b64: bool = True  # meaningful with flat raw logprobs only
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -225,10 +273,32 @@ class ChatCompletionRequest(_GenerationRequest):
     prediction: Any = None
     web_search_options: Any = None
     modalities: Any = None
+    verbosity: Any = None
+    reasoning_effort: Any = None
+    thinking: Any = None
+    task: Any = None
+    input_ids: Any = None
+    return_prompt_token_ids: Any = False
+    return_meta_info: Any = False
+    return_input_ids_in_sglext: Any = False
+    return_output_ids_in_sglext: Any = False
+    return_sampling_mask: Any = False
+    sampling_logprobs_mode: Any = None
+    return_flat_raw_output_top_logprobs: Any = False
+    max_dynamic_patch: Any = None
+    min_dynamic_patch: Any = None
+    use_audio_in_video: Any = False
+    video_config: Any = None
 
-    _check_unsupported_chat = field_validator(
-        "tools", "tool_choice", "functions", "function_call", "audio", "prediction", "web_search_options", "modalities"
-    )(_reject_unsupported)
+    _check_unsupported_chat = no_op_validator(_UNSUPPORTED, _CHAT_UNSUPPORTED)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(v or {}) & _TEMPLATE_RESERVED)
+        if taken:
+            raise ValueError(f"'{taken[0]}' is set by the server, not by chat_template_kwargs")
+        return v
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -240,6 +310,8 @@ class ChatCompletionRequest(_GenerationRequest):
         self._check_shared(self.max_new_tokens)
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message: the last message must be the assistant's")
         return self
 
 

@@ -17,7 +17,7 @@ from radixserve.managers.tokenizer_manager import TokenizerManager
 
 
 def _model_error(tm: TokenizerManager, model: str | None) -> JSONResponse | None:
-    if model is not None and model != tm.served_model_name:
+    if model is not None and model not in tm.model_names:
         body = A.openai_error(f"model: the model '{model}' does not exist; this server serves "
                               f"'{tm.served_model_name}'", type="not_found_error", param="model", code=404)
         return JSONResponse(body, 404)
