@@ -17,6 +17,8 @@ class ServerArgs:
     Names follow SGLang's command-line flags (``--max-running-requests`` ...)."""
 
     model_path: str | None = field(default=None, metadata={"help": "HF folder, .gguf file or dummy name (default SmolLM2)"})
+    tokenizer_path: str | None = field(default=None, metadata={
+        "help": "a folder with the tokenizer to use instead of the model's (a dummy model has none)"})
     served_model_name: str | None = field(default=None, metadata={"help": "model name in the OpenAI API"})
     host: str = field(default="127.0.0.1", metadata={"help": "HTTP server address"})
     port: int = field(default=30000, metadata={"help": "HTTP server port"})

@@ -184,7 +184,7 @@ def _run(server, tmp_path, name, *args):
 
 def test_random_run_at_two_rates_completes_without_failures(server, tmp_path):
     rc, out = _run(server, tmp_path, "random", "--num-prompts", "12", "--random-input-len", "48",
-                   "--random-output-len", "12", "--random-range-ratio", "0.5", "--request-rate", "20", "inf",
+                   "--random-output-len", "48", "--random-range-ratio", "0.5", "--request-rate", "20", "inf",
                    "--poll-interval", "0.05", "--slo-ttft", "60000", "--plot", "--save-requests")
     assert rc == 0
     assert [r["request_rate"] for r in out["runs"]] == [20.0, "inf"]

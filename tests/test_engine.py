@@ -312,14 +312,14 @@ def test_overlap_queues_the_next_chunk_behind_the_one_in_flight(llama, page_size
     batch.append(list(batch[0]))
     params = {**GREEDY, "max_new_tokens": 6}
     with overlap_engine(folder, page_size=page_size, chunked_prefill_size=16) as eng:
-        sched, launch = eng.scheduler, eng.scheduler._launch
+        sched, launch = eng.scheduler, eng.scheduler._launch_forward
         behind = []
 
         def spy(reqs, mode):
             behind.extend(r.kv_inflight > 0 for r in reqs if mode.is_extend())
             return launch(reqs, mode)
 
-        sched._launch = spy
+        sched._launch_forward = spy
         check_against_hf(eng, hf, batch, params)
         assert sum(behind) >= 4, "next chunks waited for the chunk in flight"
         eng.scheduler.tree_cache.evict(10**9)

@@ -216,8 +216,8 @@ def test_sglang_clients_bodies_are_accepted(client, body):
     ({"text": "hi", "image_data": "http://example.com/cat.png"}, "image_data"),
     ({"text": "hi", "return_hidden_states": True}, "return_hidden_states"),
     ({"text": "hi", "routed_dp_rank": 1}, "routed_dp_rank"),
-    ({"text": "hi", "sampling_params": {"regex": "[0-9]+"}}, "sampling_params.regex"),
-    ({"text": "hi", "sampling_params": {"json_schema": "{}"}}, "sampling_params.json_schema"),
+    ({"text": "hi", "sampling_params": {"stop_regex": "[0-9]+"}}, "sampling_params.stop_regex"),
+    ({"text": "hi", "sampling_params": {"custom_params": {"k": 1}}}, "sampling_params.custom_params"),
 ])
 def test_unsupported_fields_with_real_values_are_refused_by_name(client, body, param):
     r = client.post("/generate", json=body)

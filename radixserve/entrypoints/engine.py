@@ -16,6 +16,7 @@ from tqdm import tqdm
 from radixserve.managers.detokenizer_manager import DecodeStatus, NullTokenizer
 from radixserve.managers.schedule_batch import Req
 from radixserve.managers.scheduler import Scheduler
+from radixserve.sampling.grammar import check_grammar, grammar_spec
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
@@ -104,6 +105,12 @@ class Engine:
     def _make_reqs(self, ids, params, return_logprob, logprob_start_len, top_logprobs_num, rid) -> list[Req]:
         sp = SamplingParams.from_dict(dict(params or {}))
         sp.verify(self.scheduler.vocab_size)
+        spec = grammar_spec(sp)
+        if spec is not None:
+            try:
+                check_grammar(*spec)
+            except ValueError as exc:
+                raise ValueError(f"{spec[0]}: {exc}") from None
         sp.normalize(self.scheduler.vocab_size)
         reqs = []
         for i in range(sp.n):
@@ -220,7 +227,7 @@ def build_scheduler(args: ServerArgs):
         from radixserve.model_executor.cpu_malloc import reuse_freed_memory
 
         reuse_freed_memory()
-    model_config = resolve_model(args.model_path, args.load_format, args.dtype, device)
+    model_config = resolve_model(args.model_path, args.load_format, args.dtype, device, args.tokenizer_path)
     runner = ModelRunner(
         model_config,
         device=device,

@@ -32,6 +32,7 @@ class ModelWorkerBatch:
     extend_logprob_start_lens: list[int] | None = None
     top_logprobs_nums: list[int] | None = None
     sampling_info: "SamplingBatchInfo | None" = None
+    vocab_mask: torch.Tensor | None = None  # [bs, ceil(vocab / 32)] int32 bitmask of allowed tokens (structured output)
 
     @property
     def batch_size(self) -> int:
@@ -96,6 +97,9 @@ class Req:
         self.extend_input_len = 0
         self.is_chunked = False
         self.stop_window = 0  # output tokens re-decoded to find stop strings (0: none)
+        # structured output: the compilation in progress, then the matcher of the output so far
+        self.grammar_future = None
+        self.grammar = None
         # outcome
         self.finished_reason: FinishReason | None = None
         self.cached_tokens = 0

@@ -4,6 +4,7 @@ event loop (one step = schedule, run, process results)."""
 from __future__ import annotations
 
 import logging
+from concurrent import futures
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -16,6 +17,7 @@ from radixserve.managers.schedule_batch import FinishReason, ModelWorkerBatch, R
 from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
 from radixserve.mem_cache import ChunkCache, RadixCache, check_memory_invariant
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from radixserve.sampling.grammar import GrammarBackend, grammar_spec
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 from radixserve.server_args import ServerArgs
 
@@ -24,6 +26,17 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
+GRAMMAR_POLL_S = 0.005  # longest wait for a compilation when there is nothing else to do
+
+
+@dataclass
+class _Forward:
+    """A batch whose forward is queued on the device, its sampling not yet."""
+
+    reqs: list[Req]
+    batch: ModelWorkerBatch
+    forward_batch: ForwardBatch
+    logits: LogitsProcessorOutput
 
 
 @dataclass
@@ -60,6 +73,12 @@ class Scheduler:
     released with the request (``_deferred``). The next chunk of a chunked
     prompt, retraction and aborts first wait for the batch in flight
     ("drain"), then run as without overlap.
+
+    Structured output: a request with a grammar waits in ``grammar_queue``
+    until it is compiled. A batch with grammars needs, for its token masks,
+    the tokens of the batch in flight: its forward is queued first, the
+    previous batch's results are taken (and fed to the grammars) while that
+    forward runs, and its sampling is queued last with the masks.
     """
 
     def __init__(self, server_args: ServerArgs, model_runner, tokenizer=None):
@@ -80,6 +99,8 @@ class Scheduler:
         self.max_running = min(server_args.max_running_requests, self.req_to_token_pool.available_size())
         self.chunk_size = server_args.resolved_chunked_prefill_size()
         self.waiting: list[Req] = []
+        self.grammar_queue: list[Req] = []  # waiting for their grammar to compile
+        self.grammar_backend = GrammarBackend(tokenizer, self.vocab_size) if tokenizer is not None else None
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
@@ -122,16 +143,41 @@ class Scheduler:
         if sp.stop and self.tokenizer is not None:  # tokens to re-decode when looking for stop strings
             req.stop_window = sp.stop_str_max_len(self.tokenizer) + 2
         self.stats["prompt_tokens"] += len(req.origin_input_ids)
-        self.waiting.append(req)
+        spec = grammar_spec(sp)
+        if spec is None:
+            self.waiting.append(req)
+            return
+        if self.grammar_backend is None:
+            raise ValueError(f"{spec[0]}: structured output needs the model's tokenizer")
+        req.grammar_future = self.grammar_backend.submit(spec)  # compiles on the backend's threads
+        self.grammar_queue.append(req)
+
+    def _admit_compiled(self) -> list[Req]:
+        """Requests whose grammar is ready join the waiting queue; those whose
+        grammar failed to compile finish with an abort (returned)."""
+        failed, still = [], []
+        for req in self.grammar_queue:
+            if not req.grammar_future.done():
+                still.append(req)
+                continue
+            try:
+                req.grammar = self.grammar_backend.matcher(req.grammar_future.result())
+                self.waiting.append(req)
+            except Exception as exc:  # a grammar check at the edge passed, but compiling it failed
+                req.finished_reason = FinishReason("abort", message=f"grammar: {exc}")
+                failed.append(req)
+        self.grammar_queue = still
+        return failed
 
     def abort_request(self, rid: str) -> bool:
         """Abort a waiting or running request; its KV comes back. True if found."""
-        for i, req in enumerate(self.waiting):
-            if req.rid == rid:
-                self.waiting.pop(i)
-                req.finished_reason = FinishReason("abort", message="aborted by request")
-                self._finished_outside_batch.append(req)
-                return True
+        for queue in (self.waiting, self.grammar_queue):
+            for i, req in enumerate(queue):
+                if req.rid == rid:
+                    queue.pop(i)
+                    req.finished_reason = FinishReason("abort", message="aborted by request")
+                    self._finished_outside_batch.append(req)
+                    return True
         for req in self.running + ([self.chunked_req] if self.chunked_req else []):
             if req.rid == rid:
                 req.to_abort = True
@@ -139,7 +185,7 @@ class Scheduler:
         return False
 
     def is_idle(self) -> bool:
-        return not (self.waiting or self.running or self.chunked_req or self._in_flight)
+        return not (self.waiting or self.grammar_queue or self.running or self.chunked_req or self._in_flight)
 
     def live_reqs(self) -> list[Req]:
         """Requests holding KV: running, chunked, and finished ones waiting for their last forward."""
@@ -154,12 +200,22 @@ class Scheduler:
         With overlap, a batch's results come back in the next step."""
         out = self._drain() if self._in_flight and self._must_drain() else []
         out += self._process_aborts()
+        if self.grammar_queue:
+            out += self._admit_compiled()
         batch, mode = self._next_batch()
+        if not batch and not self._in_flight and self.grammar_queue:  # only compilations to wait for
+            futures.wait([r.grammar_future for r in self.grammar_queue], GRAMMAR_POLL_S, futures.FIRST_COMPLETED)
         out += self._finished_outside_batch
         self._finished_outside_batch = []
         previous, self._in_flight = self._in_flight, None
         if batch:
-            launched = self._launch(batch, mode)
+            fwd = self._launch_forward(batch, mode)
+            if previous is not None and any(r.grammar is not None for r in batch):
+                # The token masks need the tokens of the batch in flight: take
+                # them while this batch's forward runs, then queue its sampling.
+                out += self._process(previous)
+                previous = None
+            launched = self._launch_sample(fwd)
             if self.overlap:
                 self._in_flight = launched
             else:
@@ -294,15 +350,12 @@ class Scheduler:
         self.tree_cache.cache_finished_req(req)
 
     # -- running a batch ----------------------------------------------------------
-    def _launch(self, reqs: list[Req], mode: ForwardMode) -> _Launched:
-        """Queue the forward and sampling of ``reqs``. Host-to-device copies are
-        issued here, on the current stream; the device work then runs on
-        ``forward_stream`` after them, and nothing waits for it."""
+    def _launch_forward(self, reqs: list[Req], mode: ForwardMode) -> _Forward:
+        """Queue the forward of ``reqs``. Host-to-device copies are issued here,
+        on the current stream; the device work then runs on ``forward_stream``
+        after them, and nothing waits for it (``_launch_sample`` follows)."""
         batch = self._build_decode(reqs) if mode == ForwardMode.DECODE else self._build_extend(reqs)
         fb = self.model_runner.forward_batch_from(batch)
-        info = batch.sampling_info
-        want_lp = any(r.return_logprob for r in reqs)
-        tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
         with self._on_forward_stream():
             if mode == ForwardMode.DECODE:
                 fb.input_ids = self.last_token[fb.req_pool_indices]
@@ -310,25 +363,38 @@ class Scheduler:
                     self._decode_update()
                     self._decode_update = None
             logits_out = self.model_runner.forward(fb)
-            with torch.inference_mode():
-                logits = logits_out.next_token_logits
-                if want_lp and mode == ForwardMode.EXTEND:  # read again for chunked prompts' input logprobs
-                    logits = logits.clone()
-                # The sampler penalizes and scales ``logits`` in place.
-                sample = self.sampler(logits, info, return_logprob=want_lp, top_logprobs_nums=tops)
-                self.last_token[fb.req_pool_indices] = sample.next_token_ids
-                info.cumulate_output_tokens(sample.next_token_ids)
-                next_ids = sample.next_token_ids.to("cpu", non_blocking=True)
-            done = None
-            if self.forward_stream is not None:
-                done = torch.cuda.Event()
-                done.record()
         for req, seq in zip(reqs, batch.seq_lens_cpu):
             req.kv_inflight = seq - req.kv_len
         if mode == ForwardMode.EXTEND:  # finished prompts decode next, their first token still on the device
             self.running += [r for r in reqs if not r.is_chunked]
         self.stats["forward_ct"] += 1
-        return _Launched(reqs, batch, fb, logits_out, sample, next_ids, done)
+        return _Forward(reqs, batch, fb, logits_out)
+
+    def _launch_sample(self, fwd: _Forward) -> _Launched:
+        """Queue the sampling of a queued forward, behind it on the same stream.
+        A batch with grammars gets its token mask here, from the matchers as
+        they are now (see ``step``)."""
+        reqs, batch, fb = fwd.reqs, fwd.batch, fwd.forward_batch
+        info = batch.sampling_info
+        want_lp = any(r.return_logprob for r in reqs)
+        tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
+        batch.vocab_mask = self._vocab_mask(reqs)
+        with self._on_forward_stream(), torch.inference_mode():
+            logits = fwd.logits.next_token_logits
+            if want_lp and batch.forward_mode == ForwardMode.EXTEND:  # read again for chunked prompts' input logprobs
+                logits = logits.clone()
+            if batch.vocab_mask is not None:
+                self.grammar_backend.apply(logits, batch.vocab_mask)
+            # The sampler penalizes and scales ``logits`` in place.
+            sample = self.sampler(logits, info, return_logprob=want_lp, top_logprobs_nums=tops)
+            self.last_token[fb.req_pool_indices] = sample.next_token_ids
+            info.cumulate_output_tokens(sample.next_token_ids)
+            next_ids = sample.next_token_ids.to("cpu", non_blocking=True)
+            done = None
+            if self.forward_stream is not None:
+                done = torch.cuda.Event()
+                done.record()
+        return _Launched(reqs, batch, fb, fwd.logits, sample, next_ids, done)
 
     def _on_forward_stream(self):
         if self.forward_stream is None:
@@ -361,6 +427,13 @@ class Scheduler:
             sampling_info=SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device),
         )
 
+    def _vocab_mask(self, reqs: list[Req]):
+        """The batch's grammar bitmask, or None when no request has a grammar.
+        A request that finished meanwhile (its token will be dropped) gets none."""
+        if self.grammar_backend is None or all(r.grammar is None for r in reqs):
+            return None
+        return self.grammar_backend.bitmask([None if r.finished() else r.grammar for r in reqs])
+
     def _build_decode(self, reqs: list[Req]) -> ModelWorkerBatch:
         """One new token per request. The input ids are left to the device
         (``last_token``), so they may still be being sampled."""
@@ -390,7 +463,7 @@ class Scheduler:
         which lack the token still being sampled for requests with a forward
         in flight (``kv_inflight``): those requests go last, and their rows
         are completed from ``last_token`` on the forward stream, then merged
-        (``_decode_update``, run by ``_launch``)."""
+        (``_decode_update``, run by ``_launch_forward``)."""
         info, old = self._decode_info, self._decode_info_reqs
         self._decode_update = None
         if info is not None:
@@ -439,7 +512,7 @@ class Scheduler:
         next_ids = launched.next_ids.tolist()
         # Entries that prefilled part of a prompt (the next chunk may be in flight already).
         partial = [mode == ForwardMode.EXTEND and seq < len(req.fill_ids) for req, seq in zip(reqs, batch.seq_lens_cpu)]
-        updated = []
+        updated, constrained = [], []
         for i, (req, tok) in enumerate(zip(reqs, next_ids)):
             seq = batch.seq_lens_cpu[i]
             req.kv_inflight -= seq - req.kv_len
@@ -459,12 +532,27 @@ class Scheduler:
             else:
                 try:
                     self._append_token(req, tok, sample, i)
+                    if req.grammar is not None:
+                        constrained.append(req)
                 except Exception as exc:  # e.g. a stop-string check that cannot decode this output
                     logger.error("request %s aborted: %s: %s", req.rid, type(exc).__name__, exc)
                     req.finished_reason = FinishReason("abort", message=f"internal error: {exc}")
                 updated.append(req)
+        if constrained:
+            self._advance_grammars(constrained)
         self._update_running(reqs, mode, updated, partial)
         return updated
+
+    def _advance_grammars(self, reqs: list[Req]) -> None:
+        """Feed each request's new token to its grammar, all at once; a grammar
+        that has ended finishes its request (the sampled token was one it allows)."""
+        accepted = self.grammar_backend.accept([r.grammar for r in reqs], [r.output_ids[-1] for r in reqs])
+        for req, ok in zip(reqs, accepted):
+            if not ok:  # the mask allowed it: a bug, but one request's
+                logger.error("request %s aborted: its grammar refused token %d", req.rid, req.output_ids[-1])
+                req.finished_reason = FinishReason("abort", message="internal error: the grammar refused a token")
+            elif req.finished_reason is None and req.grammar.is_terminated():
+                req.finished_reason = FinishReason("stop", req.output_ids[-1])
 
     def _release_deferred(self, req: Req) -> None:
         if req.kv_inflight == 0:
@@ -562,5 +650,5 @@ class Scheduler:
         return True
 
     def get_stats(self) -> dict[str, Any]:
-        return dict(self.stats, running=len(self.running), waiting=len(self.waiting),
+        return dict(self.stats, running=len(self.running), waiting=len(self.waiting) + len(self.grammar_queue),
                     kv_free=self.allocator.available_size(), kv_cached=self.tree_cache.total_size())

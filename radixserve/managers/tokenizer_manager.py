@@ -32,6 +32,7 @@ from radixserve.managers.io_struct import (
     pipeline_sockets,
 )
 from radixserve.managers.metrics import ServerMetrics
+from radixserve.sampling.grammar import check_grammar, grammar_spec
 from radixserve.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -170,6 +171,7 @@ class TokenizerManager:
             f"sampling_params[{i}]" for i in range(n_prompts)]
         sps = [self._sampling(p, w) for p, w in zip(params, where)]
         self._check_capacity(sum(sp.n for sp in sps), admitting=False)
+        await self._check_grammars(sps, where)
         prompts = await self._tokenize(obj)
         rids = obj.rid if isinstance(obj.rid, list) else [obj.rid] * n_prompts
         key = "input_ids" if obj.input_ids is not None else "text"
@@ -186,6 +188,21 @@ class TokenizerManager:
                 rid_j = base if sp.n == 1 else f"{base}-{j}"
                 out.append(TokenizedGenerateReqInput(rid_j, ids, d, want, start, top, obj.stream))
         return out
+
+    async def _check_grammars(self, sps: list[SamplingParams], where: list[str]) -> None:
+        """A grammar that cannot be built is a 400 here, before anything is queued."""
+        checked: set[tuple[str, str]] = set()
+        for sp, w in zip(sps, where):
+            spec = grammar_spec(sp)
+            if spec is None or spec in checked:
+                continue
+            if self.tokenizer is None:
+                raise ValueError(f"{w}.{spec[0]}: structured output needs the model's tokenizer")
+            try:
+                await self.run_blocking(check_grammar, *spec)  # the first one imports xgrammar (about a second)
+            except ValueError as exc:
+                raise ValueError(f"{w}.{spec[0]}: {exc}") from None
+            checked.add(spec)
 
     def _check_capacity(self, n: int, admitting: bool = True) -> None:
         """Refuse ``n`` more sub-requests when they never fit (400) or do not fit now (429)."""

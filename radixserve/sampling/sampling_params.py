@@ -34,8 +34,7 @@ SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a 64-bit seed (and msgpack) hol
 # SGLang's sampling params that this engine does not implement, with the
 # values that ask for nothing (accepted and ignored); any other value is refused.
 UNSUPPORTED_SAMPLING: dict[str, tuple] = {
-    "stop_regex": (None, []), "json_schema": (None,), "regex": (None,), "ebnf": (None,), "structural_tag": (None,),
-    "custom_params": (None,), "watermark": (None,), "beam_width": (None, 1), "ebnf_full_assistant": (False,),
+    "stop_regex": (None, []), "custom_params": (None,), "watermark": (None,), "beam_width": (None, 1), "ebnf_full_assistant": (False,),
 }
 
 
@@ -68,12 +67,14 @@ class SamplingParams:
     logit_bias: dict[int | str, float] | None = None
     sampling_seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stream_interval: int | None = Field(None, ge=1, le=MAX_INT32)  # tokens per stream event
+    # structured output (at most one; sampling/grammar.py): a JSON schema as JSON text, a regular
+    # expression, an EBNF grammar, or an SGLang / xgrammar structural tag as JSON text
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
     # not implemented (see UNSUPPORTED_SAMPLING)
     stop_regex: Any = None
-    json_schema: Any = None
-    regex: Any = None
-    ebnf: Any = None
-    structural_tag: Any = None
     custom_params: Any = None
     watermark: Any = None
     beam_width: Any = None
@@ -136,6 +137,9 @@ class SamplingParams:
         ``vocab_size`` is given."""
         limit = f"in [0, max_new_tokens={self.max_new_tokens}]"
         _require(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens", self.min_new_tokens, limit)
+        grammars = [name for name in ("json_schema", "regex", "ebnf", "structural_tag") if getattr(self, name) is not None]
+        if len(grammars) > 1:
+            raise ValueError(f"{grammars[1]}: only one of json_schema, regex, ebnf and structural_tag may be set")
         ok = all(_is_token(tok, vocab_size) for tok in self.stop_token_ids or [])
         _require(ok, "stop_token_ids", self.stop_token_ids, f"token ids {_token_range(vocab_size)}")
         for key, bias in (self.logit_bias or {}).items():

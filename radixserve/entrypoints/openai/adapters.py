@@ -79,6 +79,9 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_new_toke
         params["max_new_tokens"] = max_new_tokens
     if req.logit_bias:
         params["logit_bias"] = {int(token): bias for token, bias in req.logit_bias.items()}
+    grammar = req.grammar()
+    if grammar is not None:
+        params[grammar[0]] = grammar[1]
     return params
 
 

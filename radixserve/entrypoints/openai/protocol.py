@@ -12,6 +12,7 @@ messages start with ``"<field>: "`` instead.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -29,7 +30,6 @@ LOGIT_BIAS_LIMIT = 100.0  # OpenAI's bound on one bias
 # (`user`, `metadata`, `store`, `session_id`, `priority`, ...) are plain fields.
 _UNSUPPORTED: dict[str, tuple] = {
     # sampling, both routes
-    "response_format": (None, {"type": "text"}), "regex": (None,), "json_schema": (None,), "ebnf": (None,),
     "stop_regex": (None, []), "custom_params": (None,), "custom_logit_processor": (None,), "watermark": (None,),
     "lora_path": (None,), "session_params": (None,), "extra_key": (None, ""), "cache_salt": (None, ""),
     "images_config": (None,), "mm_processor_kwargs": (None,),
@@ -60,6 +60,32 @@ class StreamOptions(BaseModel):
 
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field("response", max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``text``; ``json_object`` (any JSON object);
+    ``json_schema`` (one that validates against ``json_schema.schema``);
+    ``structural_tag`` (SGLang's: ``structures`` and ``triggers``)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema: required when type is json_schema")
+        return self
 
 
 class _GenerationRequest(BaseModel):
@@ -99,11 +125,12 @@ class _GenerationRequest(BaseModel):
     session_id: str | None = None
     priority: int | None = None
     custom_labels: dict[str, str] | None = None
+    # structured output: OpenAI's response_format, or SGLang's grammar fields (at most one in all)
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
     # not implemented: accepted only at their no-op values (_UNSUPPORTED)
-    response_format: Any = None
-    regex: Any = None
-    json_schema: Any = None
-    ebnf: Any = None
     stop_regex: Any = None
     custom_params: Any = None
     custom_logit_processor: Any = None
@@ -162,9 +189,26 @@ class _GenerationRequest(BaseModel):
                 raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
         return v
 
+    def grammar(self) -> tuple[str, str] | None:
+        """The (sampling-param name, text) of the structured output asked for, if any."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            return "json_schema", '{"type": "object"}'
+        if fmt is not None and fmt.type == "json_schema":
+            return "json_schema", json.dumps(fmt.json_schema.schema_)
+        if fmt is not None and fmt.type == "structural_tag":
+            return "structural_tag", json.dumps(fmt.model_dump(exclude={"json_schema"}))
+        given = [(name, getattr(self, name)) for name in ("json_schema", "regex", "ebnf") if getattr(self, name)]
+        return given[0] if given else None
+
     def _check_shared(self, max_tokens: int | None) -> None:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        asked = [name for name in ("json_schema", "regex", "ebnf") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            asked.insert(0, "response_format")
+        if len(asked) > 1:
+            raise ValueError(f"{asked[1]}: only one of response_format, json_schema, regex and ebnf may be set")
         if max_tokens is not None and self.min_tokens is not None and self.min_tokens > max_tokens:
             raise ValueError(f"min_tokens: must be <= the maximum number of tokens ({max_tokens})")
 

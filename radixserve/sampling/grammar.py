@@ -1,0 +1,166 @@
+"""Structured output on xgrammar: a request's ``json_schema``, ``regex``,
+``ebnf`` or ``structural_tag`` becomes a grammar; each step, the grammar's
+matcher says which tokens may come next (a bitmask over the vocabulary, one
+row per request), the sampler sees -inf logits for the others, and the
+matcher then accepts the token sampled.
+
+- ``check_grammar`` validates a spec without a tokenizer (the HTTP edge: a
+  bad schema is a 400 before anything is queued).
+- ``GrammarBackend`` compiles specs against the model's tokenizer on its own
+  threads, caching by spec, so a compilation never stalls a step; the
+  scheduler holds a request back until its grammar is ready.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
+COMPILE_THREADS = 2
+# One thread fills a batch's masks: more lost to contention in the scheduler
+# process (64 rows took 0.4 ms alone on an H200 host, but longer on 8 threads).
+FILL_THREADS = 1
+CACHE_ENTRIES = 1024  # compiled grammars kept, least recently used out
+
+
+def grammar_spec(params: Any) -> tuple[str, str] | None:
+    """``(kind, text)`` of the one grammar ``params`` asks for, or None."""
+    given = [(name, getattr(params, name)) for name in GRAMMAR_FIELDS if getattr(params, name) is not None]
+    return given[0] if given else None
+
+
+def _xgrammar():
+    import xgrammar
+
+    return xgrammar
+
+
+def check_grammar(kind: str, text: str) -> None:
+    """Raise ``ValueError`` if ``text`` is not a valid ``kind`` grammar. Builds
+    the grammar alone (no token masks), which takes milliseconds."""
+    xgr = _xgrammar()
+    try:
+        if kind == "json_schema":
+            json.loads(text)
+            xgr.Grammar.from_json_schema(text)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(text)
+        elif kind == "ebnf":
+            xgr.Grammar.from_ebnf(text)
+        else:
+            _structural_tag(xgr, text, xgr.Grammar.from_structural_tag)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ValueError(f"invalid {kind.replace('_', ' ')}: {_first_line(exc)}") from None
+
+
+def _structural_tag(xgr, text: str, build):
+    """SGLang's structural tag (``{"structures": [...], "triggers": [...]}``)
+    or xgrammar's own format, built with ``build``."""
+    spec = json.loads(text)
+    if isinstance(spec, dict) and "structures" in spec:
+        tags = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                for s in spec["structures"]]
+        return build(tags, spec["triggers"])
+    return build(text)
+
+
+def _first_line(exc: Exception) -> str:
+    """xgrammar's message without its "[time] source-file:line:" prefix."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] if lines else type(exc).__name__
+    return _SOURCE_PREFIX.sub("", text)
+
+
+_SOURCE_PREFIX = re.compile(r"^(\[[^\]]*\]\s*)?(\S+:\d+:\s*)?")
+
+
+class GrammarBackend:
+    """Compiles grammars for one tokenizer and vocabulary and builds the
+    batch bitmask. Thread-safe for ``submit``; the rest runs on the scheduler."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._compiler = None
+        self._compiler_lock = threading.Lock()  # the first compilation builds the compiler (about a second)
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
+        self._batch = None  # xgrammar's multi-threaded mask filler, made on first use
+        # host seconds spent in each part (bench.structured_output reports them)
+        self.timings = {"compile_s": 0.0, "fill_s": 0.0, "apply_s": 0.0, "accept_s": 0.0}
+
+    def submit(self, spec: tuple[str, str]) -> Future:
+        """A future compiled grammar for ``spec``; equal specs share one compilation."""
+        with self._lock:
+            fut = self._cache.get(spec)
+            if fut is None:
+                fut = self._cache[spec] = self._pool.submit(self._compile, spec)
+                while len(self._cache) > CACHE_ENTRIES:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(spec)
+            return fut
+
+    def _compile(self, spec: tuple[str, str]):
+        xgr = _xgrammar()
+        with self._compiler_lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS)
+        kind, text = spec
+        compile_fn = {"json_schema": self._compiler.compile_json_schema, "regex": self._compiler.compile_regex,
+                      "ebnf": self._compiler.compile_grammar}.get(kind)
+        start = time.perf_counter()
+        try:
+            if compile_fn is not None:
+                return compile_fn(text)
+            return _structural_tag(xgr, text, self._compiler.compile_structural_tag)
+        finally:
+            self.timings["compile_s"] += time.perf_counter() - start
+
+    @staticmethod
+    def matcher(compiled) -> Any:
+        """A fresh matcher: the state of one request's output in its grammar."""
+        return _xgrammar().GrammarMatcher(compiled)
+
+    def bitmask(self, matchers: list) -> torch.Tensor | None:
+        """The allowed next tokens of a batch, one row per request (``None``
+        for an unconstrained request: all allowed); None when no row is
+        constrained. Rows are filled on xgrammar's threads; on a GPU host the
+        mask is in pinned memory, so that its copy to the device is queued
+        behind the forward instead of waiting for it."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return None
+        start = time.perf_counter()
+        words = (self.vocab_size + 31) // 32
+        mask = torch.full((len(matchers), words), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        if self._batch is None:
+            self._batch = _xgrammar().BatchGrammarMatcher(max_threads=FILL_THREADS)
+        self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], mask, rows)
+        self.timings["fill_s"] += time.perf_counter() - start
+        return mask
+
+    def apply(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
+        """Set the logits of disallowed tokens to -inf, in place (queued on
+        the device's stream on a GPU: no sync)."""
+        start = time.perf_counter()
+        _xgrammar().apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True))
+        self.timings["apply_s"] += time.perf_counter() - start
+
+    def accept(self, matchers: list, tokens: list[int]) -> list[bool]:
+        """Advance each matcher by its request's sampled token; False where
+        the grammar refuses it."""
+        start = time.perf_counter()
+        ok = _xgrammar().BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        self.timings["accept_s"] += time.perf_counter() - start
+        return ok
