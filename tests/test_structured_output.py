@@ -81,6 +81,21 @@ def test_regex_and_ebnf_outputs_match_in_full(eng):
             assert re.fullmatch(r"[0-9+\-()]*", out["text"]), out["text"]
 
 
+def test_structural_tags_in_both_formats(eng):
+    prompt = chat(eng, "Say hello, then call get_weather for Paris.")
+    xgrammar_format = {"type": "structural_tag", "format": {"type": "const_string", "value": "hello"}}
+    out = eng.generate(prompt, {"structural_tag": json.dumps(xgrammar_format), "temperature": 0})
+    assert out["text"] == "hello"
+    sglang_format = {"structures": [{"begin": "<function=get_weather>", "end": "</function>", "schema": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}], "triggers": ["<function="]}
+    prompt = chat(eng, "Reply with exactly: <function=get_weather>{\"city\": \"Paris\"}</function>")
+    out = eng.generate(prompt, {"structural_tag": json.dumps(sglang_format), "temperature": 0, "max_new_tokens": 60})
+    for call in re.findall(r"<function=get_weather>(.*?)</function>", out["text"], re.S):
+        assert isinstance(json.loads(call)["city"], str)  # whatever is inside a tag follows its schema
+    with pytest.raises(ValueError, match="^structural_tag: invalid structural tag: 'structures' must be"):
+        eng.generate("hi", {"structural_tag": '{"structures": [{"begin": "<a>"}], "triggers": ["<"]}'})
+
+
 def test_constrained_requests_leave_the_others_unchanged(eng):
     prompt = chat(eng, "What is the capital of France?")
     greedy = {"temperature": 0, "max_new_tokens": 24}

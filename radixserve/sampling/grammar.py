@@ -57,7 +57,7 @@ def check_grammar(kind: str, text: str) -> None:
             xgr.Grammar.from_ebnf(text)
         else:
             _structural_tag(xgr, text, xgr.Grammar.from_structural_tag)
-    except (RuntimeError, ValueError, TypeError) as exc:
+    except (RuntimeError, ValueError, TypeError, KeyError, AttributeError) as exc:
         raise ValueError(f"invalid {kind.replace('_', ' ')}: {_first_line(exc)}") from None
 
 
@@ -66,9 +66,14 @@ def _structural_tag(xgr, text: str, build):
     or xgrammar's own format, built with ``build``."""
     spec = json.loads(text)
     if isinstance(spec, dict) and "structures" in spec:
-        tags = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
-                for s in spec["structures"]]
-        return build(tags, spec["triggers"])
+        try:
+            tags = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                    for s in spec["structures"]]
+            triggers = list(spec["triggers"])
+        except (KeyError, TypeError) as exc:
+            raise ValueError("'structures' must be a list of {begin, schema, end} objects and 'triggers' a list "
+                             f"of strings ({type(exc).__name__}: {exc})") from None
+        return build(tags, triggers)
     return build(text)
 
 
