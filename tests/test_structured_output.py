@@ -133,7 +133,7 @@ def test_abort_while_compiling_and_while_decoding(eng):
     params = SamplingParams.from_dict({"json_schema": json.dumps({**PERSON, "title": "compiling"})})
     req = Req("compiling", eng.tokenizer.encode(prompt), params.normalize(sched.vocab_size))
     sched.add_request(req)
-    assert sched.grammar_queue == [req] and not sched.is_idle()
+    assert sched.grammar_queue.reqs == [req] and not sched.is_idle()
     assert sched.abort_request("compiling")
     assert req in sched.step() and req.finished_reason.type == "abort"
     assert sched.is_idle()

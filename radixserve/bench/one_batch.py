@@ -1,5 +1,5 @@
 """Static-batch latency on a bare ModelRunner: workloads W2 (decode) and W3
-(prefill) of BENCHMARKS.md, in the manner of SGLang's bench_one_batch.
+(prefill) of benchmarks/README.md, in the manner of SGLang's bench_one_batch.
 
     python -m radixserve.bench.one_batch --workload W2 --compare-hf
     python -m radixserve.bench.one_batch --workload W3 --compare-hf
@@ -25,7 +25,7 @@ HF decodes with ``generate``: its prefill time is a 1-token generate, its step
 time (full generate minus that) / (output_len - 1). HF prefill-only cases
 (output_len 1, as in W3) time one forward over the batch (``logits_to_keep=1``).
 
-Rooflines (the peaks default to the H200 figures of BENCHMARKS.md):
+Rooflines (the peaks default to the H200 figures of benchmarks/README.md):
 - decode: bytes per step = weight bytes (each parameter once) + KV bytes read
   (bs x context x layers x kv_heads x head_dim x 2 x itemsize, at the mean
   context of the decode steps), over the median step time (HF: the mean),
@@ -351,7 +351,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             else:
                 parser.add_argument(flag, type=_ENGINE_OPTIONS[f.name], default=f.default, help=helptext)
     add = parser.add_argument
-    add("--workload", choices=sorted(WORKLOADS), required=True, help="W2 decode latency or W3 prefill (BENCHMARKS.md)")
+    add("--workload", choices=sorted(WORKLOADS), required=True, help="W2 decode latency or W3 prefill (benchmarks/README.md)")
     add("--batch-sizes", type=int, nargs="+", help="override the workload's batch sizes")
     add("--input-len", type=int, help="override the workload's input length")
     add("--output-len", type=int, help="tokens generated per request, the prefill's included (1: prefill only)")

@@ -94,7 +94,7 @@ def main() -> None:
         base = {"max_new_tokens": args.output_len, "ignore_eos": True, "temperature": 0.6, "sampling_seed": 0}
         run(engine, prompts[:2], {**base, "max_new_tokens": 8}, "warm-up")
         run(engine, prompts[:2], {**base, "max_new_tokens": 8, "json_schema": schema}, "warm-up")
-        grammar = engine.scheduler.grammar_backend
+        grammar = engine.scheduler.grammar_queue.backend
         runs = {"unconstrained": [], "json_schema": []}
         for _ in range(args.repeats):  # alternated, so that drift hits both alike
             runs["unconstrained"].append(run(engine, prompts, base, "unconstrained"))

@@ -107,10 +107,7 @@ class Engine:
         sp.verify(self.scheduler.vocab_size)
         spec = grammar_spec(sp)
         if spec is not None:
-            try:
-                check_grammar(*spec)
-            except ValueError as exc:
-                raise ValueError(f"{spec[0]}: {exc}") from None
+            check_grammar(*spec)
         sp.normalize(self.scheduler.vocab_size)
         reqs = []
         for i in range(sp.n):

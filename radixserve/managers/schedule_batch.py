@@ -1,5 +1,6 @@
 """Scheduling state: ``Req``, ``ScheduleBatch`` and the ``ModelWorkerBatch``
-handed to the model worker (see ARCHITECTURE.md, "Batch data flows one way").
+handed to the model worker. Batch data flows one way: ScheduleBatch ->
+ModelWorkerBatch -> ForwardBatch, and only sampled ids (and logprobs) come back.
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ event loop (one step = schedule, run, process results)."""
 from __future__ import annotations
 
 import logging
-from concurrent import futures
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -17,7 +16,9 @@ from radixserve.managers.schedule_batch import FinishReason, ModelWorkerBatch, R
 from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
 from radixserve.mem_cache import ChunkCache, RadixCache, check_memory_invariant
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from radixserve.sampling.grammar import GrammarBackend, grammar_spec
+from radixserve.managers.grammar_queue import GrammarQueue
+from radixserve.managers.input_logprobs import record_input_logprobs, wants_input_logprobs
+from radixserve.sampling.grammar import grammar_spec
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 from radixserve.server_args import ServerArgs
 
@@ -26,7 +27,6 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
-GRAMMAR_POLL_S = 0.005  # longest wait for a compilation when there is nothing else to do
 
 
 @dataclass
@@ -99,8 +99,7 @@ class Scheduler:
         self.max_running = min(server_args.max_running_requests, self.req_to_token_pool.available_size())
         self.chunk_size = server_args.resolved_chunked_prefill_size()
         self.waiting: list[Req] = []
-        self.grammar_queue: list[Req] = []  # waiting for their grammar to compile
-        self.grammar_backend = GrammarBackend(tokenizer, self.vocab_size) if tokenizer is not None else None
+        self.grammar_queue = GrammarQueue(tokenizer, self.vocab_size)  # waiting for their grammar to compile
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
@@ -146,32 +145,12 @@ class Scheduler:
         spec = grammar_spec(sp)
         if spec is None:
             self.waiting.append(req)
-            return
-        if self.grammar_backend is None:
-            raise ValueError(f"{spec[0]}: structured output needs the model's tokenizer")
-        req.grammar_future = self.grammar_backend.submit(spec)  # compiles on the backend's threads
-        self.grammar_queue.append(req)
-
-    def _admit_compiled(self) -> list[Req]:
-        """Requests whose grammar is ready join the waiting queue; those whose
-        grammar failed to compile finish with an abort (returned)."""
-        failed, still = [], []
-        for req in self.grammar_queue:
-            if not req.grammar_future.done():
-                still.append(req)
-                continue
-            try:
-                req.grammar = self.grammar_backend.matcher(req.grammar_future.result())
-                self.waiting.append(req)
-            except Exception as exc:  # a grammar check at the edge passed, but compiling it failed
-                req.finished_reason = FinishReason("abort", message=f"grammar: {exc}")
-                failed.append(req)
-        self.grammar_queue = still
-        return failed
+        else:
+            self.grammar_queue.add(req, spec)
 
     def abort_request(self, rid: str) -> bool:
         """Abort a waiting or running request; its KV comes back. True if found."""
-        for queue in (self.waiting, self.grammar_queue):
+        for queue in (self.waiting, self.grammar_queue.reqs):
             for i, req in enumerate(queue):
                 if req.rid == rid:
                     queue.pop(i)
@@ -201,16 +180,18 @@ class Scheduler:
         out = self._drain() if self._in_flight and self._must_drain() else []
         out += self._process_aborts()
         if self.grammar_queue:
-            out += self._admit_compiled()
+            ready, failed = self.grammar_queue.pop_compiled()
+            self.waiting += ready
+            out += failed
         batch, mode = self._next_batch()
         if not batch and not self._in_flight and self.grammar_queue:  # only compilations to wait for
-            futures.wait([r.grammar_future for r in self.grammar_queue], GRAMMAR_POLL_S, futures.FIRST_COMPLETED)
+            self.grammar_queue.wait()
         out += self._finished_outside_batch
         self._finished_outside_batch = []
         previous, self._in_flight = self._in_flight, None
         if batch:
             fwd = self._launch_forward(batch, mode)
-            if previous is not None and any(r.grammar is not None for r in batch):
+            if previous is not None and self.grammar_queue.constrained(batch):
                 # The token masks need the tokens of the batch in flight: take
                 # them while this batch's forward runs, then queue its sampling.
                 out += self._process(previous)
@@ -378,13 +359,13 @@ class Scheduler:
         info = batch.sampling_info
         want_lp = any(r.return_logprob for r in reqs)
         tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
-        batch.vocab_mask = self._vocab_mask(reqs)
+        batch.vocab_mask = self.grammar_queue.vocab_mask(reqs)
         with self._on_forward_stream(), torch.inference_mode():
             logits = fwd.logits.next_token_logits
             if want_lp and batch.forward_mode == ForwardMode.EXTEND:  # read again for chunked prompts' input logprobs
                 logits = logits.clone()
             if batch.vocab_mask is not None:
-                self.grammar_backend.apply(logits, batch.vocab_mask)
+                self.grammar_queue.apply(logits, batch.vocab_mask)
             # The sampler penalizes and scales ``logits`` in place.
             sample = self.sampler(logits, info, return_logprob=want_lp, top_logprobs_nums=tops)
             self.last_token[fb.req_pool_indices] = sample.next_token_ids
@@ -409,7 +390,7 @@ class Scheduler:
             prefix.append(r.kv_end)
             ext.append(r.extend_input_len)
         seq = [p + e for p, e in zip(prefix, ext)]
-        want_logprob = [self._wants_input_logprobs(r) for r in reqs]
+        want_logprob = [wants_input_logprobs(r) for r in reqs]
         return ModelWorkerBatch(
             forward_mode=ForwardMode.EXTEND,
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
@@ -426,13 +407,6 @@ class Scheduler:
             top_logprobs_nums=[r.top_logprobs_num if w else 0 for r, w in zip(reqs, want_logprob)],
             sampling_info=SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device),
         )
-
-    def _vocab_mask(self, reqs: list[Req]):
-        """The batch's grammar bitmask, or None when no request has a grammar.
-        A request that finished meanwhile (its token will be dropped) gets none."""
-        if self.grammar_backend is None or all(r.grammar is None for r in reqs):
-            return None
-        return self.grammar_backend.bitmask([None if r.finished() else r.grammar for r in reqs])
 
     def _build_decode(self, reqs: list[Req]) -> ModelWorkerBatch:
         """One new token per request. The input ids are left to the device
@@ -492,14 +466,6 @@ class Scheduler:
         self._decode_info_reqs = settled + pending
         return self._decode_info_reqs
 
-    def _wants_input_logprobs(self, req: Req) -> bool:
-        return (
-            req.return_logprob
-            and 0 <= req.logprob_start_len < len(req.origin_input_ids)
-            and not req.output_ids
-            and req.retractions == 0
-        )
-
     # -- results --------------------------------------------------------------------
     def _process(self, launched: _Launched) -> list[Req]:
         """Wait for a launched batch and apply its results to its requests."""
@@ -508,7 +474,7 @@ class Scheduler:
         reqs, batch, sample = launched.reqs, launched.batch, launched.sample
         mode = batch.forward_mode
         if mode == ForwardMode.EXTEND:
-            self._record_input_logprobs(reqs, batch, launched.logits)
+            record_input_logprobs(reqs, batch, launched.logits)
         next_ids = launched.next_ids.tolist()
         # Entries that prefilled part of a prompt (the next chunk may be in flight already).
         partial = [mode == ForwardMode.EXTEND and seq < len(req.fill_ids) for req, seq in zip(reqs, batch.seq_lens_cpu)]
@@ -539,20 +505,9 @@ class Scheduler:
                     req.finished_reason = FinishReason("abort", message=f"internal error: {exc}")
                 updated.append(req)
         if constrained:
-            self._advance_grammars(constrained)
+            self.grammar_queue.advance(constrained)
         self._update_running(reqs, mode, updated, partial)
         return updated
-
-    def _advance_grammars(self, reqs: list[Req]) -> None:
-        """Feed each request's new token to its grammar, all at once; a grammar
-        that has ended finishes its request (the sampled token was one it allows)."""
-        accepted = self.grammar_backend.accept([r.grammar for r in reqs], [r.output_ids[-1] for r in reqs])
-        for req, ok in zip(reqs, accepted):
-            if not ok:  # the mask allowed it: a bug, but one request's
-                logger.error("request %s aborted: its grammar refused token %d", req.rid, req.output_ids[-1])
-                req.finished_reason = FinishReason("abort", message="internal error: the grammar refused a token")
-            elif req.finished_reason is None and req.grammar.is_terminated():
-                req.finished_reason = FinishReason("stop", req.output_ids[-1])
 
     def _release_deferred(self, req: Req) -> None:
         if req.kv_inflight == 0:
@@ -598,37 +553,6 @@ class Scheduler:
             len(req.output_ids) >= sp.max_new_tokens or req.seqlen >= self.context_len
         ):
             req.finished_reason = FinishReason("length", len(req.output_ids))
-
-    def _record_input_logprobs(self, reqs: list[Req], batch: ModelWorkerBatch, out) -> None:
-        """Input-token logprobs: position ``q`` gets log P(token_q | tokens < q);
-        position 0 gets None. The last new token of a chunk scores the next
-        chunk's first token from its next-token logits."""
-        offset = 0
-        lens = out.input_logprob_lens or [0] * len(reqs)
-        for i, req in enumerate(reqs):
-            n = lens[i]
-            if not self._wants_input_logprobs(req):
-                offset += n
-                continue
-            prefix, ext = batch.extend_prefix_lens[i], batch.extend_seq_lens[i]
-            s = batch.extend_logprob_start_lens[i]
-            if prefix == 0 and req.logprob_start_len == 0:
-                req.input_token_logprobs.append((None, req.origin_input_ids[0]))
-                req.input_top_logprobs.append(None)
-            vals = out.input_token_logprobs[offset : offset + n].tolist()
-            for j, v in enumerate(vals):
-                req.input_token_logprobs.append((v, req.origin_input_ids[prefix + s + j + 1]))
-                if req.top_logprobs_num:
-                    tv, ti = out.input_top_logprobs_val[i][j], out.input_top_logprobs_idx[i][j]
-                    req.input_top_logprobs.append(list(zip(tv, ti)))
-            nxt = prefix + ext
-            if nxt < len(req.origin_input_ids) and nxt >= req.logprob_start_len:  # a chunk: score the next one's first token
-                lp = torch.log_softmax(out.next_token_logits[i].float(), dim=-1)
-                req.input_token_logprobs.append((float(lp[req.origin_input_ids[nxt]]), req.origin_input_ids[nxt]))
-                if req.top_logprobs_num:
-                    v, ix = lp.topk(req.top_logprobs_num)
-                    req.input_top_logprobs.append(list(zip(v.tolist(), ix.tolist())))
-            offset += n
 
     def _process_aborts(self) -> list[Req]:
         """Finish running requests marked ``to_abort`` before the next batch."""

@@ -201,7 +201,7 @@ class TokenizerManager:
             try:
                 await self.run_blocking(check_grammar, *spec)  # the first one imports xgrammar (about a second)
             except ValueError as exc:
-                raise ValueError(f"{w}.{spec[0]}: {exc}") from None
+                raise ValueError(f"{w}.{exc}") from None
             checked.add(spec)
 
     def _check_capacity(self, n: int, admitting: bool = True) -> None:

@@ -44,8 +44,9 @@ def _xgrammar():
 
 
 def check_grammar(kind: str, text: str) -> None:
-    """Raise ``ValueError`` if ``text`` is not a valid ``kind`` grammar. Builds
-    the grammar alone (no token masks), which takes milliseconds."""
+    """Raise ``ValueError("<kind>: invalid ...")`` if ``text`` is not a valid
+    ``kind`` grammar. Builds the grammar alone (no token masks), which takes
+    milliseconds."""
     xgr = _xgrammar()
     try:
         if kind == "json_schema":
@@ -58,7 +59,7 @@ def check_grammar(kind: str, text: str) -> None:
         else:
             _structural_tag(xgr, text, xgr.Grammar.from_structural_tag)
     except (RuntimeError, ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise ValueError(f"invalid {kind.replace('_', ' ')}: {_first_line(exc)}") from None
+        raise ValueError(f"{kind}: invalid {kind.replace('_', ' ')}: {_first_line(exc)}") from None
 
 
 def _structural_tag(xgr, text: str, build):
