@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from radixserve.sampling.stop_regex import UNBOUNDED, StopRegexTimeout, compile_all, first_match, max_match_chars
 from radixserve.managers.detokenizer_manager import DecodeStatus, DetokenizerManager
 from radixserve.managers.io_struct import BatchStrOut, BatchTokenIDOut, decode, encode
 
@@ -93,3 +94,31 @@ def test_a_request_that_cannot_be_decoded_ends_alone(tokenizer, tmp_path):
     assert out.rids == ["good"]
     out = manager.handle(BatchTokenIDOut(["bad"], [[]], [{"finish_reason": {"type": "abort"}}]))
     assert out.rids == [] and not manager.failed and not manager.status
+
+
+def test_stop_regex_match_is_trimmed_and_never_streamed(tokenizer):
+    ids = tokenizer.encode("Call 555-1234 now, or later")
+    st = DecodeStatus(tokenizer, stop_regex=[r"\d{3}-\d{4}"])
+    assert st.hold == 7, "a match is at most 8 characters"
+    streamed, reason = "", {"type": "stop", "matched": r"\d{3}-\d{4}"}
+    for i, t in enumerate(ids):
+        done = "555-1234" in tokenizer.decode(ids[: i + 1])
+        streamed += st.feed([t], reason if done else None)
+        assert "5" not in streamed
+        if done:
+            break
+    assert streamed == "Call "
+    kept = DecodeStatus(tokenizer, stop_regex=[r"\d{3}-\d{4}"], no_stop_trim=True)
+    assert kept.feed(ids[:4], reason, no_stop_trim=True) == tokenizer.decode(ids[:4])
+
+
+@pytest.mark.parametrize("pattern,bound", [("abc", 3), ("a|bcd", 3), ("(ab){2,3}", 6), (r"\d{3}-\d{4}", 8),
+                                           ("(?<=ab)c", 3), (r"\bfoo\b", 3), ("x+", UNBOUNDED), (r"(a)\1", UNBOUNDED)])
+def test_stop_regex_match_bound(pattern, bound):
+    assert max_match_chars(pattern) == bound
+
+
+def test_a_catastrophic_stop_regex_ends_its_request_not_the_loop():
+    patterns = compile_all([r"(a|aa)+$"])
+    with pytest.raises(StopRegexTimeout, match="stop_regex"):
+        first_match(patterns, "a" * 40 + "b")

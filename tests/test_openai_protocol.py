@@ -78,7 +78,7 @@ COMPLETION_ERRORS = [
     ({"response_format": {"type": "xml"}}, "response_format.type", "'json_object'"),
     ({"regex": "a+", "ebnf": "root ::= \"a\""}, "ebnf", "only one of"),
     ({"response_format": {"type": "json_object"}, "regex": "a+"}, "regex", "only one of"),
-    ({"stop_regex": "a+"}, "stop_regex", "not supported"),
+    ({"stop_regex": "a(+"}, "stop_regex", "invalid regular expression"),
     ({"prompt": []}, "prompt", "must be a string"),
     ({"prompt": [[]]}, "prompt", "must be a string"),
     ({"prompt": [1, -2]}, "prompt", "token ids >= 0"),

@@ -216,13 +216,39 @@ def test_sglang_clients_bodies_are_accepted(client, body):
     ({"text": "hi", "image_data": "http://example.com/cat.png"}, "image_data"),
     ({"text": "hi", "return_hidden_states": True}, "return_hidden_states"),
     ({"text": "hi", "routed_dp_rank": 1}, "routed_dp_rank"),
-    ({"text": "hi", "sampling_params": {"stop_regex": "[0-9]+"}}, "sampling_params.stop_regex"),
+    ({"text": "hi", "sampling_params": {"watermark": {"k": 1}}}, "sampling_params.watermark"),
     ({"text": "hi", "sampling_params": {"custom_params": {"k": 1}}}, "sampling_params.custom_params"),
 ])
 def test_unsupported_fields_with_real_values_are_refused_by_name(client, body, param):
     r = client.post("/generate", json=body)
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == param and "not supported" in err["message"]
+
+
+def test_stop_regex_stops_trims_and_never_streams_the_match(client):
+    body = {"text": PROMPT, "sampling_params": {**GREEDY, "stop_regex": [r"P\w+s"]}}
+    out = client.post("/generate", json=body).json()
+    assert out["text"] == "The capital of France is "
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": r"P\w+s"}
+    events = sse_events(client.post("/generate", json={**body, "stream": True}).text)
+    assert events[-1]["text"] == out["text"], "the stream never sent the start of the match"
+    kept = client.post("/generate", json={**body, "sampling_params": {**body["sampling_params"], "no_stop_trim": True}})
+    assert kept.json()["text"] == out["text"] + "Paris"
+
+
+def test_a_stop_regex_too_slow_to_search_ends_only_its_request(client):
+    body = {"text": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 64, "stop_regex": r"(.|..)*\d$"}}
+    reason = client.post("/generate", json=body).json()["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["message"].startswith("sampling_params.stop_regex: ")
+    assert client.post("/generate", json={"text": PROMPT, "sampling_params": GREEDY}).status_code == 200
+
+
+@pytest.mark.parametrize("stop_regex,why", [("a(b", "invalid regular expression"), (["x"] * 33, "at most 32"),
+                                            ("x" * 257, "at most 256 bytes"), ("", "non-empty")])
+def test_bad_stop_regex_is_refused_by_name(client, stop_regex, why):
+    r = client.post("/generate", json={"text": "hi", "sampling_params": {"stop_regex": stop_regex}})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "sampling_params.stop_regex" and why in err["message"]
 
 
 def test_per_prompt_logprob_settings_and_stream_interval(client):

@@ -130,3 +130,16 @@ def test_continue_final_message_and_sglang_extensions(client):
     assert out.choices[0].message.content.startswith(" is Paris")
     with pytest.raises(openai.BadRequestError, match="lora_path"):
         client.chat.completions.create(model=MODEL, messages=QUESTION, extra_body={"lora_path": "adapter"})
+
+
+def test_stop_regex_on_both_routes(client):
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20,
+                                          extra_body={"stop_regex": [r"P\w+s"]})
+    assert chat.choices[0].message.content == "The capital of France is "
+    assert chat.choices[0].finish_reason == "stop" and chat.choices[0].matched_stop == r"P\w+s"
+    done = client.completions.create(model=MODEL, prompt="1, 2, 3,", temperature=0, max_tokens=12,
+                                     extra_body={"stop_regex": r"[5-9]"})
+    assert not any(ch in done.choices[0].text for ch in "56789") and done.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"stop_regex": "(unclosed"})
+    assert err.value.param == "stop_regex" and "invalid regular expression" in err.value.message

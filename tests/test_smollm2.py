@@ -70,3 +70,13 @@ def test_stop_token_ids_and_min_new_tokens(eng):
     eos = eng.tokenizer.eos_token_id
     longer = eng.generate(prompt, {"temperature": 0, "max_new_tokens": 40, "min_new_tokens": 20})
     assert len(longer["output_ids"]) >= 20 and eos not in longer["output_ids"][:19]
+
+
+def test_stop_regex_in_the_engine(eng):
+    prompt = eng.apply_chat_template([{"role": "user", "content": CHATS[3]}])
+    full = eng.generate(prompt, {"temperature": 0, "max_new_tokens": 32})
+    out = eng.generate(prompt, {"temperature": 0, "max_new_tokens": 32, "stop_regex": r"\d+"})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": r"\d+"}
+    first_digit = next(i for i, ch in enumerate(full["text"]) if ch.isdigit())
+    assert out["text"] == full["text"][:first_digit]
+    assert full["output_ids"][: len(out["output_ids"])] == out["output_ids"]

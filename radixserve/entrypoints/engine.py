@@ -163,7 +163,7 @@ class Engine:
     def _decode_status(self, req: Req) -> DecodeStatus:
         sp = req.sampling_params
         tokenizer = self.tokenizer if self.tokenizer is not None else NullTokenizer()
-        return DecodeStatus(tokenizer, sp.skip_special_tokens, sp.spaces_between_special_tokens, sp.stop, sp.no_stop_trim)
+        return DecodeStatus(tokenizer, sp.skip_special_tokens, sp.spaces_between_special_tokens, sp.stop, sp.no_stop_trim, sp.stop_regex)
 
     def _output(self, req: Req, latency: float, text: str | None = None) -> dict:
         reason = req.finished_reason

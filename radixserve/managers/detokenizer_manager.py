@@ -3,7 +3,8 @@
 ``DecodeStatus`` turns a growing list of ids into appendable text: it never
 emits half of a multi-byte UTF-8 character (the replacement char '\\ufffd'
 marks an incomplete one) nor the last ``len(longest stop string) - 1``
-characters while a stop string could still complete and be trimmed. The
+characters while a stop string (or a ``stop_regex`` match, up to
+``stop_regex.MAX_STREAM_HOLD`` characters) could still complete and be trimmed. The
 ``DetokenizerManager`` process runs one per request between the Scheduler and
 the TokenizerManager; the offline Engine uses ``DecodeStatus`` directly.
 """
@@ -14,6 +15,7 @@ import logging
 
 from radixserve.managers.child_process import ParentWatch, zmq_context
 from radixserve.managers.io_struct import BatchStrOut, BatchTokenIDOut, decode, encode, pipeline_sockets
+from radixserve.sampling import stop_regex as stop_regex_lib
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +28,7 @@ class DecodeStatus:
     """Decoding state of one request's output."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
-                 stop: list[str] | None = None, no_stop_trim: bool = False):
+                 stop: list[str] | None = None, no_stop_trim: bool = False, stop_regex: list[str] | None = None):
         self.tokenizer = tokenizer
         self.kwargs = {"skip_special_tokens": skip_special_tokens}
         if not spaces_between_special_tokens:
@@ -36,7 +38,9 @@ class DecodeStatus:
         self.read_offset = 0  # ids before this are fully decoded into self.decoded
         self.decoded = ""  # text of ids[:read_offset]
         self.sent = 0  # characters of the final text already handed out
-        self.hold = max((len(s) for s in stop or []), default=1) - 1 if not no_stop_trim else 0
+        self.stop, self.stop_regex = list(stop or []), list(stop_regex or [])
+        hold = max(max((len(s) - 1 for s in self.stop), default=0), stop_regex_lib.stream_hold(self.stop_regex))
+        self.hold = 0 if no_stop_trim else hold
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, **self.kwargs)
@@ -68,11 +72,25 @@ class DecodeStatus:
         if (finish_reason or {}).get("type") == "stop" and isinstance(matched, int) and not no_stop_trim:
             ids = ids[:-1] if ids and ids[-1] == matched else ids
         text = self._decode(ids)
-        if isinstance(matched, str) and not no_stop_trim and matched in text:
-            text = text[: text.find(matched)]
+        if isinstance(matched, str) and not no_stop_trim:
+            text = text[: self._stop_position(matched, text)]
         delta = text[self.sent :] if len(text) >= self.sent else ""
         self.sent = max(self.sent, len(text))
         return delta
+
+
+    def _stop_position(self, matched: str, text: str) -> int:
+        """Where the text ends: at the matched stop string, or at the first
+        match of the matched stop regex."""
+        if matched in text and (matched in self.stop or matched not in self.stop_regex):
+            return text.find(matched)
+        if matched not in self.stop_regex:
+            return len(text)
+        try:
+            found = stop_regex_lib.first_match(stop_regex_lib.compile_all([matched]), text)
+        except stop_regex_lib.StopRegexTimeout:
+            found = None
+        return len(text) if found is None else found[1]
 
 
 class DetokenizerManager:
@@ -120,6 +138,7 @@ class DetokenizerManager:
             st = self.status[rid] = DecodeStatus(
                 self.tokenizer, meta.get("skip_special_tokens", True),
                 meta.get("spaces_between_special_tokens", True), meta.get("stop"), meta.get("no_stop_trim", False),
+                meta.get("stop_regex"),
             )
         delta = st.feed(ids, meta.get("finish_reason"), meta.get("no_stop_trim", False))
         if meta.get("finish_reason") is not None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve.model_executor.forward_batch_info import ForwardMode
+from radixserve.sampling import stop_regex
 
 if TYPE_CHECKING:
     from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
@@ -97,7 +98,8 @@ class Req:
         # this round's extend
         self.extend_input_len = 0
         self.is_chunked = False
-        self.stop_window = 0  # output tokens re-decoded to find stop strings (0: none)
+        self.stop_window = 0  # output tokens re-decoded to find stop strings and regexes (0: none)
+        self.stop_patterns: list = []  # compiled stop_regex
         # structured output: the compilation in progress, then the matcher of the output so far
         self.grammar_future = None
         self.grammar = None
@@ -131,6 +133,40 @@ class Req:
 
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+    def init_stop_matching(self, tokenizer) -> None:
+        """Size the output tail that ``check_finished`` re-decodes: enough
+        tokens for the longest stop string or regex match (every token at
+        least one character), all of the output for an unbounded regex."""
+        sp = self.sampling_params
+        if tokenizer is None or not (sp.stop or sp.stop_regex):
+            return
+        regex_chars = max((stop_regex.max_match_chars(p) for p in sp.stop_regex), default=0)
+        self.stop_window = max(sp.stop_str_max_len(tokenizer), regex_chars) + 2
+        self.stop_patterns = stop_regex.compile_all(sp.stop_regex)
+
+    def check_finished(self, tokenizer, context_len: int) -> None:
+        """Set ``finished_reason`` if the last output token ends the request:
+        a stop token, a stop string or regex in the output's tail, or the
+        length limit."""
+        sp, last = self.sampling_params, self.output_ids[-1]
+        if last in self.stop_token_ids_all and len(self.output_ids) >= sp.min_new_tokens:
+            self.finished_reason = FinishReason("stop", last)
+        elif self.stop_window and len(self.output_ids) >= sp.min_new_tokens:
+            tail = tokenizer.decode(self.output_ids[-self.stop_window :], skip_special_tokens=sp.skip_special_tokens)
+            self.finished_reason = self._match_stop(tail)
+        if self.finished_reason is None and (len(self.output_ids) >= sp.max_new_tokens or self.seqlen >= context_len):
+            self.finished_reason = FinishReason("length", len(self.output_ids))
+
+    def _match_stop(self, tail: str) -> FinishReason | None:
+        matched = next((s for s in self.sampling_params.stop if s in tail), None)
+        if matched is not None:
+            return FinishReason("stop", matched)
+        try:
+            found = stop_regex.first_match(self.stop_patterns, tail)
+        except stop_regex.StopRegexTimeout as exc:
+            return FinishReason("abort", message=str(exc))
+        return None if found is None else FinishReason("stop", found[0])
 
     def reset_for_retract(self) -> None:
         """Back to the waiting queue; output so far is kept and re-prefilled."""

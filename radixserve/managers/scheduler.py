@@ -139,8 +139,7 @@ class Scheduler:
         self.validate(req)
         sp = req.sampling_params
         sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - len(req.origin_input_ids))
-        if sp.stop and self.tokenizer is not None:  # tokens to re-decode when looking for stop strings
-            req.stop_window = sp.stop_str_max_len(self.tokenizer) + 2
+        req.init_stop_matching(self.tokenizer)
         self.stats["prompt_tokens"] += len(req.origin_input_ids)
         spec = grammar_spec(sp)
         if spec is None:
@@ -521,7 +520,7 @@ class Scheduler:
             req.output_token_logprobs.append((float(sample.next_token_logprobs[i]), tok))
             if req.top_logprobs_num and sample.top_logprobs_val is not None:
                 req.output_top_logprobs.append(list(zip(sample.top_logprobs_val[i], sample.top_logprobs_idx[i])))
-        self._check_finished(req)
+        req.check_finished(self.tokenizer, self.context_len)
 
     def _update_running(self, reqs: list[Req], mode: ForwardMode, updated: list[Req], partial: list[bool]) -> None:
         for req in (r for r in updated if r.finished()):
@@ -538,21 +537,6 @@ class Scheduler:
             for req, part in zip(reqs, partial):
                 if not part and not req.finished():
                     self.tree_cache.cache_unfinished_req(req)
-
-    def _check_finished(self, req: Req) -> None:
-        sp, last = req.sampling_params, req.output_ids[-1]
-        if last in req.stop_token_ids_all and len(req.output_ids) >= sp.min_new_tokens:
-            req.finished_reason = FinishReason("stop", last)
-        elif req.stop_window and len(req.output_ids) >= sp.min_new_tokens:
-            tail = self.tokenizer.decode(req.output_ids[-req.stop_window :], skip_special_tokens=sp.skip_special_tokens)
-            for stop in sp.stop:
-                if stop in tail:
-                    req.finished_reason = FinishReason("stop", stop)
-                    break
-        if req.finished_reason is None and (
-            len(req.output_ids) >= sp.max_new_tokens or req.seqlen >= self.context_len
-        ):
-            req.finished_reason = FinishReason("length", len(req.output_ids))
 
     def _process_aborts(self) -> list[Req]:
         """Finish running requests marked ``to_abort`` before the next batch."""

@@ -44,6 +44,7 @@ def req_meta(req: Req, sent_logprobs: int) -> dict:
         "skip_special_tokens": sp.skip_special_tokens,
         "spaces_between_special_tokens": sp.spaces_between_special_tokens,
         "stop": list(sp.stop or []),
+        "stop_regex": list(sp.stop_regex or []),
         "no_stop_trim": sp.no_stop_trim,
     }
     if req.return_logprob:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import regex
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
 
@@ -27,6 +28,8 @@ MAX_INT32 = (1 << 31) - 1
 MAX_N = 128  # samples per prompt
 MAX_STOP_STRINGS = 128
 MAX_STOP_CHARS = 1024  # per stop string: the scheduler re-decodes this much output each step
+MAX_STOP_REGEX = 32  # patterns per request, as SGLang
+MAX_STOP_REGEX_BYTES = 256  # per pattern, as SGLang
 MAX_LOGIT_BIAS = 1e6  # |bias|: still finite in float32 once divided by a tiny temperature
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a 64-bit seed (and msgpack) holds
 
@@ -34,7 +37,7 @@ SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a 64-bit seed (and msgpack) hol
 # SGLang's sampling params that this engine does not implement, with the
 # values that ask for nothing (accepted and ignored); any other value is refused.
 UNSUPPORTED_SAMPLING: dict[str, tuple] = {
-    "stop_regex": (None, []), "custom_params": (None,), "watermark": (None,), "beam_width": (None, 1), "ebnf_full_assistant": (False,),
+    "custom_params": (None,), "watermark": (None,), "beam_width": (None, 1), "ebnf_full_assistant": (False,),
 }
 
 
@@ -50,6 +53,7 @@ class SamplingParams:
 
     max_new_tokens: int = Field(128, ge=0, le=MAX_INT32)
     stop: str | list[str] | None = None
+    stop_regex: str | list[str] | None = None  # Python regular expressions searched in the output (stop_regex.py)
     stop_token_ids: list[int] | None = None
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -74,7 +78,6 @@ class SamplingParams:
     ebnf: str | None = None
     structural_tag: str | None = None
     # not implemented (see UNSUPPORTED_SAMPLING)
-    stop_regex: Any = None
     custom_params: Any = None
     watermark: Any = None
     beam_width: Any = None
@@ -91,6 +94,8 @@ class SamplingParams:
         if not all(0 < len(s) <= MAX_STOP_CHARS for s in stops):
             raise ValueError(f"stop strings must be non-empty and at most {MAX_STOP_CHARS} characters")
         return v
+
+    _stop_regex = field_validator("stop_regex")(classmethod(lambda cls, v: check_stop_regex(v)))
 
     @field_validator("top_k")
     @classmethod
@@ -149,7 +154,7 @@ class SamplingParams:
     def normalize(self, vocab_size: int | None = None) -> "SamplingParams":
         """Put the params in the canonical form the engine relies on; returns self.
 
-        - ``stop`` becomes a list (``[]`` when unset), ``stop_token_ids`` a
+        - ``stop`` and ``stop_regex`` become lists (``[]`` when unset), ``stop_token_ids`` a
           de-duplicated list, ``logit_bias`` keys become ints.
         - Greedy: a temperature below ``GREEDY_EPS`` becomes ``top_k = 1`` with
           ``temperature = 1.0``, as in SGLang. The sampler treats ``top_k == 1``
@@ -160,10 +165,8 @@ class SamplingParams:
 
         Idempotent: normalizing twice gives the same params.
         """
-        if self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
+        self.stop = _as_list(self.stop)
+        self.stop_regex = _as_list(self.stop_regex)
         self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
         if self.logit_bias:
             self.logit_bias = {_bias_key(k): float(v) for k, v in self.logit_bias.items()}
@@ -185,6 +188,26 @@ class SamplingParams:
         if tokenizer is None:
             return max((len(s) for s in stops), default=0)
         return max((len(tokenizer.encode(s, add_special_tokens=False)) for s in stops), default=0)
+
+
+def check_stop_regex(v: str | list[str] | None) -> str | list[str] | None:
+    """``stop_regex``'s checks (shared with the OpenAI routes): SGLang's limits,
+    and every pattern compiles."""
+    patterns = _as_list(v)
+    if len(patterns) > MAX_STOP_REGEX:
+        raise ValueError(f"at most {MAX_STOP_REGEX} patterns")
+    for pattern in patterns:
+        if not 0 < len(pattern.encode("utf-8", "surrogatepass")) <= MAX_STOP_REGEX_BYTES:
+            raise ValueError(f"patterns must be non-empty and at most {MAX_STOP_REGEX_BYTES} bytes")
+        try:
+            regex.compile(pattern)
+        except (regex.error, RecursionError, OverflowError) as exc:
+            raise ValueError(f"invalid regular expression {pattern!r}: {exc}") from None
+    return v
+
+
+def _as_list(v: str | list[str] | None) -> list[str]:
+    return [v] if isinstance(v, str) else list(v or [])
 
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))

@@ -57,6 +57,7 @@ _SAMPLING_NAMES = {
     "min_tokens": "min_new_tokens",
     "stop": "stop",
     "stop_token_ids": "stop_token_ids",
+    "stop_regex": "stop_regex",
     "ignore_eos": "ignore_eos",
     "skip_special_tokens": "skip_special_tokens",
     "no_stop_trim": "no_stop_trim",

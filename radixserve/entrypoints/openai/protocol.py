@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from radixserve.managers.io_struct import MAX_RID_CHARS, MAX_TOP_LOGPROBS
-from radixserve.sampling.sampling_params import MAX_N
+from radixserve.sampling.sampling_params import MAX_N, check_stop_regex
 from radixserve.validation import no_op_validator
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's bound on one bias
@@ -30,7 +30,7 @@ LOGIT_BIAS_LIMIT = 100.0  # OpenAI's bound on one bias
 # (`user`, `metadata`, `store`, `session_id`, `priority`, ...) are plain fields.
 _UNSUPPORTED: dict[str, tuple] = {
     # sampling, both routes
-    "stop_regex": (None, []), "custom_params": (None,), "custom_logit_processor": (None,), "watermark": (None,),
+    "custom_params": (None,), "custom_logit_processor": (None,), "watermark": (None,),
     "lora_path": (None,), "session_params": (None,), "extra_key": (None, ""), "cache_salt": (None, ""),
     "images_config": (None,), "mm_processor_kwargs": (None,),
     "return_hidden_states": (False,), "return_routed_experts": (False,), "routed_experts_start_len": (0,),
@@ -115,6 +115,7 @@ class _GenerationRequest(BaseModel):
     skip_special_tokens: bool | None = None
     stop_token_ids: list[int] | None = None
     no_stop_trim: bool | None = None
+    stop_regex: str | list[str] | None = None
     rid: str | None = Field(None, min_length=1, max_length=MAX_RID_CHARS)
     # hints that never change the output
     metadata: dict[str, str] | None = None
@@ -131,7 +132,6 @@ class _GenerationRequest(BaseModel):
     json_schema: str | None = None
     ebnf: str | None = None
     # not implemented: accepted only at their no-op values (_UNSUPPORTED)
-    stop_regex: Any = None
     custom_params: Any = None
     custom_logit_processor: Any = None
     watermark: Any = None
@@ -171,6 +171,8 @@ class _GenerationRequest(BaseModel):
         if v is not None and v != -1 and v < 1:
             raise ValueError("must be -1 (no limit) or >= 1")
         return v
+
+    _stop_regex = field_validator("stop_regex")(classmethod(lambda cls, v: check_stop_regex(v)))
 
     @field_validator("stop_token_ids")
     @classmethod
