@@ -81,6 +81,14 @@ def test_regex_and_ebnf_outputs_match_in_full(eng):
             assert re.fullmatch(r"[0-9+\-()]*", out["text"]), out["text"]
 
 
+def test_a_grammar_that_can_only_end_outranks_min_new_tokens(eng):
+    prompt = chat(eng, "Give me a phone number.")
+    out = eng.generate(prompt, {**SAMPLED, "regex": PHONE, "min_new_tokens": 100}, return_logprob=True)
+    assert re.fullmatch(PHONE, out["text"]) and out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert out["meta_info"]["completion_tokens"] < 100
+    assert all(lp > -1e9 for lp, *_ in out["meta_info"]["output_token_logprobs"]), "no token came from an empty row"
+
+
 def test_structural_tags_in_both_formats(eng):
     prompt = chat(eng, "Say hello, then call get_weather for Paris.")
     xgrammar_format = {"type": "structural_tag", "format": {"type": "const_string", "value": "hello"}}

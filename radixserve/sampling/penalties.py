@@ -10,7 +10,9 @@ Semantics (each row uses only its own request's settings):
   tokens only, ``logit -= frequency * count + presence * (count > 0)``.
 - ``logit_bias``: the bias is added to the token's logit.
 - ``min_new_tokens``: while fewer than ``min_new_tokens`` tokens have been
-  generated, the request's stop tokens (``req.stop_token_ids_all``) get -inf.
+  generated, the request's stop tokens (``req.stop_token_ids_all``) get -inf,
+  unless nothing else is left (a grammar whose only next token is its end:
+  the grammar's end wins, and the request stops short of ``min_new_tokens``).
 
 They are applied in that order (multiplicative, then additive, then masks), as
 vLLM does. A penalizer exists in a batch only when some request uses it, so a
@@ -225,7 +227,11 @@ class MinNewTokensPenalizer(Penalizer):
 
     def apply(self, logits):
         too_short = (self.output_lens < self.min_new_tokens).view(-1, 1)
-        logits.masked_fill_(self.stop_mask & too_short, float("-inf"))
+        banned = logits.masked_fill(self.stop_mask & too_short, float("-inf"))
+        # A row left with no token (a grammar that can only end) keeps its stop
+        # tokens: the grammar's end outranks min_new_tokens.
+        stuck = torch.isneginf(banned).all(dim=-1, keepdim=True)
+        logits.copy_(torch.where(stuck, logits, banned))
 
     def cumulate(self, next_token_ids):
         self.output_lens += 1
