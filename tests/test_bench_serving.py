@@ -194,11 +194,14 @@ def test_random_run_at_two_rates_completes_without_failures(server, tmp_path):
         assert run["total_output_tokens"] == out["dataset"]["output_tokens"]  # ignore_eos: exact lengths
         assert 0 < run["ttft_ms"]["median"] <= run["e2e_ms"]["median"]
         assert run["itl_ms"]["p99"] is not None and run["goodput"] == pytest.approx(run["request_throughput"])
-    assert out["runs"][1]["peak_running_requests"] > 1  # all at once: they share batches
     assert out["server"]["model"] == "tiny-llama"
     assert (tmp_path / "random-latency.png").stat().st_size > 0 and (tmp_path / "random-rates.png").exists()
     # the saved timelines reproduce the figures, and --compare draws them again without a server
     saved = [RequestRecord(**d) for d in out["runs"][1]["requests"]]
+    # all at once: they stream tokens at the same time, so they share decode batches (the
+    # server's own running count is sampled every half second and can miss so short a run)
+    streaming = [(r.chunk_times[0], r.end) for r in saved]
+    assert max(sum(a <= t < b for a, b in streaming) for t, _ in streaming) > 1
     again = compute_metrics(saved, out["runs"][1]["duration_s"])
     assert again["ttft_ms"] == pytest.approx(out["runs"][1]["ttft_ms"], abs=0.2)
     assert serving.main(["--compare", str(tmp_path / "random.json"), "--plot", str(tmp_path / "again")]) == 0

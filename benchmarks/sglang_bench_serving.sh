@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# SGLang's own benchmark client against radixserve: starts a radixserve server,
+# runs `python -m sglang.bench_serving --backend sglang` (SGLang's /generate
+# client, unchanged) at each of RATES, and writes its JSON lines to
+# $OUT/sglang-bench-serving.jsonl (one line per rate, SGLang's format).
+#
+#   OUT=/some/dir benchmarks/sglang_bench_serving.sh
+#
+# Needs `sglang` importable (installed with --no-deps, plus what
+# sglang.bench_serving imports: datasets, orjson, msgspec, pybase64, aiohttp,
+# and a torchvision that matches torch, since it imports sglang.srt.configs)
+# and radixserve's dependencies. Defaults: llama-3.1-8b dummy weights with a
+# real tokenizer (TOKENIZER), the random-ids dataset, 1024 in / 256 out.
+set -uo pipefail
+
+MODEL=${MODEL:-llama-3.1-8b} TOKENIZER=${TOKENIZER:?set TOKENIZER to a tokenizer folder} PORT=${PORT:-31000}
+PROMPTS=${PROMPTS:-256} INPUT=${INPUT:-1024} OUTPUT=${OUTPUT:-256} RATES=${RATES:-16 inf}
+START_TIMEOUT=${START_TIMEOUT:-240} SERVER_ARGS=${SERVER_ARGS:-}
+PY=${PYTHON:-python3}
+: "${OUT:?set OUT to the output folder}"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+LOGDIR=$(mktemp -d) SERVER_PID=
+
+stop_server() {
+    [[ -n $SERVER_PID ]] || return 0
+    kill -TERM "$SERVER_PID" 2>/dev/null
+    for ((i = 0; i < 40; i++)); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- "-$SERVER_PID" 2>/dev/null
+    wait "$SERVER_PID" 2>/dev/null; SERVER_PID=
+}
+trap stop_server EXIT
+
+setsid "$PY" -m radixserve.launch_server --model-path "$MODEL" --load-format dummy --tokenizer-path "$TOKENIZER" \
+    --port "$PORT" $SERVER_ARGS >"$LOGDIR/server.log" 2>&1 &
+SERVER_PID=$!
+for ((i = 0; i < START_TIMEOUT; i++)); do
+    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
+    kill -0 "$SERVER_PID" 2>/dev/null || { tail -30 "$LOGDIR/server.log"; exit 1; }
+    sleep 1
+done
+curl -sf "http://127.0.0.1:$PORT/health" >/dev/null || { echo "server not ready in ${START_TIMEOUT}s"; tail -30 "$LOGDIR/server.log"; exit 1; }
+
+status=0
+for rate in $RATES; do
+    "$PY" -m sglang.bench_serving --backend sglang --host 127.0.0.1 --port "$PORT" --tokenizer "$TOKENIZER" \
+        --dataset-name random-ids --num-prompts "$PROMPTS" --random-input-len "$INPUT" \
+        --random-output-len "$OUTPUT" --random-range-ratio 1 --request-rate "$rate" --seed 1 --disable-tqdm \
+        --output-file "$OUT/sglang-bench-serving.jsonl" >"$LOGDIR/bench-$rate.log" 2>&1 || status=1
+    tail -25 "$LOGDIR/bench-$rate.log"
+done
+exit $status
