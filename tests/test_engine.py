@@ -104,7 +104,7 @@ def test_retraction_under_a_tiny_pool_keeps_outputs(llama, overlap):
     params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
     with engine(folder, overlap, max_total_tokens=160, max_running_requests=8) as eng:
         check_against_hf(eng, hf, prompts([20, 25, 18, 30, 22, 16]), params)
-        assert eng.scheduler.stats["retractions"] > 0
+        assert eng.scheduler.stats.retractions > 0
 
 
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
@@ -230,6 +230,24 @@ def test_logprobs_match_hf(llama, overlap):
         assert lp == pytest.approx(float(ref[len(ids) - 1 + k, tok]), abs=1e-4)
         top = meta["output_top_logprobs"][k]
         assert [t for _, t in top] == ref[len(ids) - 1 + k].topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize("start", [5, 8, 13])
+def test_input_logprobs_from_a_start_follow_sglang(llama, start):
+    """``logprob_start_len > 0``, in chunks of 8 (8 opens the second one) and
+    behind a cached prefix: one entry per token from ``start`` on, the first
+    None as SGLang has it (its frontend's ``select`` relies on that), the
+    others as scored from position 0."""
+    folder, _ = llama
+    ids = prompts([20])[0]
+    with engine(folder, chunked_prefill_size=8) as eng:
+        whole, part = (eng.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                                    logprob_start_len=s, top_logprobs_num=2)["meta_info"] for s in (0, start))
+    inp = part["input_token_logprobs"]
+    assert [t for _, t in inp] == ids[start:] and inp[0][0] is None and part["input_top_logprobs"][0] is None
+    expected = [lp for lp, _ in whole["input_token_logprobs"][start + 1:]]
+    assert [lp for lp, _ in inp[1:]] == pytest.approx(expected, abs=1e-4)
+    assert len(part["input_top_logprobs"]) == len(inp) and all(part["input_top_logprobs"][1:])
 
 
 def test_n_samples_and_limits(llama):

@@ -102,7 +102,7 @@ def test_retraction_on_a_tiny_pool_keeps_outputs(checkpoint, page_size, pool, ne
         page_size=page_size, check_invariants=True, disable_tqdm=True,
     ) as eng:
         outs = eng.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True})
-        assert eng.scheduler.stats["retractions"] > 0
+        assert eng.scheduler.stats.retractions > 0
         assert eng.scheduler.overlap and eng.scheduler.model_runner.cuda_graph_runner is not None
     checked = sum(_check_greedy(hf, p, o["output_ids"]) for p, o in zip(prompts, outs))
     assert all(len(o["output_ids"]) == new_tokens for o in outs) and checked >= 6 * new_tokens // 4

@@ -126,7 +126,7 @@ def test_grammar_through_chunked_prefill_retraction_and_overlap(overlap):
                            disable_tqdm=True, device="cpu") as tight:
         tight.scheduler.overlap = overlap
         outs = tight.generate(prompts, schema)
-        assert tight.scheduler.stats["retractions"] > 0, "the pool was small enough to retract"
+        assert tight.scheduler.stats.retractions > 0, "the pool was small enough to retract"
     assert [o["text"] for o in outs] == expected
     for out in outs:
         jsonschema.validate(json.loads(out["text"]), PERSON)

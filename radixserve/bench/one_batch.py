@@ -443,21 +443,16 @@ class Report:
 
 def build_runner(server_args: ServerArgs, model_config, wl: Workload):
     """A ModelRunner whose KV pool and request table fit the largest case."""
-    from radixserve.model_executor.model_runner import ModelRunner
+    from radixserve.managers.scheduler_factory import build_model_runner
+    from radixserve.mem_cache import page_aligned
 
     max_len = max(n for _, n in wl.cases) + wl.output_len
     if max_len > model_config.context_len:
         raise SystemExit(f"input + output = {max_len} tokens exceeds the context length {model_config.context_len}")
     page = server_args.page_size
-    needed = max(bs * -(-(n + wl.output_len) // page) * page for bs, n in wl.cases)
-    return ModelRunner(
-        model_config, device=server_args.resolved_device(), page_size=page,
-        max_total_tokens=server_args.max_total_tokens or needed,
-        max_running_requests=max(bs for bs, _ in wl.cases), max_context_len=max_len,
-        attention_backend=server_args.resolved_attention_backend(),
-        mem_fraction_static=server_args.mem_fraction_static, seed=server_args.random_seed,
-        cuda_graph_max_bs=server_args.resolved_cuda_graph_max_bs(),
-    )
+    needed = max(bs * page_aligned(n + wl.output_len, page) for bs, n in wl.cases)
+    return build_model_runner(server_args, model_config, max_total_tokens=server_args.max_total_tokens or needed,
+                              max_running_requests=max(bs for bs, _ in wl.cases), max_context_len=max_len)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

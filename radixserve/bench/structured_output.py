@@ -57,13 +57,13 @@ def validate(engine, prompts: list[str]) -> dict:
 def run(engine, prompts: list[str], params: dict, label: str) -> dict:
     sched = engine.scheduler
     engine.flush_cache()  # no run reuses the prompts' KV of the one before
-    before = dict(sched.stats)
+    before = sched.stats.forward_ct
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     wall = time.perf_counter() - start
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     return {"run": label, "requests": len(outs), "output_tokens": tokens, "wall_s": round(wall, 3),
-            "output_tok_s": round(tokens / wall, 1), "forward_steps": sched.stats["forward_ct"] - before["forward_ct"],
+            "output_tok_s": round(tokens / wall, 1), "forward_steps": sched.stats.forward_ct - before,
             "finish": sorted({o["meta_info"]["finish_reason"]["type"] for o in outs})}
 
 

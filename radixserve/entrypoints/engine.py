@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from radixserve.managers.detokenizer_manager import DecodeStatus, NullTokenizer
 from radixserve.managers.schedule_batch import Req
-from radixserve.managers.scheduler import Scheduler
+from radixserve.managers.scheduler_factory import build_scheduler
 from radixserve.sampling.grammar import check_grammar, grammar_spec
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
@@ -31,7 +31,8 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, **options: Any):
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **options)
-        self.scheduler, self.tokenizer = build_scheduler(self.server_args)
+        self.scheduler = build_scheduler(self.server_args)
+        self.tokenizer = self.scheduler.tokenizer
         self._counter = itertools.count()
 
     # -- API -------------------------------------------------------------------
@@ -108,20 +109,14 @@ class Engine:
         spec = grammar_spec(sp)
         if spec is not None:
             check_grammar(*spec)
-        sp.normalize(self.scheduler.vocab_size)
+        rid = rid or uuid.uuid4().hex
         reqs = []
         for i in range(sp.n):
-            p = sp if sp.n == 1 else _nth_sample(sp, i)
-            req = Req(
-                rid or uuid.uuid4().hex if sp.n == 1 else f"{rid or uuid.uuid4().hex}-{i}",
-                ids, p, self._eos_ids(), return_logprob, logprob_start_len, top_logprobs_num,
-            )
+            req = self.scheduler.new_req(rid if sp.n == 1 else f"{rid}-{i}", ids, sp if sp.n == 1 else _nth_sample(sp, i),
+                                         return_logprob, logprob_start_len, top_logprobs_num)
             self.scheduler.validate(req)
             reqs.append(req)
         return reqs
-
-    def _eos_ids(self) -> set[int]:
-        return eos_token_ids(self.scheduler.model_runner.model_config, self.tokenizer)
 
     # -- driving the scheduler ---------------------------------------------------------
     def _run(self, reqs: list[Req]) -> list[dict]:
@@ -193,53 +188,3 @@ def _nth_sample(sp: SamplingParams, i: int) -> SamplingParams:
 
     seed = None if sp.sampling_seed is None else sp.sampling_seed + i
     return dataclasses.replace(sp, n=1, sampling_seed=seed)
-
-
-def eos_token_ids(model_config, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(model_config.hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, (list, tuple)):
-            ids.update(int(x) for x in source)
-    if model_config.tokenizer_dir:
-        try:
-            from transformers import GenerationConfig
-
-            gen = GenerationConfig.from_pretrained(model_config.tokenizer_dir)
-            eos = gen.eos_token_id
-            ids.update([eos] if isinstance(eos, int) else list(eos or []))
-        except (OSError, ValueError):
-            pass
-    return ids
-
-
-def build_scheduler(args: ServerArgs):
-    """Resolve the model, load weights and tokenizer, build the scheduler."""
-    from radixserve.model_executor.model_runner import ModelRunner
-    from radixserve.model_loader import resolve_model
-
-    device = args.resolved_device()
-    if device == "cpu":
-        from radixserve.model_executor.cpu_malloc import reuse_freed_memory
-
-        reuse_freed_memory()
-    model_config = resolve_model(args.model_path, args.load_format, args.dtype, device, args.tokenizer_path)
-    runner = ModelRunner(
-        model_config,
-        device=device,
-        page_size=args.page_size,
-        max_total_tokens=args.max_total_tokens,
-        max_running_requests=args.max_running_requests,
-        max_context_len=args.context_length,
-        attention_backend=args.resolved_attention_backend(),
-        mem_fraction_static=args.mem_fraction_static,
-        seed=args.random_seed,
-        cuda_graph_max_bs=args.resolved_cuda_graph_max_bs(),
-    )
-    tokenizer = None
-    if model_config.tokenizer_dir:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer_dir)
-    return Scheduler(args, runner, tokenizer), tokenizer

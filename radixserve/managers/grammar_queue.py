@@ -50,7 +50,7 @@ class GrammarQueue:
                 req.grammar = self.backend.matcher(req.grammar_future.result())
                 ready.append(req)
             except Exception as exc:  # a grammar check at the edge passed, but compiling it failed
-                req.finished_reason = FinishReason("abort", message=f"grammar: {exc}")
+                req.finished_reason = FinishReason.aborted(f"grammar: {exc}")
                 failed.append(req)
         self.reqs = still
         return ready, failed
@@ -80,6 +80,6 @@ class GrammarQueue:
         for req, ok in zip(reqs, accepted):
             if not ok:  # the mask allowed it: a bug, but one request's
                 logger.error("request %s aborted: its grammar refused token %d", req.rid, req.output_ids[-1])
-                req.finished_reason = FinishReason("abort", message="internal error: the grammar refused a token")
+                req.finished_reason = FinishReason.aborted("internal error: the grammar refused a token")
             elif req.finished_reason is None and req.grammar.is_terminated():
-                req.finished_reason = FinishReason("stop", req.output_ids[-1])
+                req.finished_reason = FinishReason.stopped(req.output_ids[-1])

@@ -44,21 +44,35 @@ class ModelWorkerBatch:
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-@dataclass
+@dataclass(frozen=True)
 class FinishReason:
-    """Why a request stopped: ``type`` is "length", "stop" or "abort";
-    ``matched`` is the stop token id or stop string that ended it."""
+    """Why a request stopped, in SGLang's three kinds; build one with
+    ``stopped``, ``at_length`` or ``aborted``. ``to_json`` is SGLang's
+    ``meta_info.finish_reason``."""
 
-    type: str
-    matched: int | str | None = None
-    message: str | None = None
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # stop: the stop token id, stop string or stop_regex pattern
+    length: int | None = None  # length: output tokens when the limit was reached
+    message: str | None = None  # abort: why; length: set when a full KV pool cut the request short
+
+    @classmethod
+    def stopped(cls, matched: int | str) -> "FinishReason":
+        return cls("stop", matched=matched)
+
+    @classmethod
+    def at_length(cls, length: int, message: str | None = None) -> "FinishReason":
+        return cls("length", length=length, message=message)
+
+    @classmethod
+    def aborted(cls, message: str) -> "FinishReason":
+        return cls("abort", message=message)
 
     def to_json(self) -> dict:
         out: dict = {"type": self.type}
         if self.type == "stop":
             out["matched"] = self.matched
         if self.type == "length":
-            out["length"] = self.matched
+            out["length"] = self.length
         if self.message:
             out["message"] = self.message
         return out
@@ -151,22 +165,22 @@ class Req:
         length limit."""
         sp, last = self.sampling_params, self.output_ids[-1]
         if last in self.stop_token_ids_all and len(self.output_ids) >= sp.min_new_tokens:
-            self.finished_reason = FinishReason("stop", last)
+            self.finished_reason = FinishReason.stopped(last)
         elif self.stop_window and len(self.output_ids) >= sp.min_new_tokens:
             tail = tokenizer.decode(self.output_ids[-self.stop_window :], skip_special_tokens=sp.skip_special_tokens)
             self.finished_reason = self._match_stop(tail)
         if self.finished_reason is None and (len(self.output_ids) >= sp.max_new_tokens or self.seqlen >= context_len):
-            self.finished_reason = FinishReason("length", len(self.output_ids))
+            self.finished_reason = FinishReason.at_length(len(self.output_ids))
 
     def _match_stop(self, tail: str) -> FinishReason | None:
         matched = next((s for s in self.sampling_params.stop if s in tail), None)
         if matched is not None:
-            return FinishReason("stop", matched)
+            return FinishReason.stopped(matched)
         try:
             found = stop_regex.first_match(self.stop_patterns, tail)
         except stop_regex.StopRegexTimeout as exc:
-            return FinishReason("abort", message=str(exc))
-        return None if found is None else FinishReason("stop", found[0])
+            return FinishReason.aborted(str(exc))
+        return None if found is None else FinishReason.stopped(found[0])
 
     def reset_for_retract(self) -> None:
         """Back to the waiting queue; output so far is kept and re-prefilled."""

@@ -9,6 +9,7 @@ from collections import defaultdict
 import torch
 
 from radixserve.managers.schedule_batch import Req
+from radixserve.mem_cache.allocator import page_aligned
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 from radixserve.mem_cache.radix_cache import RadixCache
 
@@ -135,7 +136,7 @@ class PrefillAdder:
         return int(min(max(left, 0), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
 
     def _pages(self, n: int) -> int:
-        return -(-n // self.page_size) * self.page_size
+        return page_aligned(n, self.page_size)
 
     def add_chunked_req(self, req: Req) -> None:
         """Continue the request whose prefill was cut last round."""

@@ -3,6 +3,7 @@ event loop (one step = schedule, run, process results)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -14,12 +15,13 @@ from radixserve.layers.logits_processor import LogitsProcessorOutput
 from radixserve.layers.sampler import SampleOutput, Sampler
 from radixserve.managers.schedule_batch import FinishReason, ModelWorkerBatch, Req
 from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
-from radixserve.mem_cache import ChunkCache, RadixCache, check_memory_invariant
+from radixserve.mem_cache import ChunkCache, RadixCache, check_memory_invariant, page_aligned
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from radixserve.managers.grammar_queue import GrammarQueue
 from radixserve.managers.input_logprobs import record_input_logprobs, wants_input_logprobs
 from radixserve.sampling.grammar import grammar_spec
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
+from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -27,6 +29,18 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since the scheduler started (``get_stats``; /metrics and
+    /get_server_info report them)."""
+
+    forward_ct: int = 0  # forwards run
+    retractions: int = 0  # requests sent back to the queue for memory
+    prompt_tokens: int = 0  # of every request added
+    cached_tokens: int = 0  # of those, found in the prefix cache at first admission
+    generated: int = 0  # output tokens
 
 
 @dataclass
@@ -81,10 +95,11 @@ class Scheduler:
     forward runs, and its sampling is queued last with the masks.
     """
 
-    def __init__(self, server_args: ServerArgs, model_runner, tokenizer=None):
+    def __init__(self, server_args: ServerArgs, model_runner, tokenizer=None, eos_token_ids: frozenset[int] = frozenset()):
         self.args = server_args
         self.model_runner = model_runner
         self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids  # see scheduler_factory.eos_token_ids
         self.device = model_runner.device
         self.page_size = model_runner.page_size
         self.vocab_size = model_runner.model_config.vocab_size
@@ -115,9 +130,19 @@ class Scheduler:
         self.last_token = torch.zeros(self.req_to_token_pool.size, dtype=torch.int64, device=self.device)
         self._in_flight: _Launched | None = None
         self._deferred: list[Req] = []
-        self.stats = {"forward_ct": 0, "retractions": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated": 0}
+        self.stats = SchedulerStats()
 
     # -- requests ------------------------------------------------------------
+    def new_req(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, return_logprob: bool = False,
+                logprob_start_len: int = -1, top_logprobs_num: int = 0) -> Req:
+        """The one way a request becomes a ``Req``: its params checked against
+        the vocabulary and normalized, the model's EOS ids attached. Raises
+        ``ValueError`` naming the field."""
+        sampling_params.verify(self.vocab_size)
+        sampling_params.normalize(self.vocab_size)
+        return Req(rid, input_ids, sampling_params, self.eos_token_ids, return_logprob, logprob_start_len,
+                   top_logprobs_num)
+
     def validate(self, req: Req) -> None:
         """Raise ValueError (naming the field) for a request that cannot run."""
         n = len(req.origin_input_ids)
@@ -140,7 +165,7 @@ class Scheduler:
         sp = req.sampling_params
         sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - len(req.origin_input_ids))
         req.init_stop_matching(self.tokenizer)
-        self.stats["prompt_tokens"] += len(req.origin_input_ids)
+        self.stats.prompt_tokens += len(req.origin_input_ids)
         spec = grammar_spec(sp)
         if spec is None:
             self.waiting.append(req)
@@ -153,7 +178,7 @@ class Scheduler:
             for i, req in enumerate(queue):
                 if req.rid == rid:
                     queue.pop(i)
-                    req.finished_reason = FinishReason("abort", message="aborted by request")
+                    req.finished_reason = FinishReason.aborted("aborted by request")
                     self._finished_outside_batch.append(req)
                     return True
         for req in self.running + ([self.chunked_req] if self.chunked_req else []):
@@ -220,14 +245,14 @@ class Scheduler:
             return True
         return self.allocator.available_size() < self._decode_pages_needed()
 
-    def _next_batch(self) -> tuple[list[Req], ForwardMode]:
+    def _next_batch(self) -> tuple[list[Req], ForwardMode | None]:
         prefill = self._get_new_batch_prefill()
         if prefill:
             return prefill, ForwardMode.EXTEND
         if self.running:
             self._ensure_decode_memory()
             return self._decode_reqs(), ForwardMode.DECODE
-        return [], ForwardMode.IDLE
+        return [], None
 
     def _get_new_batch_prefill(self) -> list[Req]:
         if not self.waiting and self.chunked_req is None:
@@ -256,7 +281,7 @@ class Scheduler:
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
         for req in adder.can_run:  # count each prompt's cache hit once, at its first admission
             if req is not continuing and req.retractions == 0 and not req.output_ids:
-                self.stats["cached_tokens"] += req.cached_tokens
+                self.stats.cached_tokens += req.cached_tokens
         self.chunked_req = adder.new_chunked_req
         return self._prepare_extend(adder.can_run)
 
@@ -280,7 +305,7 @@ class Scheduler:
             return []
         prefix = torch.tensor([r.kv_end for r in reqs], dtype=torch.int64)
         seq = prefix + torch.tensor([r.extend_input_len for r in reqs], dtype=torch.int64)
-        need = sum(-(-r.extend_input_len // self.page_size) * self.page_size for r in reqs) + self.page_size * len(reqs)
+        need = sum(page_aligned(r.extend_input_len, self.page_size) for r in reqs) + self.page_size * len(reqs)
         last = self._last_locs(reqs)
         slots = self._alloc_with_evict(need, lambda: self.allocator.alloc_extend(prefix, seq, last))
         if slots is None:
@@ -313,14 +338,14 @@ class Scheduler:
             if self.allocator.available_size() < need:
                 self.tree_cache.evict(need - self.allocator.available_size())
         if retracted:
-            self.stats["retractions"] += len(retracted)
+            self.stats.retractions += len(retracted)
             self.waiting = retracted + self.waiting
             self.new_token_ratio = INIT_NEW_TOKEN_RATIO
             logger.info("retracted %d requests; running %d", len(retracted), len(self.running))
         if self.allocator.available_size() < self._decode_pages_needed():
             # One request alone has outgrown the pool: end it rather than fail.
             req = self.running.pop()
-            req.finished_reason = FinishReason("length", len(req.output_ids), message="the KV cache is full")
+            req.finished_reason = FinishReason.at_length(len(req.output_ids), message="the KV cache is full")
             self._release(req)
             self._decode_info = None
             self._finished_outside_batch.append(req)
@@ -347,7 +372,7 @@ class Scheduler:
             req.kv_inflight = seq - req.kv_len
         if mode == ForwardMode.EXTEND:  # finished prompts decode next, their first token still on the device
             self.running += [r for r in reqs if not r.is_chunked]
-        self.stats["forward_ct"] += 1
+        self.stats.forward_ct += 1
         return _Forward(reqs, batch, fb, logits_out)
 
     def _launch_sample(self, fwd: _Forward) -> _Launched:
@@ -485,14 +510,14 @@ class Scheduler:
             if req.finished():  # finished by the previous batch while this one was queued
                 self._release_deferred(req)
             elif req.to_abort:
-                req.finished_reason = FinishReason("abort", message="aborted by request")
+                req.finished_reason = FinishReason.aborted("aborted by request")
                 if self.chunked_req is req:
                     self.chunked_req, req.is_chunked = None, False
                 updated.append(req)
             elif partial[i]:
                 self.tree_cache.cache_unfinished_req(req)
             elif req.sampling_params.max_new_tokens == 0:
-                req.finished_reason = FinishReason("length", 0)
+                req.finished_reason = FinishReason.at_length(0)
                 updated.append(req)
             else:
                 try:
@@ -501,7 +526,7 @@ class Scheduler:
                         constrained.append(req)
                 except Exception as exc:  # e.g. a stop-string check that cannot decode this output
                     logger.error("request %s aborted: %s: %s", req.rid, type(exc).__name__, exc)
-                    req.finished_reason = FinishReason("abort", message=f"internal error: {exc}")
+                    req.finished_reason = FinishReason.aborted(f"internal error: {exc}")
                 updated.append(req)
         if constrained:
             self.grammar_queue.advance(constrained)
@@ -515,7 +540,7 @@ class Scheduler:
 
     def _append_token(self, req: Req, tok: int, sample, i: int) -> None:
         req.output_ids.append(tok)
-        self.stats["generated"] += 1
+        self.stats.generated += 1
         if req.return_logprob and sample.next_token_logprobs is not None:
             req.output_token_logprobs.append((float(sample.next_token_logprobs[i]), tok))
             if req.top_logprobs_num and sample.top_logprobs_val is not None:
@@ -543,7 +568,7 @@ class Scheduler:
         out = []
         for req in [r for r in self.running if r.to_abort]:
             self.running.remove(req)
-            req.finished_reason = FinishReason("abort", message="aborted by request")
+            req.finished_reason = FinishReason.aborted("aborted by request")
             self.tree_cache.cache_finished_req(req)
             self._decode_info = None
             out.append(req)
@@ -558,5 +583,5 @@ class Scheduler:
         return True
 
     def get_stats(self) -> dict[str, Any]:
-        return dict(self.stats, running=len(self.running), waiting=len(self.waiting) + len(self.grammar_queue),
+        return dict(dataclasses.asdict(self.stats), running=len(self.running), waiting=len(self.waiting) + len(self.grammar_queue),
                     kv_free=self.allocator.available_size(), kv_cached=self.tree_cache.total_size())

@@ -64,10 +64,8 @@ class SchedulerProcess:
     exception inside a step is fatal (the process exits, and the server with
     it), because the batch's KV state can no longer be trusted."""
 
-    def __init__(self, scheduler: Scheduler, recv_addr: str, send_addr: str, eos_ids: set[int],
-                 watch: ParentWatch | None = None):
+    def __init__(self, scheduler: Scheduler, recv_addr: str, send_addr: str, watch: ParentWatch | None = None):
         self.scheduler = scheduler
-        self.eos_ids = eos_ids
         self.watch = watch
         self.recv, self.send = pipeline_sockets(zmq_context(), recv_addr, send_addr)
         self.sent: dict[str, tuple[int, int]] = {}  # rid -> (output ids sent, logprobs sent)
@@ -112,16 +110,13 @@ class SchedulerProcess:
 
     def add(self, msg: TokenizedGenerateReqInput) -> None:
         try:
-            sp = SamplingParams.from_dict(msg.sampling_params)
-            sp.verify(self.scheduler.vocab_size)
-            sp.normalize(self.scheduler.vocab_size)
-            req = Req(msg.rid, msg.input_ids, sp, self.eos_ids, msg.return_logprob, msg.logprob_start_len,
-                      msg.top_logprobs_num)
+            req = self.scheduler.new_req(msg.rid, msg.input_ids, SamplingParams.from_dict(msg.sampling_params),
+                                         msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num)
             self.scheduler.add_request(req)
         except Exception as exc:  # the tokenizer manager validates first; this is the backstop
             logger.error("request %s refused: %s", msg.rid, exc)
             req = Req(msg.rid, msg.input_ids or [0], SamplingParams())
-            req.finished_reason = FinishReason("abort", message=f"invalid request: {exc}")
+            req.finished_reason = FinishReason.aborted(f"invalid request: {exc}")
             self.send_outputs([req])
 
     def send_outputs(self, reqs: list[Req]) -> None:
@@ -151,7 +146,9 @@ class SchedulerProcess:
         sched = self.scheduler
         state = sched.get_stats()
         state["max_total_tokens"] = sched.allocator.size
-        state["kv_usage"] = 1 - (sched.allocator.available_size() + sched.tree_cache.evictable_size()) / sched.allocator.size
+        state["kv_used"] = sched.allocator.size - sched.allocator.available_size() - sched.tree_cache.evictable_size()
+        state["kv_usage"] = state["kv_used"] / sched.allocator.size
+        state["waiting_tokens"] = sum(len(r.origin_input_ids) for q in (sched.waiting, sched.grammar_queue.reqs) for r in q)
         state["cache_hit_rate"] = state["cached_tokens"] / max(state["prompt_tokens"], 1)
         return state
 
@@ -173,11 +170,10 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
     logging.basicConfig(level=logging.INFO, format="[scheduler] %(message)s")
     watch = ParentWatch(ipc_dir)
     try:
-        from radixserve.entrypoints.engine import build_scheduler, eos_token_ids
+        from radixserve.managers.scheduler_factory import build_scheduler
 
-        scheduler, tokenizer = build_scheduler(server_args)
-        eos_ids = eos_token_ids(scheduler.model_runner.model_config, tokenizer)
-        proc = SchedulerProcess(scheduler, recv_addr, send_addr, eos_ids, watch)
+        scheduler = build_scheduler(server_args)
+        proc = SchedulerProcess(scheduler, recv_addr, send_addr, watch)
         runner = scheduler.model_runner
         ready.send({
             "status": "ready",

@@ -1,7 +1,7 @@
 """The memory subsystem: request rows, the paged KV pool and its allocator,
 and the prefix caches (radix tree, or none)."""
 
-from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
+from radixserve.mem_cache.allocator import TokenToKVPoolAllocator, page_aligned, pages_for
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.invariants import check_memory_invariant, held_by_request
@@ -20,4 +20,6 @@ __all__ = [
     "TreeNode",
     "check_memory_invariant",
     "held_by_request",
+    "page_aligned",
+    "pages_for",
 ]

@@ -17,6 +17,16 @@ def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
     return (a + b - 1) // b
 
 
+
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages that hold ``tokens`` tokens (the last one possibly part full)."""
+    return -(-tokens // page_size)
+
+
+def page_aligned(tokens: int, page_size: int) -> int:
+    """``tokens`` rounded up to whole pages, in tokens."""
+    return pages_for(tokens, page_size) * page_size
+
 class TokenToKVPoolAllocator:
     """Allocates KV slots in whole pages.
 
@@ -72,7 +82,7 @@ class TokenToKVPoolAllocator:
     # -- allocation --------------------------------------------------------
     def alloc(self, n: int) -> torch.Tensor | None:
         """``n`` slots on ``ceil(n / page_size)`` fresh pages, or None."""
-        pages = self._take_pages(-(-n // self.page_size))
+        pages = self._take_pages(pages_for(n, self.page_size))
         if pages is None:
             return None
         offsets = torch.arange(self.page_size, device=self.device)

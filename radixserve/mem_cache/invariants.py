@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
+from radixserve.mem_cache.allocator import TokenToKVPoolAllocator, page_aligned
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, CachedReq
 
 
@@ -15,7 +15,7 @@ def held_by_request(req: CachedReq, page_size: int) -> int:
     if req.req_pool_idx is None:
         return 0
     own = max(req.kv_len + getattr(req, "kv_inflight", 0) - req.cache_protected_len, 0)
-    return -(-own // page_size) * page_size
+    return page_aligned(own, page_size)
 
 
 def check_memory_invariant(

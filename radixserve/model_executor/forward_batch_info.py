@@ -5,8 +5,7 @@ Token layout for EXTEND: the new tokens of every request, concatenated in
 batch order. Request ``i`` contributes ``extend_seq_lens[i]`` tokens at
 positions ``extend_prefix_lens[i] .. seq_lens[i]-1``; its first
 ``extend_prefix_lens[i]`` tokens are already in the KV pool and are read
-through ``req_to_token[req_pool_indices[i]]``. A request whose
-``extend_seq_lens[i] == 1`` is a decode riding along in a mixed batch.
+through ``req_to_token[req_pool_indices[i]]``.
 
 DECODE is the special case of one new token per request; it has its own mode
 so that backends and CUDA graphs can take a faster path.
@@ -15,7 +14,7 @@ so that backends and CUDA graphs can take a faster path.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,9 +25,8 @@ if TYPE_CHECKING:
 
 
 class ForwardMode(enum.IntEnum):
-    EXTEND = 1  # prefill of the uncached part of each prompt (chunks, mixed decodes)
+    EXTEND = 1  # prefill of the uncached part of each prompt (or of its next chunk)
     DECODE = 2  # one new token per request
-    IDLE = 3  # nothing to run (kept for data-parallel padding)
 
     def is_extend(self) -> bool:
         return self == ForwardMode.EXTEND
@@ -69,7 +67,6 @@ class ForwardBatch:
 
     # Backend-private metadata, filled by attn_backend.init_forward_metadata().
     attn_metadata: Any = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

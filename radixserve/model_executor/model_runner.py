@@ -27,7 +27,7 @@ from radixserve.layers.attention import create_attention_backend
 from radixserve.layers.linear import prepack_linears_for_cpu
 from radixserve.layers.logits_processor import LogitsProcessorOutput
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ragged_arange
+from radixserve.model_executor.forward_batch_info import ForwardBatch, ragged_arange
 
 if TYPE_CHECKING:
     from radixserve.managers.schedule_batch import ModelWorkerBatch
@@ -185,8 +185,6 @@ class ModelRunner:
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         """Run the model. Outputs are inference-mode tensors: modify them in
         place only inside ``torch.inference_mode()`` (or copy them)."""
-        if forward_batch.forward_mode == ForwardMode.IDLE:
-            return LogitsProcessorOutput(torch.empty(0, self.model_config.vocab_size, device=self.device))
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
             return self.cuda_graph_runner.replay(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)

@@ -13,7 +13,7 @@ A program loads one block of ``BLOCK_M`` queries of one head, walks the prefix
 in ``BLOCK_N`` blocks (slot indices from ``req_to_token``), then the new keys
 up to the block's last query, keeping the softmax running max and sum in fp32.
 Query blocks past a request's end exit at once. Works for ``prefix_len == 0``
-and for ``extend_len == 1`` (a decode riding in a mixed batch).
+and for ``extend_len == 1``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,77 @@
+"""From ``ServerArgs`` to a running Scheduler: the one place that resolves the
+model, constructs the ``ModelRunner``, loads the tokenizer and works out the
+EOS ids. The scheduler process and the offline Engine both build through
+``build_scheduler``; ``bench.one_batch`` builds its runner with
+``build_model_runner``, overriding only the pool sizes its cases need.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from radixserve.managers.scheduler import Scheduler
+from radixserve.server_args import ServerArgs
+
+
+def build_model_runner(args: ServerArgs, model_config, **overrides: Any):
+    """The ModelRunner that ``args`` describe (``overrides`` replace its
+    keyword arguments: ``max_total_tokens``, ``max_running_requests``,
+    ``max_context_len``)."""
+    from radixserve.model_executor.model_runner import ModelRunner
+
+    options = dict(
+        device=args.resolved_device(),
+        page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens,
+        max_running_requests=args.max_running_requests,
+        max_context_len=args.context_length,
+        attention_backend=args.resolved_attention_backend(),
+        mem_fraction_static=args.mem_fraction_static,
+        seed=args.random_seed,
+        cuda_graph_max_bs=args.resolved_cuda_graph_max_bs(),
+    )
+    return ModelRunner(model_config, **{**options, **overrides})
+
+
+def load_tokenizer(model_config):
+    """The model's HF tokenizer, or None for a model without one (dummy weights)."""
+    if not model_config.tokenizer_dir:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_config.tokenizer_dir)
+
+
+def eos_token_ids(model_config, tokenizer) -> frozenset[int]:
+    """Every id that ends generation: the model config's, the tokenizer's and
+    the generation config's (chat models often list several)."""
+    ids: set[int] = set()
+    for source in (getattr(model_config.hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(x) for x in source)
+    if model_config.tokenizer_dir:
+        try:
+            from transformers import GenerationConfig
+
+            eos = GenerationConfig.from_pretrained(model_config.tokenizer_dir).eos_token_id
+            ids.update([eos] if isinstance(eos, int) else list(eos or []))
+        except (OSError, ValueError):  # no generation_config.json
+            pass
+    return frozenset(ids)
+
+
+def build_scheduler(args: ServerArgs) -> Scheduler:
+    """Resolve the model, load weights and tokenizer, build the scheduler."""
+    from radixserve.model_loader import resolve_model
+
+    device = args.resolved_device()
+    if device == "cpu":
+        from radixserve.model_executor.cpu_malloc import reuse_freed_memory
+
+        reuse_freed_memory()
+    model_config = resolve_model(args.model_path, args.load_format, args.dtype, device, args.tokenizer_path)
+    runner = build_model_runner(args, model_config)
+    tokenizer = load_tokenizer(model_config)
+    return Scheduler(args, runner, tokenizer, eos_token_ids(model_config, tokenizer))
