@@ -333,9 +333,9 @@ def test_overlap_queues_the_next_chunk_behind_the_one_in_flight(llama, page_size
         sched, launch = eng.scheduler, eng.scheduler._launch_forward
         behind = []
 
-        def spy(reqs, mode):
-            behind.extend(r.kv_inflight > 0 for r in reqs if mode.is_extend())
-            return launch(reqs, mode)
+        def spy(batch):
+            behind.extend(r.kv_inflight > 0 for r in batch.reqs if batch.forward_mode.is_extend())
+            return launch(batch)
 
         sched._launch_forward = spy
         check_against_hf(eng, hf, batch, params)

@@ -1,4 +1,4 @@
-"""Offline throughput: workloads W1 and W6 of benchmarks/README.md through the
+"""Offline throughput: workloads W1 and W6 of docs/benchmarks.md through the
 ``Engine``, optionally against HF transformers ``generate`` in the same process.
 
     python -m radixserve.bench.offline_throughput --workload W6 --compare-hf

@@ -1,5 +1,5 @@
 """Static-batch latency on a bare ModelRunner: workloads W2 (decode) and W3
-(prefill) of benchmarks/README.md, in the manner of SGLang's bench_one_batch.
+(prefill) of docs/benchmarks.md, in the manner of SGLang's bench_one_batch.
 
     python -m radixserve.bench.one_batch --workload W2 --compare-hf
     python -m radixserve.bench.one_batch --workload W3 --compare-hf
@@ -50,6 +50,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from radixserve.mem_cache.allocator import page_aligned
 from radixserve.server_args import ServerArgs
 
 H200_COPY_BANDWIDTH = 4.25e12  # B/s, device copy (read + write)
@@ -186,88 +187,74 @@ def _sync(device: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def static_batch(runner, bs: int, total_len: int):
-    """``bs`` request rows and ``total_len`` KV slots for each, recorded in
-    ``req_to_token``; yields (rows [bs] int64 on the host, slots [bs, total_len]
-    on the device) and returns both to their pools on exit."""
-    rows = runner.req_to_token_pool.alloc(bs)
-    zeros = torch.zeros(bs, dtype=torch.int64)
-    slots = runner.token_to_kv_pool_allocator.alloc_extend(zeros, torch.full((bs,), total_len), zeros)
-    if slots is None:
-        runner.req_to_token_pool.free(rows)
-        raise RuntimeError(
-            f"the KV pool ({runner.max_total_tokens} tokens) cannot hold {bs} x {total_len} tokens; "
-            "raise --max-total-tokens or --mem-fraction-static"
-        )
-    slots = slots.view(bs, total_len)
-    for row, row_slots in zip(rows, slots):
-        runner.req_to_token_pool.write(row, 0, row_slots)
-    try:
-        yield torch.tensor(rows, dtype=torch.int64), slots
-    finally:
-        runner.token_to_kv_pool_allocator.free(slots.flatten())
-        runner.req_to_token_pool.free(rows)
-
-
-def _greedy_info(bs: int, prompts: torch.Tensor, output_len: int, vocab_size: int, device):
-    from radixserve.managers.schedule_batch import Req
-    from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
+def static_batch(runner, prompts: torch.Tensor, output_len: int):
+    """One ``Req`` per prompt (greedy, ``output_len`` tokens, no EOS) over the
+    runner's pools without a prefix cache, and the ``KVPools`` that their
+    ``ScheduleBatch``es allocate from; the KV comes back on exit."""
+    from radixserve.managers.schedule_batch import KVPools, Req
+    from radixserve.mem_cache import ChunkCache
     from radixserve.sampling.sampling_params import SamplingParams
 
-    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True).normalize(vocab_size)
+    bs, input_len = prompts.shape
+    cache = ChunkCache(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, runner.page_size)
+    pools = KVPools(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, cache, runner.page_size, runner.device)
+    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+    params.normalize(runner.model_config.vocab_size)
     reqs = [Req(str(i), prompts[i].tolist(), params) for i in range(bs)]
-    return SamplingBatchInfo.from_reqs(reqs, vocab_size, device)
+    for req in reqs:
+        req.extend_input_len = input_len
+    need = bs * page_aligned(input_len + output_len, runner.page_size)
+    if need > runner.token_to_kv_pool_allocator.available_size():
+        raise RuntimeError(f"the KV pool ({runner.max_total_tokens} tokens) cannot hold {bs} x "
+                           f"{input_len + output_len} tokens; raise --max-total-tokens or --mem-fraction-static")
+    try:
+        yield reqs, pools
+    finally:
+        for req in reqs:
+            if req.req_pool_idx is not None:
+                cache.cache_finished_req(req)
 
 
 @torch.inference_mode()
 def run_case(runner, sampler, prompts: torch.Tensor, output_len: int) -> tuple[Timing, torch.Tensor]:
     """Prefill ``prompts`` [bs, input_len] as one EXTEND, then decode greedily
-    to ``output_len`` tokens a request. Returns the timing and the ``[bs,
-    output_len]`` generated ids."""
-    from radixserve.managers.schedule_batch import ModelWorkerBatch
+    to ``output_len`` tokens a request, each step a ``ScheduleBatch`` as the
+    Scheduler builds it (its KV allocation is part of the step's time).
+    Returns the timing and the ``[bs, output_len]`` generated ids."""
+    from radixserve.managers.schedule_batch import ScheduleBatch
     from radixserve.model_executor.forward_batch_info import ForwardMode
 
-    bs, input_len = prompts.shape
-    dev = runner.device
-    info = _greedy_info(bs, prompts, output_len, runner.model_config.vocab_size, dev)
-
-    def step(batch: ModelWorkerBatch) -> torch.Tensor:
-        out = runner.forward(runner.forward_batch_from(batch))
-        return sampler(out.next_token_logits, info).next_token_ids
-
-    with static_batch(runner, bs, input_len + output_len) as (rows, slots):
+    dev, vocab = runner.device, runner.model_config.vocab_size
+    with static_batch(runner, prompts, output_len) as (reqs, pools):
         _sync(dev)
         start = time.perf_counter()
-        next_ids = step(ModelWorkerBatch(
-            forward_mode=ForwardMode.EXTEND,
-            input_ids=prompts.flatten(),
-            req_pool_indices=rows,
-            seq_lens=torch.full((bs,), input_len, dtype=torch.int64),
-            out_cache_loc=slots[:, :input_len].flatten(),
-            seq_lens_cpu=[input_len] * bs,
-            extend_prefix_lens=[0] * bs,
-            extend_seq_lens=[input_len] * bs,
-            sampling_info=info,
-        ))
+        extend = ScheduleBatch(reqs, ForwardMode.EXTEND, pools, vocab)
+        extend.prepare_for_extend()
+        batch = extend.get_model_worker_batch()
+        info = batch.sampling_info
+        next_ids = _forward_and_sample(runner, sampler, batch, reqs)
         _sync(dev)
         timing = Timing(time.perf_counter() - start, decode_s=[])
         generated = [next_ids]
-        for seq_len in range(input_len + 1, input_len + output_len):
+        for _ in range(output_len - 1):
             start = time.perf_counter()
             info.cumulate_output_tokens(next_ids)
-            next_ids = step(ModelWorkerBatch(
-                forward_mode=ForwardMode.DECODE,
-                input_ids=next_ids,  # stays on the device: no host sync between steps
-                req_pool_indices=rows,
-                seq_lens=torch.full((bs,), seq_len, dtype=torch.int64),
-                out_cache_loc=slots[:, seq_len - 1],
-                seq_lens_cpu=[seq_len] * bs,
-                sampling_info=info,
-            ))
+            decode = ScheduleBatch(reqs, ForwardMode.DECODE, pools, vocab)
+            decode.prepare_for_decode()
+            batch = decode.get_model_worker_batch(info)
+            batch.input_ids = next_ids  # stays on the device: no host sync between steps
+            next_ids = _forward_and_sample(runner, sampler, batch, reqs)
             _sync(dev)
             timing.decode_s.append(time.perf_counter() - start)
             generated.append(next_ids)
     return timing, torch.stack(generated, dim=1).cpu()
+
+
+def _forward_and_sample(runner, sampler, batch, reqs) -> torch.Tensor:
+    out = runner.forward(runner.forward_batch_from(batch))
+    for req, seq in zip(reqs, batch.seq_lens_cpu):
+        req.kv_len = seq
+    return sampler(out.next_token_logits, batch.sampling_info).next_token_ids
 
 
 def warm_and_run(runner, sampler, prompts: torch.Tensor, output_len: int) -> tuple[Timing, torch.Tensor]:
@@ -351,7 +338,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             else:
                 parser.add_argument(flag, type=_ENGINE_OPTIONS[f.name], default=f.default, help=helptext)
     add = parser.add_argument
-    add("--workload", choices=sorted(WORKLOADS), required=True, help="W2 decode latency or W3 prefill (benchmarks/README.md)")
+    add("--workload", choices=sorted(WORKLOADS), required=True, help="W2 decode latency or W3 prefill (docs/benchmarks.md)")
     add("--batch-sizes", type=int, nargs="+", help="override the workload's batch sizes")
     add("--input-len", type=int, help="override the workload's input length")
     add("--output-len", type=int, help="tokens generated per request, the prefill's included (1: prefill only)")
@@ -444,7 +431,6 @@ class Report:
 def build_runner(server_args: ServerArgs, model_config, wl: Workload):
     """A ModelRunner whose KV pool and request table fit the largest case."""
     from radixserve.managers.scheduler_factory import build_model_runner
-    from radixserve.mem_cache import page_aligned
 
     max_len = max(n for _, n in wl.cases) + wl.output_len
     if max_len > model_config.context_len:

@@ -6,15 +6,14 @@ ModelWorkerBatch -> ForwardBatch, and only sampled ids (and logprobs) come back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
+from radixserve.mem_cache.allocator import page_aligned
 from radixserve.model_executor.forward_batch_info import ForwardMode
 from radixserve.sampling import stop_regex
-
-if TYPE_CHECKING:
-    from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
+from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 
 
 @dataclass
@@ -33,7 +32,7 @@ class ModelWorkerBatch:
     return_logprob: bool = False
     extend_logprob_start_lens: list[int] | None = None
     top_logprobs_nums: list[int] | None = None
-    sampling_info: "SamplingBatchInfo | None" = None
+    sampling_info: SamplingBatchInfo | None = None
     vocab_mask: torch.Tensor | None = None  # [bs, ceil(vocab / 32)] int32 bitmask of allowed tokens (structured output)
 
     @property
@@ -182,6 +181,12 @@ class Req:
             return FinishReason.aborted(str(exc))
         return None if found is None else FinishReason.stopped(found[0])
 
+    def wants_input_logprobs(self) -> bool:
+        """Whether this extend scores the prompt's tokens: asked for, and the
+        first prefill (a retracted request's prompt was scored already)."""
+        return (self.return_logprob and 0 <= self.logprob_start_len < len(self.origin_input_ids)
+                and not self.output_ids and self.retractions == 0)
+
     def reset_for_retract(self) -> None:
         """Back to the waiting queue; output so far is kept and re-prefilled."""
         self.req_pool_idx, self.kv_len, self.last_node = None, 0, None
@@ -191,3 +196,153 @@ class Req:
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid}, input={len(self.origin_input_ids)}, output={len(self.output_ids)}, kv={self.kv_len})"
+
+
+@dataclass
+class KVPools:
+    """What a batch allocates from: request rows, KV slots, and the prefix
+    cache to evict from when the pool is short."""
+
+    req_to_token_pool: Any
+    allocator: Any
+    tree_cache: Any
+    page_size: int
+    device: torch.device
+
+    def alloc_with_evict(self, need: int, alloc_fn):
+        """``alloc_fn()`` after evicting enough cached KV for ``need`` slots."""
+        if self.allocator.available_size() < need:
+            self.tree_cache.evict(need - self.allocator.available_size())
+        return alloc_fn()
+
+    def last_locs(self, reqs: list[Req]) -> torch.Tensor:
+        """Each request's last KV slot (where its next token's page continues)."""
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        cols = torch.tensor([max(r.kv_end - 1, 0) for r in reqs], dtype=torch.int64)
+        return self.req_to_token_pool.req_to_token[rows.to(self.device), cols.to(self.device)].to(torch.int64)
+
+    def decode_pages_needed(self, reqs: list[Req]) -> int:
+        """Slots a decode of ``reqs`` must allocate: a page for each request
+        whose last page is full."""
+        p = self.page_size
+        return sum(p for r in reqs if r.kv_end % p == 0)
+
+
+class ScheduleBatch:
+    """The requests of one forward and the KV they need.
+
+    The Scheduler picks the requests (admission, or the running batch) and
+    builds one; ``prepare_for_extend`` / ``prepare_for_decode`` allocate the
+    batch's request rows and KV slots (evicting from the prefix cache when the
+    pool is short) and return the slots; ``get_model_worker_batch`` then
+    describes the forward for the ModelRunner.
+    """
+
+    def __init__(self, reqs: list[Req], forward_mode: ForwardMode, pools: KVPools, vocab_size: int):
+        self.reqs = reqs
+        self.forward_mode = forward_mode
+        self.pools = pools
+        self.vocab_size = vocab_size
+        self.out_cache_loc: torch.Tensor | None = None
+        self.seq_lens: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def prepare_for_extend(self) -> torch.Tensor:
+        """Give new requests a row (holding their cached prefix) and allocate
+        the slots of every request's new tokens; returns the slots."""
+        pools, page = self.pools, self.pools.page_size
+        for req in self.reqs:
+            if req.req_pool_idx is None:
+                req.req_pool_idx = pools.req_to_token_pool.alloc(1)[0]
+                pools.req_to_token_pool.write(req.req_pool_idx, 0, req.prefix_indices)
+        prefix = torch.tensor([r.kv_end for r in self.reqs], dtype=torch.int64)
+        seq = prefix + torch.tensor([r.extend_input_len for r in self.reqs], dtype=torch.int64)
+        need = sum(page_aligned(r.extend_input_len, page) for r in self.reqs) + page * len(self.reqs)
+        last = pools.last_locs(self.reqs)
+        slots = pools.alloc_with_evict(need, lambda: pools.allocator.alloc_extend(prefix, seq, last))
+        if slots is None:
+            raise RuntimeError(f"KV allocation failed for an admitted prefill of {int((seq - prefix).sum())} tokens")
+        start = 0
+        for req, n in zip(self.reqs, (seq - prefix).tolist()):
+            pools.req_to_token_pool.write(req.req_pool_idx, req.kv_end, slots[start : start + n])
+            start += n
+        self.out_cache_loc, self.seq_lens = slots, seq.tolist()
+        return slots
+
+    def prepare_for_decode(self) -> torch.Tensor:
+        """Allocate one slot per request for the token being decoded; returns the slots."""
+        pools = self.pools
+        seq = torch.tensor([r.kv_end + 1 for r in self.reqs], dtype=torch.int64)
+        last = pools.last_locs(self.reqs)
+        slots = pools.alloc_with_evict(pools.decode_pages_needed(self.reqs),
+                                       lambda: pools.allocator.alloc_decode(seq, last))
+        if slots is None:
+            raise RuntimeError("KV allocation failed for decode after making room")
+        rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64).to(pools.device)
+        pools.req_to_token_pool.req_to_token[rows, (seq - 1).to(pools.device)] = slots.to(torch.int32)
+        self.out_cache_loc, self.seq_lens = slots, seq.tolist()
+        return slots
+
+    def get_model_worker_batch(self, sampling_info: SamplingBatchInfo | None = None) -> ModelWorkerBatch:
+        """The forward of this batch, after ``prepare_for_*``. An extend gets
+        a fresh sampling info unless one is given; a decode's comes from the
+        running batch's state (``DecodeSamplingState``) and its input ids
+        from the device (``input_ids`` None: they may still be being sampled)."""
+        reqs = self.reqs
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        seq = torch.tensor(self.seq_lens, dtype=torch.int64)
+        if self.forward_mode == ForwardMode.DECODE:
+            return ModelWorkerBatch(ForwardMode.DECODE, None, rows, seq, self.out_cache_loc, self.seq_lens,
+                                    sampling_info=sampling_info)
+        input_ids, prefix, ext = [], [], []
+        for r in reqs:
+            input_ids += r.fill_ids[r.kv_end : r.kv_end + r.extend_input_len]
+            prefix.append(r.kv_end)
+            ext.append(r.extend_input_len)
+        want = [r.wants_input_logprobs() for r in reqs]
+        return ModelWorkerBatch(
+            forward_mode=ForwardMode.EXTEND,
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            req_pool_indices=rows,
+            seq_lens=seq,
+            out_cache_loc=self.out_cache_loc,
+            seq_lens_cpu=self.seq_lens,
+            extend_prefix_lens=prefix,
+            extend_seq_lens=ext,
+            return_logprob=any(want),
+            extend_logprob_start_lens=[
+                max(r.logprob_start_len - 1 - p, 0) if w else e for r, w, e, p in zip(reqs, want, ext, prefix)
+            ],
+            top_logprobs_nums=[r.top_logprobs_num if w else 0 for r, w in zip(reqs, want)],
+            sampling_info=sampling_info or SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.pools.device),
+        )
+
+
+def retract_decode(running: list[Req], pools: KVPools) -> tuple[list[Req], Req | None]:
+    """Make room for one more token per running request: evict cached KV,
+    then retract requests (fewest outputs first, longest prompts first among
+    equals), removing them from ``running`` with their KV given to the cache.
+    Returns the retracted requests (to re-queue) and, if one request alone
+    has outgrown the pool, that request, removed too and finished by length."""
+    def short() -> int:
+        return pools.decode_pages_needed(running) - pools.allocator.available_size()
+
+    if short() > 0:
+        pools.tree_cache.evict(short())
+    retracted = []
+    while short() > 0 and len(running) > 1:
+        victim = min(running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        running.remove(victim)
+        pools.tree_cache.cache_finished_req(victim)
+        victim.reset_for_retract()
+        retracted.append(victim)
+        if short() > 0:
+            pools.tree_cache.evict(short())
+    if short() <= 0:
+        return retracted, None
+    cut = running.pop()
+    cut.finished_reason = FinishReason.at_length(len(cut.output_ids), message="the KV cache is full")
+    pools.tree_cache.cache_finished_req(cut)
+    return retracted, cut

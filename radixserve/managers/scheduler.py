@@ -7,20 +7,21 @@ import dataclasses
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from radixserve.layers.logits_processor import LogitsProcessorOutput
 from radixserve.layers.sampler import SampleOutput, Sampler
-from radixserve.managers.schedule_batch import FinishReason, ModelWorkerBatch, Req
+from radixserve.managers.schedule_batch import (FinishReason, KVPools, ModelWorkerBatch, Req, ScheduleBatch,
+                                                retract_decode)
 from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
-from radixserve.mem_cache import ChunkCache, RadixCache, check_memory_invariant, page_aligned
+from radixserve.mem_cache import ChunkCache, RadixCache, check_memory_invariant
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from radixserve.managers.decode_sampling import DecodeSamplingState
 from radixserve.managers.grammar_queue import GrammarQueue
-from radixserve.managers.input_logprobs import record_input_logprobs, wants_input_logprobs
+from radixserve.managers.input_logprobs import record_input_logprobs
 from radixserve.sampling.grammar import grammar_spec
-from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
@@ -109,6 +110,7 @@ class Scheduler:
         cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
         extra = {} if server_args.disable_radix_cache else {"eviction_policy": server_args.eviction_policy}
         self.tree_cache = cache_cls(self.req_to_token_pool, self.allocator, self.page_size, **extra)
+        self.pools = KVPools(self.req_to_token_pool, self.allocator, self.tree_cache, self.page_size, self.device)
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache)
         self.sampler = Sampler()
         self.max_running = min(server_args.max_running_requests, self.req_to_token_pool.available_size())
@@ -118,9 +120,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-        self._decode_info: SamplingBatchInfo | None = None
-        self._decode_info_reqs: list[Req] = []
-        self._decode_update: Callable[[], None] | None = None  # see _decode_reqs
+        self.decode_sampling = DecodeSamplingState(self.vocab_size, self.device)
         self._finished_outside_batch: list[Req] = []
         # Overlap state: the decode queued on the device, and finished requests
         # whose last KV slot that decode still writes.
@@ -207,15 +207,15 @@ class Scheduler:
             ready, failed = self.grammar_queue.pop_compiled()
             self.waiting += ready
             out += failed
-        batch, mode = self._next_batch()
-        if not batch and not self._in_flight and self.grammar_queue:  # only compilations to wait for
+        batch = self._next_batch()
+        if batch is None and not self._in_flight and self.grammar_queue:  # only compilations to wait for
             self.grammar_queue.wait()
         out += self._finished_outside_batch
         self._finished_outside_batch = []
         previous, self._in_flight = self._in_flight, None
-        if batch:
-            fwd = self._launch_forward(batch, mode)
-            if previous is not None and self.grammar_queue.constrained(batch):
+        if batch is not None:
+            fwd = self._launch_forward(batch)
+            if previous is not None and self.grammar_queue.constrained(batch.reqs):
                 # The token masks need the tokens of the batch in flight: take
                 # them while this batch's forward runs, then queue its sampling.
                 out += self._process(previous)
@@ -243,20 +243,24 @@ class Scheduler:
         a prompt does not: it starts at ``kv_end``, after the chunk in flight.)"""
         if (self.chunked_req and self.chunked_req.to_abort) or any(r.to_abort for r in self.running):
             return True
-        return self.allocator.available_size() < self._decode_pages_needed()
+        return self.allocator.available_size() < self.pools.decode_pages_needed(self.running)
 
-    def _next_batch(self) -> tuple[list[Req], ForwardMode | None]:
-        prefill = self._get_new_batch_prefill()
-        if prefill:
-            return prefill, ForwardMode.EXTEND
-        if self.running:
-            self._ensure_decode_memory()
-            return self._decode_reqs(), ForwardMode.DECODE
-        return [], None
+    def _next_batch(self) -> ScheduleBatch | None:
+        """A prefill if one can be admitted, else a decode of the running requests."""
+        batch = self._get_new_batch_prefill()
+        if batch is not None or not self.running:
+            return batch
+        self._ensure_decode_memory()
+        if not self.running:
+            return None
+        batch = ScheduleBatch(self.decode_sampling.sync(self.running, self.last_token), ForwardMode.DECODE,
+                              self.pools, self.vocab_size)
+        batch.prepare_for_decode()
+        return batch
 
-    def _get_new_batch_prefill(self) -> list[Req]:
+    def _get_new_batch_prefill(self) -> ScheduleBatch | None:
         if not self.waiting and self.chunked_req is None:
-            return []
+            return None
         # The chunked request, if any, is in can_run; finished requests whose
         # last decode is in flight still hold their rows.
         free_rows = self.max_running - len(self.running) - len(self._deferred)
@@ -283,90 +287,43 @@ class Scheduler:
             if req is not continuing and req.retractions == 0 and not req.output_ids:
                 self.stats.cached_tokens += req.cached_tokens
         self.chunked_req = adder.new_chunked_req
-        return self._prepare_extend(adder.can_run)
+        if not adder.can_run:
+            return None
+        batch = ScheduleBatch(adder.can_run, ForwardMode.EXTEND, self.pools, self.vocab_size)
+        batch.prepare_for_extend()
+        return batch
 
     # -- memory for a batch ------------------------------------------------------
-    def _alloc_with_evict(self, need: int, alloc_fn):
-        if self.allocator.available_size() < need:
-            self.tree_cache.evict(need - self.allocator.available_size())
-        return alloc_fn()
-
-    def _last_locs(self, reqs: list[Req]) -> torch.Tensor:
-        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        cols = torch.tensor([max(r.kv_end - 1, 0) for r in reqs], dtype=torch.int64)
-        return self.req_to_token_pool.req_to_token[rows.to(self.device), cols.to(self.device)].to(torch.int64)
-
-    def _prepare_extend(self, reqs: list[Req]) -> list[Req]:
-        for req in reqs:
-            if req.req_pool_idx is None:
-                req.req_pool_idx = self.req_to_token_pool.alloc(1)[0]
-                self.req_to_token_pool.write(req.req_pool_idx, 0, req.prefix_indices)
-        if not reqs:
-            return []
-        prefix = torch.tensor([r.kv_end for r in reqs], dtype=torch.int64)
-        seq = prefix + torch.tensor([r.extend_input_len for r in reqs], dtype=torch.int64)
-        need = sum(page_aligned(r.extend_input_len, self.page_size) for r in reqs) + self.page_size * len(reqs)
-        last = self._last_locs(reqs)
-        slots = self._alloc_with_evict(need, lambda: self.allocator.alloc_extend(prefix, seq, last))
-        if slots is None:
-            raise RuntimeError(f"KV allocation failed for an admitted prefill of {int((seq - prefix).sum())} tokens")
-        start = 0
-        for req, s in zip(reqs, (seq - prefix).tolist()):
-            self.req_to_token_pool.write(req.req_pool_idx, req.kv_end, slots[start : start + s])
-            start += s
-        self._batch_slots = slots
-        return reqs
-
-    def _decode_pages_needed(self) -> int:
-        p = self.page_size
-        return sum(p for r in self.running if r.kv_end % p == 0)
-
     def _ensure_decode_memory(self) -> None:
-        """Make room for one more token per running request: evict, then
-        retract (fewest outputs first, longest prompts first among equals)."""
-        need = self._decode_pages_needed()
-        if self.allocator.available_size() < need:
-            self.tree_cache.evict(need - self.allocator.available_size())
-        retracted = []
-        while self.allocator.available_size() < self._decode_pages_needed() and len(self.running) > 1:
-            victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
-            self.running.remove(victim)
-            self._release(victim)
-            victim.reset_for_retract()
-            retracted.append(victim)
-            need = self._decode_pages_needed()
-            if self.allocator.available_size() < need:
-                self.tree_cache.evict(need - self.allocator.available_size())
+        """Make room for one more token per running request (``retract_decode``)."""
+        retracted, cut = retract_decode(self.running, self.pools)
         if retracted:
             self.stats.retractions += len(retracted)
             self.waiting = retracted + self.waiting
             self.new_token_ratio = INIT_NEW_TOKEN_RATIO
             logger.info("retracted %d requests; running %d", len(retracted), len(self.running))
-        if self.allocator.available_size() < self._decode_pages_needed():
-            # One request alone has outgrown the pool: end it rather than fail.
-            req = self.running.pop()
-            req.finished_reason = FinishReason.at_length(len(req.output_ids), message="the KV cache is full")
-            self._release(req)
-            self._decode_info = None
-            self._finished_outside_batch.append(req)
+        if cut is not None:  # one request alone outgrew the pool: ended rather than failed
+            self.decode_sampling.invalidate()
+            self._finished_outside_batch.append(cut)
 
     def _release(self, req: Req) -> None:
         """Give a request's KV to the cache (it stays reusable, evictable)."""
         self.tree_cache.cache_finished_req(req)
 
     # -- running a batch ----------------------------------------------------------
-    def _launch_forward(self, reqs: list[Req], mode: ForwardMode) -> _Forward:
-        """Queue the forward of ``reqs``. Host-to-device copies are issued here,
-        on the current stream; the device work then runs on ``forward_stream``
-        after them, and nothing waits for it (``_launch_sample`` follows)."""
-        batch = self._build_decode(reqs) if mode == ForwardMode.DECODE else self._build_extend(reqs)
+    def _launch_forward(self, schedule_batch: ScheduleBatch) -> _Forward:
+        """Queue the forward of a prepared batch. Host-to-device copies are
+        issued here, on the current stream; the device work then runs on
+        ``forward_stream`` after them, and nothing waits for it
+        (``_launch_sample`` follows)."""
+        reqs, mode = schedule_batch.reqs, schedule_batch.forward_mode
+        decode_info = self.decode_sampling.info if mode == ForwardMode.DECODE else None
+        batch = schedule_batch.get_model_worker_batch(decode_info)
         fb = self.model_runner.forward_batch_from(batch)
         with self._on_forward_stream():
             if mode == ForwardMode.DECODE:
                 fb.input_ids = self.last_token[fb.req_pool_indices]
-                if self._decode_update is not None:
-                    self._decode_update()
-                    self._decode_update = None
+                self.decode_sampling.apply_pending()
             logits_out = self.model_runner.forward(fb)
         for req, seq in zip(reqs, batch.seq_lens_cpu):
             req.kv_inflight = seq - req.kv_len
@@ -406,89 +363,6 @@ class Scheduler:
             return nullcontext()
         self.forward_stream.wait_stream(torch.cuda.current_stream(self.device))
         return torch.cuda.stream(self.forward_stream)
-
-    def _build_extend(self, reqs: list[Req]) -> ModelWorkerBatch:
-        input_ids, prefix, ext = [], [], []
-        for r in reqs:
-            input_ids += r.fill_ids[r.kv_end : r.kv_end + r.extend_input_len]
-            prefix.append(r.kv_end)
-            ext.append(r.extend_input_len)
-        seq = [p + e for p, e in zip(prefix, ext)]
-        want_logprob = [wants_input_logprobs(r) for r in reqs]
-        return ModelWorkerBatch(
-            forward_mode=ForwardMode.EXTEND,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64),
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64),
-            seq_lens=torch.tensor(seq, dtype=torch.int64),
-            out_cache_loc=self._batch_slots,
-            seq_lens_cpu=seq,
-            extend_prefix_lens=prefix,
-            extend_seq_lens=ext,
-            return_logprob=any(want_logprob),
-            extend_logprob_start_lens=[
-                max(r.logprob_start_len - 1 - p, 0) if w else e for r, w, e, p in zip(reqs, want_logprob, ext, prefix)
-            ],
-            top_logprobs_nums=[r.top_logprobs_num if w else 0 for r, w in zip(reqs, want_logprob)],
-            sampling_info=SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device),
-        )
-
-    def _build_decode(self, reqs: list[Req]) -> ModelWorkerBatch:
-        """One new token per request. The input ids are left to the device
-        (``last_token``), so they may still be being sampled."""
-        seq = torch.tensor([r.kv_end + 1 for r in reqs], dtype=torch.int64)
-        last = self._last_locs(reqs)
-        slots = self._alloc_with_evict(self._decode_pages_needed(), lambda: self.allocator.alloc_decode(seq, last))
-        if slots is None:
-            raise RuntimeError("KV allocation failed for decode after making room")
-        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        self.req_to_token_pool.req_to_token[rows.to(self.device), (seq - 1).to(self.device)] = slots.to(torch.int32)
-        return ModelWorkerBatch(
-            forward_mode=ForwardMode.DECODE,
-            input_ids=None,
-            req_pool_indices=rows,
-            seq_lens=seq,
-            out_cache_loc=slots,
-            seq_lens_cpu=seq.tolist(),
-            sampling_info=self._decode_info,
-        )
-
-    def _decode_reqs(self) -> list[Req]:
-        """The running requests in the order of the decode sampling state.
-
-        The state (penalty counts, output lengths for seeded sampling) lives on
-        the device and is kept across decodes. When requests only left the
-        batch, it is filtered. Otherwise it is rebuilt from the host's tokens,
-        which lack the token still being sampled for requests with a forward
-        in flight (``kv_inflight``): those requests go last, and their rows
-        are completed from ``last_token`` on the forward stream, then merged
-        (``_decode_update``, run by ``_launch_forward``)."""
-        info, old = self._decode_info, self._decode_info_reqs
-        self._decode_update = None
-        if info is not None:
-            alive = {id(r) for r in self.running}
-            keep = [i for i, r in enumerate(old) if id(r) in alive]
-            if len(keep) == len(self.running):
-                if len(keep) < len(old):
-                    keep_dev = torch.tensor(keep, dtype=torch.int64).to(self.device)
-                    self._decode_update = lambda: info.filter(keep, keep_dev)
-                self._decode_info_reqs = [old[i] for i in keep]
-                return self._decode_info_reqs
-        settled = [r for r in self.running if r.kv_inflight == 0]
-        pending = [r for r in self.running if r.kv_inflight > 0]
-        settled_info = SamplingBatchInfo.from_reqs(settled, self.vocab_size, self.device) if settled else None
-        if pending:
-            pending_info = SamplingBatchInfo.from_reqs(pending, self.vocab_size, self.device)
-            rows = torch.tensor([r.req_pool_idx for r in pending], dtype=torch.int64).to(self.device)
-
-            def complete_pending() -> None:
-                pending_info.cumulate_output_tokens(self.last_token[rows])
-                if settled_info is not None:
-                    settled_info.merge(pending_info)
-
-            self._decode_update = complete_pending
-        self._decode_info = settled_info or pending_info
-        self._decode_info_reqs = settled + pending
-        return self._decode_info_reqs
 
     # -- results --------------------------------------------------------------------
     def _process(self, launched: _Launched) -> list[Req]:
@@ -570,7 +444,7 @@ class Scheduler:
             self.running.remove(req)
             req.finished_reason = FinishReason.aborted("aborted by request")
             self.tree_cache.cache_finished_req(req)
-            self._decode_info = None
+            self.decode_sampling.invalidate()
             out.append(req)
         return out
 

@@ -76,11 +76,11 @@ class Penalizer(ABC):
     def cumulate(self, next_token_ids: torch.Tensor) -> None:
         """Account for one newly generated token per row."""
 
-    def filter(self, keep: torch.Tensor, keep_list: list[int]) -> None:
-        """Keep only rows ``keep`` (the same indices as a device tensor and a list)."""
+    def filter(self, keep_indices: list[int], keep: torch.Tensor) -> None:
+        """Keep only rows ``keep_indices`` (``keep``: the same, on the device)."""
         for name in self._state:
             setattr(self, name, getattr(self, name)[keep])
-        self.rows_used = [self.rows_used[i] for i in keep_list]
+        self.rows_used = [self.rows_used[i] for i in keep_indices]
 
     def merge(self, other: "Penalizer") -> None:
         """Append ``other``'s rows after this batch's rows."""
@@ -283,13 +283,13 @@ class BatchedPenalizers:
         for penalizer in self.penalizers.values():
             penalizer.cumulate(next_token_ids)
 
-    def filter(self, keep: torch.Tensor, keep_list: list[int]) -> None:
-        """Keep rows ``keep_list``; drop penalizers no remaining row uses."""
+    def filter(self, keep_indices: list[int], keep: torch.Tensor) -> None:
+        """Keep rows ``keep_indices``; drop penalizers no remaining row uses."""
         for kind, penalizer in list(self.penalizers.items()):
-            penalizer.filter(keep, keep_list)
+            penalizer.filter(keep_indices, keep)
             if not any(penalizer.rows_used):
                 del self.penalizers[kind]
-        self.batch_size = len(keep_list)
+        self.batch_size = len(keep_indices)
 
     def merge(self, other: "BatchedPenalizers") -> None:
         """Append ``other``'s rows; a penalizer only one side has gets neutral

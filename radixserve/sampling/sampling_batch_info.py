@@ -96,7 +96,7 @@ class SamplingBatchInfo:
         self.params = [self.params[i] for i in keep_indices]
         if not any(p.sampling_seed is not None for p in self.params):
             self.sampling_seeds = self.has_seed = None
-        self.penalizers.filter(keep, keep_indices)
+        self.penalizers.filter(keep_indices, keep)
         self._update_flags()
 
     def merge(self, other: "SamplingBatchInfo") -> None:
