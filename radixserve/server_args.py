@@ -9,6 +9,9 @@ from dataclasses import dataclass, field, fields
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 EVICTION_POLICIES = ("lru", "lfu")
 CHARS_PER_TOKEN_LIMIT = 32  # default --max-prompt-chars per token of context
+# SGLang's names; the parsers are in entrypoints/openai/tool_parser.py and reasoning_parser.py
+TOOL_CALL_PARSER_NAMES = ("llama3", "qwen", "qwen25")
+REASONING_PARSER_NAMES = ("deepseek-r1", "qwen3")
 
 
 @dataclass
@@ -64,6 +67,12 @@ class ServerArgs:
         "help": "open HTTP connections (and requests in progress) beyond which requests get HTTP 503; "
                 "default 4096, or fewer where the open-file limit is lower"})
     disable_tqdm: bool = field(default=False, metadata={"help": "no progress bar for batches"})
+    # OpenAI chat output (docs/api.md): tool calls and reasoning parsed out of the text
+    tool_call_parser: str | None = field(default=None, metadata={
+        "help": "the format of the model's tool calls, parsed into tool_calls with tool_choice auto",
+        "choices": TOOL_CALL_PARSER_NAMES})
+    reasoning_parser: str | None = field(default=None, metadata={
+        "help": "the format of the model's reasoning, returned as reasoning_content", "choices": REASONING_PARSER_NAMES})
 
     def __post_init__(self) -> None:
         _one_of("load_format", self.load_format, ("auto", "safetensors", "gguf", "dummy"))
@@ -71,6 +80,9 @@ class ServerArgs:
         _one_of("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         _one_of("device", self.device, ("auto", "cpu", "cuda"))
         _one_of("attention_backend", self.attention_backend, ("auto", "triton", "torch_native"))
+        for name, allowed in (("tool_call_parser", TOOL_CALL_PARSER_NAMES), ("reasoning_parser", REASONING_PARSER_NAMES)):
+            if getattr(self, name) is not None:
+                _one_of(name, getattr(self, name), allowed)
         for name in ("page_size", "max_running_requests", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -151,7 +163,8 @@ class ServerArgs:
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", help=helptext)
             else:
-                parser.add_argument(flag, type=_cli_type(f), default=f.default, help=f"{helptext} (default {f.default})")
+                parser.add_argument(flag, type=_cli_type(f), default=f.default, choices=f.metadata.get("choices"),
+                                    help=f"{helptext} (default {f.default})")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":

@@ -4,6 +4,8 @@ stop, logprobs, usage with cached tokens, and the error cases."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -143,3 +145,81 @@ def test_stop_regex_on_both_routes(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"stop_regex": "(unclosed"})
     assert err.value.param == "stop_regex" and "invalid regular expression" in err.value.message
+
+
+# -- tool calls and reasoning (--tool-call-parser, --reasoning-parser) --------------------------------
+
+WEATHER_PARAMS = {"type": "object", "additionalProperties": False, "required": ["city", "unit"], "properties": {
+    "city": {"type": "string", "maxLength": 20}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}
+TIME_PARAMS = {"type": "object", "additionalProperties": False, "required": ["timezone"],
+               "properties": {"timezone": {"type": "string", "maxLength": 20}}}
+TOOLS = [  # strict, so that the client's stream helper parses the arguments
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                      "parameters": WEATHER_PARAMS, "strict": True}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time in a timezone",
+                                      "parameters": TIME_PARAMS, "strict": True}},
+]
+WEATHER_Q = [{"role": "user", "content": "What is the weather like in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def parsing_client():
+    """A server with both output parsers. SmolLM2's chat template ignores
+    tools, so it never writes calls itself: forced calls come from the grammar."""
+    srv = ServerProcess("--max-total-tokens", "16384", "--tool-call-parser", "qwen", "--reasoning-parser", "qwen3")
+    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    srv.stop()
+
+
+@pytest.mark.parametrize("choice,names", [
+    ("required", {"get_weather", "get_time"}),
+    ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+])
+def test_forced_tool_calls_validate_streamed_or_not(parsing_client, choice, names):
+    import jsonschema
+
+    args = dict(model=MODEL, messages=WEATHER_Q, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=120)
+    whole = parsing_client.chat.completions.create(**args)
+    choice0 = whole.choices[0]
+    assert choice0.finish_reason == "tool_calls" and choice0.message.content is None and choice0.message.tool_calls
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for call in choice0.message.tool_calls:
+        assert call.function.name in names and call.id.startswith("call_") and call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+    with parsing_client.chat.completions.stream(**args) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.parsed_arguments) for c in final.message.tool_calls] == \
+           [(c.function.name, json.loads(c.function.arguments)) for c in choice0.message.tool_calls]
+
+
+def test_reasoning_parser_and_auto_tools(parsing_client):
+    """SmolLM2 never closes a think block: with qwen3's parser forced into
+    reasoning, all of its text is reasoning, unless thinking is off."""
+    args = dict(model=MODEL, messages=QUESTION, temperature=0, max_tokens=8)
+    forced = parsing_client.chat.completions.create(**args).choices[0].message
+    assert forced.content is None and forced.reasoning_content.startswith("The capital of France")
+    streamed = list(parsing_client.chat.completions.create(**args, stream=True))
+    assert "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in streamed if c.choices) == \
+           forced.reasoning_content
+    off = parsing_client.chat.completions.create(**args, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.choices[0].message.content == forced.reasoning_content and off.choices[0].message.reasoning_content is None
+    # auto: strict tools constrain only what follows <tool_call>, which SmolLM2 does not write
+    auto = parsing_client.chat.completions.create(**args, tools=TOOLS, extra_body={"separate_reasoning": False})
+    assert auto.choices[0].message.content == forced.reasoning_content and auto.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_tool_errors_name_the_field_and_the_server_keeps_serving(parsing_client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        parsing_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, **kwargs)
+    assert err.value.status_code == 400 and err.value.param == param
+    ok = parsing_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, tools=TOOLS)
+    assert ok.choices[0].finish_reason == "length"

@@ -148,6 +148,7 @@ def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
         return Response(status_code=200)
 
     @app.get("/get_model_info")
+    @app.get("/model_info")  # SGLang's newer name, which its router and bench_serving ask first
     async def get_model_info():
         info = engine.model_info
         return {"model_path": info["model_path"], "tokenizer_path": info["tokenizer_path"], "is_generation": True,
@@ -155,11 +156,23 @@ def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
                 "vocab_size": tm.vocab_size}
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def get_server_info():
         state = await tm.get_internal_state()
         public = {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"}
-        return {**public, **engine.model_info, "version": radixserve.__version__,
-                "api_version": API_VERSION, "internal_states": [state]}
+        # served_model_name resolved, as SGLang reports it: its router names the model by it
+        return {**public, **engine.model_info, "served_model_name": tm.served_model_name,
+                "version": radixserve.__version__, "api_version": API_VERSION, "internal_states": [state]}
+
+    @app.get("/get_load")
+    async def get_load():
+        """The load SGLang's router polls (its power-of-two policy sums
+        ``num_tokens``: KV tokens held by requests plus the prompts waiting),
+        from the scheduler's latest report, so a poll never waits on it."""
+        st = tm.last_stats
+        waiting = st.get("waiting", 0)
+        return [{"dp_rank": 0, "num_reqs": st.get("running", 0) + waiting, "num_waiting_reqs": waiting,
+                 "num_tokens": st.get("kv_used", 0) + st.get("waiting_tokens", 0)}]
 
     @app.post("/flush_cache")
     async def flush_cache():
@@ -192,7 +205,7 @@ def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
 
     from radixserve.entrypoints.openai.serving import add_openai_routes
 
-    add_openai_routes(app, tm)
+    add_openai_routes(app, tm, args.tool_call_parser, args.reasoning_parser)
     return app
 
 

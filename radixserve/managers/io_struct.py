@@ -89,6 +89,7 @@ class GenerateReqInput:
     external_trace_header: dict | None = None
     received_time: float | None = None
     kv_hints: dict | list | None = None
+    model: str | None = None  # sglang-router adds the model it routed to; SGLang ignores it too
     # not implemented (see UNSUPPORTED_FIELDS)
     input_embeds: Any = None
     image_data: Any = None
@@ -261,7 +262,7 @@ class GetInternalStateReqOutput:
 @dataclass
 class SchedulerStats:
     """The scheduler's load and cache figures, sent every so often while it
-    works and when it goes idle; ``/metrics`` serves the latest."""
+    works and when it goes idle; ``/metrics`` and ``/get_load`` serve the latest."""
 
     state: dict
 

@@ -111,6 +111,7 @@ class TokenizerManager:
         self.control: dict[type, asyncio.Future] = {}
         self._control_lock: asyncio.Lock | None = None
         self.metrics = ServerMetrics()
+        self.last_stats: dict = {}  # the scheduler's latest SchedulerStats (empty until its first report)
         self.dead: str | None = None  # why the engine stopped serving, once it has
         self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
         self._loop_task: asyncio.Task | None = None
@@ -341,6 +342,7 @@ class TokenizerManager:
         if isinstance(msg, BatchStrOut):
             self._on_outputs(msg)
         elif isinstance(msg, SchedulerStats):
+            self.last_stats = msg.state
             self.metrics.update_from_state(msg.state)
         else:
             fut = self.control.pop(type(msg), None)

@@ -41,6 +41,15 @@ from radixserve.entrypoints.openai.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from radixserve.entrypoints.openai.chat_parsing import ChatParsing, ChoiceOutput
+from radixserve.entrypoints.openai.tool_calls import check_tool_schemas, offered_tools, tool_grammar
+from radixserve.entrypoints.openai.tool_parser import ToolCallDelta
+from radixserve.entrypoints.openai.tool_protocol import (
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCallResponse,
+    ToolCallResponse,
+)
 from radixserve.validation import FIELD_PREFIX, error_path
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -97,15 +106,18 @@ def completion_to_generate(req: CompletionRequest) -> dict:
     return kwargs
 
 
-def chat_to_generate(req: ChatCompletionRequest, tokenizer: Any) -> dict:
+def chat_to_generate(req: ChatCompletionRequest, tokenizer: Any, tool_call_parser: str | None = None) -> dict:
     """Keyword arguments of ``GenerateReqInput`` for a chat request: the chat
-    template applied to the messages, as token ids.
+    template applied to the messages, as token ids; the grammar of forced or
+    strict tool calls (``tool_calls.tool_grammar``).
 
     The rendered prompt is encoded without special tokens: templates write the
     BOS themselves, and a second one from ``encode`` would change the output.
     Raises ``ValueError("messages: ...")`` when the model has no chat template
-    or the template rejects the conversation.
+    or the template rejects the conversation, ``ValueError("tools[i]...")``
+    for a tool schema that does not build as a grammar.
     """
+    check_tool_schemas(req.tools)
     prompt = render_chat(req, tokenizer)
     kwargs = {
         "input_ids": encode_chat_prompt(tokenizer, prompt, [m.text() for m in req.messages]),
@@ -113,6 +125,11 @@ def chat_to_generate(req: ChatCompletionRequest, tokenizer: Any) -> dict:
         "stream": req.stream,
         **_rid(req),
     }
+    if offered_tools(req) and req.skip_special_tokens is None:
+        kwargs["sampling_params"]["skip_special_tokens"] = False  # as SGLang: call markers may be special tokens
+    grammar = tool_grammar(req, tool_call_parser)
+    if grammar is not None:
+        kwargs["sampling_params"][grammar[0]] = grammar[1]
     if req.logprobs:
         kwargs.update(_logprob_args(req.top_logprobs or 0, logprob_start_len=-1))
     return kwargs
@@ -125,13 +142,16 @@ def _rid(req: CompletionRequest | ChatCompletionRequest) -> dict:
 def render_chat(req: ChatCompletionRequest, tokenizer: Any) -> str:
     """The prompt text of a chat request: the generation prompt appended, or
     with ``continue_final_message`` the last (assistant) message left open;
-    ``chat_template_kwargs`` go to the template (``enable_thinking`` ...)."""
+    ``chat_template_kwargs`` go to the template (``enable_thinking`` ...), and
+    so do the offered tools (a template that does not use them leaves them
+    out of the prompt, as in SGLang)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: this model has no chat template; use /v1/completions")
     messages = [_template_message(m) for m in req.messages]
+    tools = [tool.template_dict() for tool in offered_tools(req)] or None
     try:
         return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=not req.continue_final_message,
+            messages, tools=tools, tokenize=False, add_generation_prompt=not req.continue_final_message,
             continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
     except TemplateError as e:
         raise ValueError(f"messages: the chat template rejected them: {e}") from e
@@ -170,9 +190,11 @@ def _special_texts(tokenizer: Any) -> list[str]:
 
 def _template_message(msg: Any) -> dict:
     out = {"role": _TEMPLATE_ROLES.get(msg.role, msg.role), "content": msg.text() or ""}
-    for key in ("name", "tool_calls", "tool_call_id"):
+    for key in ("name", "tool_call_id"):
         if getattr(msg, key) is not None:
             out[key] = getattr(msg, key)
+    if msg.tool_calls is not None:
+        out["tool_calls"] = [call.template_dict() for call in msg.tool_calls]
     return out
 
 
@@ -324,22 +346,28 @@ def _completion_choice_logprobs(meta: dict, echo: bool) -> CompletionLogprobs:
 
 
 def build_chat_response(
-    req: ChatCompletionRequest, outputs: list[dict], model_name: str, created: int, *, request_id: str | None = None
+    req: ChatCompletionRequest, outputs: list[dict], model_name: str, created: int, *, request_id: str | None = None,
+    parsing: ChatParsing | None = None,
 ) -> ChatCompletionResponse:
-    """The reply to a non-streaming chat request from its final outputs (any order)."""
+    """The reply to a non-streaming chat request from its final outputs (any
+    order); ``parsing`` splits each text into reasoning, content and calls."""
     choices = []
     for out in sorted(outputs, key=_index):
         meta = out["meta_info"]
         logprobs = None
         if req.logprobs:
             logprobs = chat_logprobs(meta["output_token_logprobs"], meta.get("output_top_logprobs"))
+        message = ChatMessage(content=out["text"])
+        if parsing is not None and parsing.active:
+            message = _parsed_message(parsing.parse(out["text"]))
+        finish = tool_calls_finish(meta["finish_reason"], bool(message.tool_calls))
         choices.append(
             ChatCompletionChoice(
                 index=_index(out),
-                message=ChatMessage(content=out["text"]),
+                message=message,
                 logprobs=logprobs,
-                finish_reason=finish_reason_to_openai(meta["finish_reason"]),
-                matched_stop=_matched_stop(meta["finish_reason"]),
+                finish_reason=finish_reason_to_openai(finish),
+                matched_stop=_matched_stop(finish),
             )
         )
     return ChatCompletionResponse(
@@ -351,9 +379,30 @@ def build_chat_response(
     )
 
 
+def _parsed_message(out: ChoiceOutput) -> ChatMessage:
+    """A parsed choice's message: empty content and reasoning are null."""
+    calls = [ToolCallResponse(id=new_tool_call_id(), function=FunctionCallResponse(name=c.name, arguments=c.arguments))
+             for c in out.calls]
+    return ChatMessage(content=out.content or None, reasoning_content=out.reasoning or None, tool_calls=calls or None)
+
+
+def tool_calls_finish(finish_reason: dict | None, made_calls: bool) -> dict | None:
+    """A choice that made calls and stopped by itself finishes with
+    ``"tool_calls"`` (its stop token no longer the matched stop), as in SGLang;
+    one that hit the length limit keeps ``"length"``."""
+    if made_calls and finish_reason is not None and finish_reason["type"] == "stop":
+        return {"type": "tool_calls"}
+    return finish_reason
+
+
 def new_request_id(prefix: str) -> str:
     """A response id in OpenAI's style: ``cmpl-...``, ``chatcmpl-...``."""
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def new_tool_call_id() -> str:
+    """A tool call id in OpenAI's style, ``call_`` and 24 hex digits."""
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 # -- streaming ----------------------------------------------------------------------------------------
@@ -392,18 +441,30 @@ def chat_stream_chunk(
     role: str | None = None,
     finish_reason: dict | None = None,
     logprobs: ChoiceLogprobs | None = None,
+    reasoning_content: str | None = None,
+    tool_calls: list[ToolCallDelta] | None = None,
 ) -> ChatCompletionStreamResponse:
     """One chat event for choice ``index``. OpenAI opens each choice with a
-    chunk of ``role="assistant", content=""``; then chunks of new ``content``;
-    the last one carries the engine's ``finish_reason``."""
+    chunk of ``role="assistant", content=""``; then chunks of new ``content``
+    (or ``reasoning_content``, or call pieces: a call's first piece carries
+    its id and name); the last one carries the ``finish_reason`` (see
+    ``tool_calls_finish``)."""
     choice = ChatCompletionStreamChoice(
         index=index,
-        delta=DeltaMessage(role=role, content=content),
+        delta=DeltaMessage(role=role, content=content, reasoning_content=reasoning_content,
+                           tool_calls=[_delta_tool_call(piece) for piece in tool_calls] if tool_calls else None),
         logprobs=logprobs,
         finish_reason=finish_reason_to_openai(finish_reason),
         matched_stop=_matched_stop(finish_reason),
     )
     return ChatCompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[choice])
+
+
+def _delta_tool_call(piece: ToolCallDelta) -> DeltaToolCall:
+    if piece.name is None:
+        return DeltaToolCall(index=piece.index, function=DeltaFunctionCall(arguments=piece.arguments))
+    return DeltaToolCall(index=piece.index, id=new_tool_call_id(), type="function",
+                         function=DeltaFunctionCall(name=piece.name, arguments=piece.arguments))
 
 
 def usage_chunk(

@@ -3,7 +3,7 @@ responses (shaped so that the official ``openai`` client parses them).
 
 Requests ignore unknown fields, as OpenAI clients send some we have no use for
 (``user``, ``metadata``, ...), but reject fields we know and do not support yet
-(``tools``, ``response_format``, ...) so that nobody silently gets unconstrained
+(``functions``, ``audio``, ...) so that nobody silently gets unconstrained
 output. Every validation error names its field: FastAPI reports it in ``loc``
 and ``adapters.validation_error_to_openai`` turns it into OpenAI's ``param``.
 Cross-field errors come from model validators, which have no ``loc``; their
@@ -16,8 +16,17 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer, model_validator
 
+from radixserve.entrypoints.openai.tool_protocol import (
+    ChatTool,
+    DeltaToolCall,
+    ToolCallParam,
+    ToolCallResponse,
+    ToolChoice,
+    check_tool_choice_shape,
+    check_tool_request,
+)
 from radixserve.managers.io_struct import MAX_RID_CHARS, MAX_TOP_LOGPROBS
 from radixserve.sampling.sampling_params import MAX_N, check_stop_regex
 from radixserve.validation import no_op_validator
@@ -40,7 +49,7 @@ _UNSUPPORTED: dict[str, tuple] = {
     # completions
     "suffix": (None, ""),
     # chat
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "functions": (None, []),
     "function_call": (None, "none", "auto"), "audio": (None,), "prediction": (None,), "web_search_options": (None,),
     "modalities": (None, ["text"]), "verbosity": (None,), "reasoning_effort": (None,), "thinking": (None,),
     "task": (None,), "input_ids": (None,), "return_prompt_token_ids": (False,), "return_meta_info": (False,),
@@ -49,10 +58,10 @@ _UNSUPPORTED: dict[str, tuple] = {
     "max_dynamic_patch": (None,), "min_dynamic_patch": (None,), "use_audio_in_video": (False,), "video_config": (None,),
 }
 _SHARED_UNSUPPORTED = tuple(_UNSUPPORTED)[: tuple(_UNSUPPORTED).index("suffix")]
-_CHAT_UNSUPPORTED = tuple(_UNSUPPORTED)[tuple(_UNSUPPORTED).index("tools"):]
+_CHAT_UNSUPPORTED = tuple(_UNSUPPORTED)[tuple(_UNSUPPORTED).index("functions"):]
 # chat_template_kwargs may not set what the server itself passes to the template
 _TEMPLATE_RESERVED = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
-                      "return_dict", "return_tensors", "chat_template"}
+                      "return_dict", "return_tensors", "chat_template", "tools"}
 
 
 class StreamOptions(BaseModel):
@@ -267,7 +276,7 @@ class ChatMessageParam(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallParam] | None = None
     tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
@@ -306,13 +315,13 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    # reasoning output is not separated yet (no reasoning parser): these ask for nothing today
+    # with --reasoning-parser: reasoning_content apart (streamed, or sent once it ends)
     separate_reasoning: bool = True
     stream_reasoning: bool = True
-    parallel_tool_calls: bool = True  # meaningful with tools only
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # "auto" with tools, "none" without
+    parallel_tool_calls: bool = True  # false: at most one call
     return_flat_raw_top_logprobs_b64: bool = True  # meaningful with flat raw logprobs only
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -338,6 +347,11 @@ class ChatCompletionRequest(_GenerationRequest):
 
     _check_unsupported_chat = no_op_validator(_UNSUPPORTED, _CHAT_UNSUPPORTED)
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, v: Any) -> Any:
+        return check_tool_choice_shape(v)
+
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -358,6 +372,7 @@ class ChatCompletionRequest(_GenerationRequest):
             raise ValueError("top_logprobs: requires logprobs to be true")
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise ValueError("continue_final_message: the last message must be the assistant's")
+        check_tool_request(self)
         return self
 
 
@@ -452,10 +467,20 @@ class ChoiceLogprobs(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """The assistant message of a chat choice."""
+    """The assistant message of a chat choice: ``reasoning_content`` with a
+    reasoning parser, ``tool_calls`` (left out when there are none) with tools."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallResponse] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_only_when_made(self, handler):
+        data = handler(self)
+        if self.tool_calls is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionChoice(BaseModel):
@@ -480,10 +505,22 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    """What one chat chunk adds to a choice: the role (first chunk) and text."""
+    """What one chat chunk adds to a choice: the role (first chunk), text,
+    and with the output parsers reasoning and tool-call pieces (left out
+    when there are none)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _parsed_fields_when_set(self, handler):
+        data = handler(self)
+        for key in ("reasoning_content", "tool_calls"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
 
 
 class ChatCompletionStreamChoice(BaseModel):

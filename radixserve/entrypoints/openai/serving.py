@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from radixserve.entrypoints.openai import adapters as A
 from radixserve.entrypoints.streaming import peek, sse_stream
+from radixserve.entrypoints.openai.chat_parsing import ChatParsing, chat_parsing
 from radixserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from radixserve.managers.io_struct import GenerateReqInput
 from radixserve.managers.tokenizer_manager import TokenizerManager
@@ -53,7 +54,11 @@ class _Deltas:
         return tokens[start:], (tops[start:] if tops else None)
 
 
-def add_openai_routes(app: FastAPI, tm: TokenizerManager) -> None:
+def add_openai_routes(app: FastAPI, tm: TokenizerManager, tool_call_parser: str | None = None,
+                      reasoning_parser: str | None = None) -> None:
+    """The routes; the parsers (``--tool-call-parser``, ``--reasoning-parser``)
+    split chat output into reasoning, content and tool calls."""
+
     @app.get("/v1/models")
     async def models():
         card = ModelCard(id=tm.served_model_name, created=int(time.time()), owned_by="radixserve",
@@ -80,15 +85,16 @@ def add_openai_routes(app: FastAPI, tm: TokenizerManager) -> None:
     async def chat(req: ChatCompletionRequest, request: Request):
         if (err := _model_error(tm, req.model)) is not None:
             return err
-        obj = GenerateReqInput(**await tm.run_blocking(A.chat_to_generate, req, tm.tokenizer))
+        obj = GenerateReqInput(**await tm.run_blocking(A.chat_to_generate, req, tm.tokenizer, tool_call_parser))
         gen = tm.generate_request(obj, request)
         created, rid = int(time.time()), A.new_request_id("chatcmpl")
+        parsing = chat_parsing(req, tool_call_parser, reasoning_parser)
         if not req.stream:
             outputs = [o async for o in gen]
             return _aborted(outputs) or A.build_chat_response(
-                req, outputs, tm.served_model_name, created, request_id=rid).model_dump()
+                req, outputs, tm.served_model_name, created, request_id=rid, parsing=parsing).model_dump()
         outs = await peek(gen)
-        return StreamingResponse(sse_stream(_chat_events(req, tm, outs, rid, created)),
+        return StreamingResponse(sse_stream(_chat_events(req, tm, outs, rid, created, parsing)),
                                  media_type="text/event-stream")
 
 
@@ -111,20 +117,30 @@ async def _completion_events(req, tm, outs, rid, created, prompts) -> AsyncItera
         yield A.sse_event(A.usage_chunk(rid, created, tm.served_model_name, finals, n, chat=False))
 
 
-async def _chat_events(req, tm, outs, rid, created) -> AsyncIterator[str]:
-    deltas, finals = _Deltas(), []
+async def _chat_events(req, tm, outs, rid, created, parsing: ChatParsing) -> AsyncIterator[str]:
+    deltas, finals, parsers = _Deltas(), [], {}
     async for out in outs:
         i, text, is_first = deltas.text_delta(out)
-        if is_first:
-            yield A.sse_event(A.chat_stream_chunk(rid, created, tm.served_model_name, i, role="assistant", content=""))
+        if is_first:  # parsed output may be only calls, whose message has null content
+            yield A.sse_event(A.chat_stream_chunk(rid, created, tm.served_model_name, i, role="assistant",
+                                                  content=None if parsing.active else ""))
         logprobs = None
         if req.logprobs:
             tokens, tops = deltas.new_logprobs(out)
             logprobs = A.chat_logprobs(tokens, tops)
         reason = out["meta_info"]["finish_reason"]
-        yield A.sse_event(A.chat_stream_chunk(rid, created, tm.served_model_name, i, content=text,
-                                              finish_reason=reason, logprobs=logprobs))
         if reason is not None:
             finals.append(out)
+        if not parsing.active:
+            yield A.sse_event(A.chat_stream_chunk(rid, created, tm.served_model_name, i, content=text,
+                                                  finish_reason=reason, logprobs=logprobs))
+            continue
+        parser = parsers.setdefault(i, parsing.choice_parser())
+        piece = parser.feed(text, final=reason is not None)
+        if piece or reason is not None or (logprobs is not None and logprobs.content):
+            yield A.sse_event(A.chat_stream_chunk(
+                rid, created, tm.served_model_name, i, content=piece.content or None,
+                reasoning_content=piece.reasoning or None, tool_calls=piece.calls, logprobs=logprobs,
+                finish_reason=A.tool_calls_finish(reason, parser.made_calls)))
     if req.stream_options and req.stream_options.include_usage:
         yield A.sse_event(A.usage_chunk(rid, created, tm.served_model_name, finals, req.n or 1))
