@@ -7,9 +7,11 @@
 #   OUT=/some/dir benchmarks/sglang_bench_serving.sh
 #
 # Needs `sglang` importable (installed with --no-deps, plus what
-# sglang.bench_serving imports: datasets, orjson, msgspec, pybase64, aiohttp,
-# and a torchvision that matches torch, since it imports sglang.srt.configs)
-# and radixserve's dependencies. Defaults: llama-3.1-8b dummy weights with a
+# sglang.bench_serving imports: pyproject's compat and compat-bench extras, and
+# a torchvision that matches torch, since it imports sglang.srt.configs) and
+# radixserve's dependencies. The client runs with no GPU visible: it needs
+# none, and on a CUDA host sglang would otherwise import its own CUDA kernels
+# (sgl-kernel). Defaults: llama-3.1-8b dummy weights with a
 # real tokenizer (TOKENIZER), the random-ids dataset, 1024 in / 256 out.
 set -uo pipefail
 
@@ -42,7 +44,7 @@ curl -sf "http://127.0.0.1:$PORT/health" >/dev/null || { echo "server not ready 
 
 status=0
 for rate in $RATES; do
-    "$PY" -m sglang.bench_serving --backend sglang --host 127.0.0.1 --port "$PORT" --tokenizer "$TOKENIZER" \
+    CUDA_VISIBLE_DEVICES= "$PY" -m sglang.bench_serving --backend sglang --host 127.0.0.1 --port "$PORT" --tokenizer "$TOKENIZER" \
         --dataset-name random-ids --num-prompts "$PROMPTS" --random-input-len "$INPUT" \
         --random-output-len "$OUTPUT" --random-range-ratio 1 --request-rate "$rate" --seed 1 --disable-tqdm \
         --output-file "$OUT/sglang-bench-serving.jsonl" >"$LOGDIR/bench-$rate.log" 2>&1 || status=1

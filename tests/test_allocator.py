@@ -89,6 +89,22 @@ def test_alloc_decode_new_page_only_at_boundary():
     a.check_invariants()
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_alloc_decode_takes_the_slots_the_general_path_takes(page_size):
+    """The host-side decode path and alloc_extend agree on a batch mixing
+    requests inside a page and at a page boundary."""
+    lens = t(3, 4, 8, 9, 1)
+    results = []
+    for decode in (True, False):
+        a = TokenToKVPoolAllocator(size=64, page_size=page_size)
+        pre = [a.alloc_extend(t(0), t(n), t(0)) for n in lens.tolist()]
+        last = t(*[int(p[-1]) for p in pre])
+        slots = a.alloc_decode(lens + 1, last) if decode else a.alloc_extend(lens, lens + 1, last)
+        a.check_invariants()
+        results.append((slots.tolist(), a.available_size()))
+    assert results[0] == results[1]
+
+
 def test_free_group_batches():
     a = TokenToKVPoolAllocator(size=32, page_size=4)
     s = a.alloc(16)

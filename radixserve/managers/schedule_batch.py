@@ -275,7 +275,8 @@ class ScheduleBatch:
         """Allocate one slot per request for the token being decoded; returns the slots."""
         pools = self.pools
         seq = torch.tensor([r.kv_end + 1 for r in self.reqs], dtype=torch.int64)
-        last = pools.last_locs(self.reqs)
+        at_boundary = all(r.kv_end % pools.page_size == 0 for r in self.reqs)  # then no last slot is needed
+        last = None if at_boundary else pools.last_locs(self.reqs)
         slots = pools.alloc_with_evict(pools.decode_pages_needed(self.reqs),
                                        lambda: pools.allocator.alloc_decode(seq, last))
         if slots is None:

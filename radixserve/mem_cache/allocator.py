@@ -17,7 +17,6 @@ def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
     return (a + b - 1) // b
 
 
-
 def pages_for(tokens: int, page_size: int) -> int:
     """Pages that hold ``tokens`` tokens (the last one possibly part full)."""
     return -(-tokens // page_size)
@@ -26,6 +25,7 @@ def pages_for(tokens: int, page_size: int) -> int:
 def page_aligned(tokens: int, page_size: int) -> int:
     """``tokens`` rounded up to whole pages, in tokens."""
     return pages_for(tokens, page_size) * page_size
+
 
 class TokenToKVPoolAllocator:
     """Allocates KV slots in whole pages.
@@ -120,9 +120,24 @@ class TokenToKVPoolAllocator:
         slot_new = pages[rank.clamp(min=0, max=max(len(pages) - 1, 0))] * p + pos % p if len(pages) else slot_old
         return self._mark_used(torch.where(in_last_page, slot_old, slot_new))
 
-    def alloc_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor) -> torch.Tensor | None:
-        """One slot per request for position ``seq_lens[i]-1``."""
-        return self.alloc_extend(seq_lens - 1, seq_lens, last_loc)
+    def alloc_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor | None) -> torch.Tensor | None:
+        """One slot per request for position ``seq_lens[i]-1`` (host tensor):
+        the slot after ``last_loc[i]`` in its last page, or a fresh page's
+        first slot at a page boundary (``last_loc`` may be None when every
+        request is at one, as always with ``page_size`` 1). Decided on the
+        host, so a decode step allocates without waiting for the device."""
+        p = self.page_size
+        fresh = (seq_lens.cpu() - 1) % p == 0
+        pages = self._take_pages(int(fresh.sum()))
+        if pages is None:
+            return None
+        if bool(fresh.all()):
+            return self._mark_used(pages * p)
+        last_next = last_loc.to(self.device, torch.int64) + 1
+        if len(pages) == 0:
+            return self._mark_used(last_next)
+        rank = (torch.cumsum(fresh, 0) - 1).clamp(min=0).to(self.device)
+        return self._mark_used(torch.where(fresh.to(self.device), pages[rank] * p, last_next))
 
     # -- freeing -----------------------------------------------------------
     def free(self, slots: torch.Tensor) -> None:
