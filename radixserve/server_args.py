@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field, fields
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
@@ -28,6 +29,8 @@ class ServerArgs:
     api_key: str | None = field(default=None, metadata={"help": "require this key (Authorization: Bearer ...)"})
     log_level: str = field(default="info", metadata={"help": "logging level of the server"})
     load_format: str = field(default="auto", metadata={"help": "auto, safetensors, gguf or dummy"})
+    json_model_override_args: str = field(default="{}", metadata={
+        "help": "a JSON object of model config fields to override, e.g. '{\"vocab_size\": 49152}'"})
     dtype: str = field(default="auto", metadata={"help": "auto, float32, bfloat16 or float16"})
     device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu or cuda"})
     context_length: int | None = field(default=None, metadata={"help": "max tokens per request (prompt + output)"})
@@ -97,6 +100,7 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        self.model_overrides()  # fail at start-up, naming the flag
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
 
@@ -169,6 +173,16 @@ class ServerArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    def model_overrides(self) -> dict:
+        """``--json-model-override-args`` as a dict of config fields."""
+        try:
+            overrides = json.loads(self.json_model_override_args)
+        except ValueError as exc:
+            raise ValueError(f"json_model_override_args is not JSON: {exc}") from None
+        if not isinstance(overrides, dict):
+            raise ValueError("json_model_override_args must be a JSON object")
+        return overrides
 
     def replace(self, **changes) -> "ServerArgs":
         return dataclasses.replace(self, **changes)

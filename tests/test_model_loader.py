@@ -391,6 +391,19 @@ def test_dummy_configs_resolve():
     assert dummy_config("tiny-qwen3") is not dummy_config("tiny-qwen3")  # fresh objects
 
 
+def test_json_model_override_args():
+    from radixserve.entrypoints.engine import Engine
+    from radixserve.server_args import ServerArgs
+
+    with Engine("tiny-llama", json_model_override_args='{"vocab_size": 600}', disable_tqdm=True) as eng:
+        assert eng.scheduler.vocab_size == 600
+        out = eng.generate(input_ids=[599, 3], sampling_params={"max_new_tokens": 2, "temperature": 0})
+        assert len(out["output_ids"]) == 2
+    for bad, why in (("{", "not JSON"), ("[1]", "must be a JSON object")):
+        with pytest.raises(ValueError, match=why):
+            ServerArgs(json_model_override_args=bad)
+
+
 def test_hf_folder_dummy_and_safetensors(tmp_path):
     dummy_config("tiny-qwen2").save_pretrained(tmp_path)
     mc = resolve_model(str(tmp_path), load_format="dummy")

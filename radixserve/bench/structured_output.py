@@ -72,6 +72,8 @@ def main() -> None:
     parser.add_argument("--model-path", default=None)
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--tokenizer-path", default=None)
+    parser.add_argument("--json-model-override-args", default="{}",
+                        help="e.g. a dummy model's vocab_size set to its tokenizer's (as a real model has it)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--min-items", type=int, default=200)
@@ -85,7 +87,7 @@ def main() -> None:
     schema = json.dumps({**LONG_ARRAY, "properties": {"items": {**LONG_ARRAY["properties"]["items"],
                                                                 "minItems": args.min_items}}})
     options = {"disable_tqdm": True, "load_format": args.load_format, "tokenizer_path": args.tokenizer_path,
-               "max_running_requests": args.batch}
+               "max_running_requests": args.batch, "json_model_override_args": args.json_model_override_args}
     if args.max_total_tokens:
         options["max_total_tokens"] = args.max_total_tokens
     with radixserve.Engine(args.model_path, **options) as engine:

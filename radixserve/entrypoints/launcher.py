@@ -70,7 +70,8 @@ def start_engine_processes(args: ServerArgs) -> EngineProcesses:
     and detokenizer processes, wait until the model is loaded."""
     from radixserve.model_loader import resolve_model
 
-    model_config = resolve_model(args.model_path, args.load_format, args.dtype, args.resolved_device(), args.tokenizer_path)
+    model_config = resolve_model(args.model_path, args.load_format, args.dtype, args.resolved_device(),
+                                 args.tokenizer_path, args.model_overrides())
     tokenizer = None
     if model_config.tokenizer_dir:
         from transformers import AutoTokenizer

@@ -71,7 +71,8 @@ def build_scheduler(args: ServerArgs) -> Scheduler:
         from radixserve.model_executor.cpu_malloc import reuse_freed_memory
 
         reuse_freed_memory()
-    model_config = resolve_model(args.model_path, args.load_format, args.dtype, device, args.tokenizer_path)
+    model_config = resolve_model(args.model_path, args.load_format, args.dtype, device, args.tokenizer_path,
+                                 args.model_overrides())
     runner = build_model_runner(args, model_config)
     tokenizer = load_tokenizer(model_config)
     return Scheduler(args, runner, tokenizer, eos_token_ids(model_config, tokenizer))

@@ -96,11 +96,13 @@ def check_architecture(hf_config: PretrainedConfig, model_path: str) -> str:
 
 def resolve_model(
     model_path: str | None = None, load_format: str = "auto", dtype: str = "auto", device: str = "cpu",
-    tokenizer_path: str | None = None,
+    tokenizer_path: str | None = None, overrides: dict | None = None,
 ) -> ModelConfig:
     """Validate the user's model choice and say where config, weights and
     tokenizer come from (``tokenizer_path``, a folder, overrides the model's;
-    a dummy model has none otherwise)."""
+    a dummy model has none otherwise). ``overrides`` replace config fields
+    (``--json-model-override-args``, e.g. a dummy model's ``vocab_size`` made
+    to match the tokenizer's)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
     path = model_path or default_model_path()
@@ -115,6 +117,8 @@ def resolve_model(
         hf_config, weights_dir, tokenizer_dir = dummy_config(path), None, None
     else:
         raise FileNotFoundError(_missing_message(path, load_format))
+    for key, value in (overrides or {}).items():
+        setattr(hf_config, key, value)
     if tokenizer_path is not None:
         tokenizer_dir = _tokenizer_dir(tokenizer_path) if os.path.isdir(tokenizer_path) else None
         if tokenizer_dir is None:
