@@ -6,7 +6,7 @@ ModelWorkerBatch -> ForwardBatch, and only sampled ids (and logprobs) come back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -249,6 +249,48 @@ class ScheduleBatch:
     def __len__(self) -> int:
         return len(self.reqs)
 
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    # The request list is replaced, never changed in place: a batch in flight
+    # keeps the list it was launched with.
+    def filter_batch(self, keep: Callable[[Req], bool] | None = None) -> None:
+        """Keep the requests ``keep`` accepts (by default: those not finished)."""
+        self.reqs = [r for r in self.reqs if (keep(r) if keep is not None else not r.finished())]
+
+    def merge_batch(self, reqs: list[Req]) -> None:
+        """Add requests (prefilled ones joining the running batch)."""
+        self.reqs = self.reqs + reqs
+
+    def retract_decode(self) -> tuple[list[Req], Req | None]:
+        """Make room for one more token per request: evict cached KV, then
+        retract requests (fewest outputs first, longest prompts first among
+        equals), removing them with their KV given to the cache. Returns the
+        retracted requests (to re-queue) and, if one request alone has
+        outgrown the pool, that request, removed too and finished by length."""
+        pools = self.pools
+
+        def short() -> int:
+            return pools.decode_pages_needed(self.reqs) - pools.allocator.available_size()
+
+        if short() > 0:
+            pools.tree_cache.evict(short())
+        retracted = []
+        while short() > 0 and len(self.reqs) > 1:
+            victim = min(self.reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+            self.filter_batch(lambda r: r is not victim)
+            pools.tree_cache.cache_finished_req(victim)
+            victim.reset_for_retract()
+            retracted.append(victim)
+            if short() > 0:
+                pools.tree_cache.evict(short())
+        if short() <= 0:
+            return retracted, None
+        cut, self.reqs = self.reqs[-1], self.reqs[:-1]
+        cut.finished_reason = FinishReason.at_length(len(cut.output_ids), message="the KV cache is full")
+        pools.tree_cache.cache_finished_req(cut)
+        return retracted, cut
+
     def prepare_for_extend(self) -> torch.Tensor:
         """Give new requests a row (holding their cached prefix) and allocate
         the slots of every request's new tokens; returns the slots."""
@@ -319,31 +361,3 @@ class ScheduleBatch:
             top_logprobs_nums=[r.top_logprobs_num if w else 0 for r, w in zip(reqs, want)],
             sampling_info=sampling_info or SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.pools.device),
         )
-
-
-def retract_decode(running: list[Req], pools: KVPools) -> tuple[list[Req], Req | None]:
-    """Make room for one more token per running request: evict cached KV,
-    then retract requests (fewest outputs first, longest prompts first among
-    equals), removing them from ``running`` with their KV given to the cache.
-    Returns the retracted requests (to re-queue) and, if one request alone
-    has outgrown the pool, that request, removed too and finished by length."""
-    def short() -> int:
-        return pools.decode_pages_needed(running) - pools.allocator.available_size()
-
-    if short() > 0:
-        pools.tree_cache.evict(short())
-    retracted = []
-    while short() > 0 and len(running) > 1:
-        victim = min(running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
-        running.remove(victim)
-        pools.tree_cache.cache_finished_req(victim)
-        victim.reset_for_retract()
-        retracted.append(victim)
-        if short() > 0:
-            pools.tree_cache.evict(short())
-    if short() <= 0:
-        return retracted, None
-    cut = running.pop()
-    cut.finished_reason = FinishReason.at_length(len(cut.output_ids), message="the KV cache is full")
-    pools.tree_cache.cache_finished_req(cut)
-    return retracted, cut

@@ -13,8 +13,7 @@ import torch
 
 from radixserve.layers.logits_processor import LogitsProcessorOutput
 from radixserve.layers.sampler import SampleOutput, Sampler
-from radixserve.managers.schedule_batch import (FinishReason, KVPools, ModelWorkerBatch, Req, ScheduleBatch,
-                                                retract_decode)
+from radixserve.managers.schedule_batch import FinishReason, KVPools, ModelWorkerBatch, Req, ScheduleBatch
 from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
 from radixserve.mem_cache import ChunkCache, RadixCache, check_memory_invariant
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -117,7 +116,7 @@ class Scheduler:
         self.chunk_size = server_args.resolved_chunked_prefill_size()
         self.waiting: list[Req] = []
         self.grammar_queue = GrammarQueue(tokenizer, self.vocab_size)  # waiting for their grammar to compile
-        self.running: list[Req] = []
+        self.running_batch = ScheduleBatch([], ForwardMode.DECODE, self.pools, self.vocab_size)
         self.chunked_req: Req | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.decode_sampling = DecodeSamplingState(self.vocab_size, self.device)
@@ -181,18 +180,19 @@ class Scheduler:
                     req.finished_reason = FinishReason.aborted("aborted by request")
                     self._finished_outside_batch.append(req)
                     return True
-        for req in self.running + ([self.chunked_req] if self.chunked_req else []):
+        for req in self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else []):
             if req.rid == rid:
                 req.to_abort = True
                 return True
         return False
 
     def is_idle(self) -> bool:
-        return not (self.waiting or self.grammar_queue or self.running or self.chunked_req or self._in_flight)
+        return not (self.waiting or self.grammar_queue or self.running_batch.reqs or self.chunked_req
+                    or self._in_flight)
 
     def live_reqs(self) -> list[Req]:
         """Requests holding KV: running, chunked, and finished ones waiting for their last forward."""
-        return self.running + ([self.chunked_req] if self.chunked_req else []) + self._deferred
+        return self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else []) + self._deferred
 
     def check_memory(self) -> None:
         check_memory_invariant(self.allocator, self.tree_cache, self.live_reqs())
@@ -227,7 +227,7 @@ class Scheduler:
                 out += self._process(launched)
         if previous is not None:
             out += self._process(previous)
-        if self._in_flight and not self.running and self.chunked_req is None:
+        if self._in_flight and self.running_batch.is_empty() and self.chunked_req is None:
             out += self._drain()  # it only writes finished requests' last KV: nothing to overlap with
         if self.args.check_invariants or self.is_idle():
             self.check_memory()
@@ -241,31 +241,31 @@ class Scheduler:
         """Whether the next batch needs the host to be up to date: an abort,
         or a decode that may need eviction or retraction. (The next chunk of
         a prompt does not: it starts at ``kv_end``, after the chunk in flight.)"""
-        if (self.chunked_req and self.chunked_req.to_abort) or any(r.to_abort for r in self.running):
+        if (self.chunked_req and self.chunked_req.to_abort) or any(r.to_abort for r in self.running_batch.reqs):
             return True
-        return self.allocator.available_size() < self.pools.decode_pages_needed(self.running)
+        return self.allocator.available_size() < self.pools.decode_pages_needed(self.running_batch.reqs)
 
     def _next_batch(self) -> ScheduleBatch | None:
         """A prefill if one can be admitted, else a decode of the running requests."""
         batch = self._get_new_batch_prefill()
-        if batch is not None or not self.running:
+        running = self.running_batch
+        if batch is not None or running.is_empty():
             return batch
         self._ensure_decode_memory()
-        if not self.running:
+        if running.is_empty():
             return None
-        batch = ScheduleBatch(self.decode_sampling.sync(self.running, self.last_token), ForwardMode.DECODE,
-                              self.pools, self.vocab_size)
-        batch.prepare_for_decode()
-        return batch
+        running.reqs = self.decode_sampling.sync(running.reqs, self.last_token)  # rows in the state's order
+        running.prepare_for_decode()
+        return running
 
     def _get_new_batch_prefill(self) -> ScheduleBatch | None:
         if not self.waiting and self.chunked_req is None:
             return None
         # The chunked request, if any, is in can_run; finished requests whose
         # last decode is in flight still hold their rows.
-        free_rows = self.max_running - len(self.running) - len(self._deferred)
+        free_rows = self.max_running - len(self.running_batch) - len(self._deferred)
         adder = PrefillAdder(
-            self.tree_cache, self.allocator.available_size(), self.running, self.new_token_ratio,
+            self.tree_cache, self.allocator.available_size(), self.running_batch.reqs, self.new_token_ratio,
             self.args.max_prefill_tokens, self.chunk_size, max(free_rows, 0), self.page_size,
         )
         continuing = self.chunked_req
@@ -296,12 +296,12 @@ class Scheduler:
     # -- memory for a batch ------------------------------------------------------
     def _ensure_decode_memory(self) -> None:
         """Make room for one more token per running request (``retract_decode``)."""
-        retracted, cut = retract_decode(self.running, self.pools)
+        retracted, cut = self.running_batch.retract_decode()
         if retracted:
             self.stats.retractions += len(retracted)
             self.waiting = retracted + self.waiting
             self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-            logger.info("retracted %d requests; running %d", len(retracted), len(self.running))
+            logger.info("retracted %d requests; running %d", len(retracted), len(self.running_batch))
         if cut is not None:  # one request alone outgrew the pool: ended rather than failed
             self.decode_sampling.invalidate()
             self._finished_outside_batch.append(cut)
@@ -316,7 +316,7 @@ class Scheduler:
         issued here, on the current stream; the device work then runs on
         ``forward_stream`` after them, and nothing waits for it
         (``_launch_sample`` follows)."""
-        reqs, mode = schedule_batch.reqs, schedule_batch.forward_mode
+        reqs, mode = list(schedule_batch.reqs), schedule_batch.forward_mode  # the running batch changes later
         decode_info = self.decode_sampling.info if mode == ForwardMode.DECODE else None
         batch = schedule_batch.get_model_worker_batch(decode_info)
         fb = self.model_runner.forward_batch_from(batch)
@@ -328,7 +328,7 @@ class Scheduler:
         for req, seq in zip(reqs, batch.seq_lens_cpu):
             req.kv_inflight = seq - req.kv_len
         if mode == ForwardMode.EXTEND:  # finished prompts decode next, their first token still on the device
-            self.running += [r for r in reqs if not r.is_chunked]
+            self.running_batch.merge_batch([r for r in reqs if not r.is_chunked])
         self.stats.forward_ct += 1
         return _Forward(reqs, batch, fb, logits_out)
 
@@ -427,7 +427,7 @@ class Scheduler:
                 self._deferred.append(req)
             else:
                 self._release(req)
-        self.running = [r for r in self.running if not r.finished()]
+        self.running_batch.filter_batch()
         if mode == ForwardMode.DECODE:
             self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
         else:
@@ -439,13 +439,13 @@ class Scheduler:
 
     def _process_aborts(self) -> list[Req]:
         """Finish running requests marked ``to_abort`` before the next batch."""
-        out = []
-        for req in [r for r in self.running if r.to_abort]:
-            self.running.remove(req)
+        out = [r for r in self.running_batch.reqs if r.to_abort]
+        if out:
+            self.running_batch.filter_batch(lambda r: not r.to_abort)
+            self.decode_sampling.invalidate()
+        for req in out:
             req.finished_reason = FinishReason.aborted("aborted by request")
             self.tree_cache.cache_finished_req(req)
-            self.decode_sampling.invalidate()
-            out.append(req)
         return out
 
     def flush_cache(self) -> bool:
@@ -457,5 +457,5 @@ class Scheduler:
         return True
 
     def get_stats(self) -> dict[str, Any]:
-        return dict(dataclasses.asdict(self.stats), running=len(self.running), waiting=len(self.waiting) + len(self.grammar_queue),
+        return dict(dataclasses.asdict(self.stats), running=len(self.running_batch), waiting=len(self.waiting) + len(self.grammar_queue),
                     kv_free=self.allocator.available_size(), kv_cached=self.tree_cache.total_size())
