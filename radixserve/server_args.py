@@ -49,6 +49,8 @@ class ServerArgs:
     disable_cuda_graph: bool = field(default=False, metadata={"help": "run decodes eagerly (no CUDA graphs)"})
     cuda_graph_max_bs: int | None = field(default=None, metadata={
         "help": "largest decode batch replayed from a CUDA graph (default min(256, max-running-requests))"})
+    enable_mixed_chunk: bool = field(default=False, metadata={
+        "help": "let the running requests decode inside a prefill batch instead of waiting for it"})
     disable_overlap_schedule: bool = field(default=False, metadata={
         "help": "process each batch's results before scheduling the next (no CPU/GPU overlap)"})
     mem_fraction_static: float = field(default=0.8, metadata={"help": "GPU memory share for weights + KV"})

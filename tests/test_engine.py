@@ -342,3 +342,39 @@ def test_overlap_queues_the_next_chunk_behind_the_one_in_flight(llama, page_size
         assert sum(behind) >= 4, "next chunks waited for the chunk in flight"
         eng.scheduler.tree_cache.evict(10**9)
         assert sched.allocator.available_size() == sched.allocator.size
+
+
+# -- mixed prefill + decode batches (--enable-mixed-chunk) -------------------------------------
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_mixed_chunk_decodes_inside_prefills_with_the_same_tokens(llama, overlap):
+    """With few running slots and small chunks, prefills keep arriving while
+    others decode; the running requests then decode inside those prefills.
+    Greedy tokens equal HF's, seeded sampling with penalties equals the unmixed
+    run, and the memory invariant holds after every step."""
+    folder, hf = llama
+    batch = prompts([40, 9, 70, 23, 5, 55, 31, 12], seed=7)
+    params = [{**GREEDY, "max_new_tokens": n} for n in (9, 14, 6, 12, 10, 7, 13, 8)]
+    mixed_steps = []
+    with engine(folder, overlap=overlap, enable_mixed_chunk=True, max_running_requests=3,
+                chunked_prefill_size=16) as eng:
+        launch = eng.scheduler._launch_forward
+
+        def spy(b):
+            mixed_steps.append(len(b.decoding_reqs))
+            return launch(b)
+
+        eng.scheduler._launch_forward = spy
+        outs = eng.generate(input_ids=batch, sampling_params=params)
+        for ids, p, out in zip(batch, params, outs):
+            assert out["output_ids"] == hf_greedy(hf, ids, p["max_new_tokens"])
+        assert sum(1 for n in mixed_steps if n) >= 5, "running requests decoded inside prefills"
+        sampled = [{**p, "temperature": 0.8, "sampling_seed": i, "repetition_penalty": 1.3,
+                    "frequency_penalty": 0.5} for i, p in enumerate(params)]
+        mixed = [o["output_ids"] for o in eng.generate(input_ids=batch, sampling_params=sampled)]
+        eng.scheduler.tree_cache.evict(10**9)
+        assert eng.scheduler.allocator.available_size() == eng.scheduler.allocator.size
+    with engine(folder, overlap=overlap, max_running_requests=3, chunked_prefill_size=16) as eng:
+        plain = [o["output_ids"] for o in eng.generate(input_ids=batch, sampling_params=sampled)]
+    assert mixed == plain

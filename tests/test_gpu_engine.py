@@ -117,3 +117,26 @@ def _check_greedy(hf, prompt: list[int], output: list[int]) -> int:
             assert tok == int(top2.indices[k, 0]), f"step {k} of a {len(prompt)}-token prompt"
             checked += 1
     return checked
+
+
+def test_mixed_chunk_keeps_outputs(checkpoint):
+    """--enable-mixed-chunk with graphs and overlap on: with three running
+    slots and 64-token chunks, running requests decode inside prefills."""
+    folder, hf = checkpoint
+    prompts = _prompts(SHAPE["vocab_size"])
+    with radixserve.Engine(
+        model_path=folder, device="cuda", dtype="bfloat16", max_running_requests=3, chunked_prefill_size=64,
+        enable_mixed_chunk=True, check_invariants=True, disable_tqdm=True,
+    ) as eng:
+        launch, mixed = eng.scheduler._launch_forward, []
+
+        def spy(batch):
+            mixed.append(len(batch.decoding_reqs))
+            return launch(batch)
+
+        eng.scheduler._launch_forward = spy
+        outs = eng.generate(input_ids=prompts, sampling_params=[
+            {"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in OUTPUT_LENS])
+    assert sum(1 for n in mixed if n) >= 5
+    checked = sum(_check_greedy(hf, p, o["output_ids"]) for p, o in zip(prompts, outs))
+    assert [len(o["output_ids"]) for o in outs] == list(OUTPUT_LENS) and checked >= sum(OUTPUT_LENS) // 2

@@ -245,6 +245,7 @@ class ScheduleBatch:
         self.vocab_size = vocab_size
         self.out_cache_loc: torch.Tensor | None = None
         self.seq_lens: list[int] = []
+        self.decoding_reqs: list[Req] = []  # running requests decoding inside this extend (mix_with_running)
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -312,6 +313,15 @@ class ScheduleBatch:
             start += n
         self.out_cache_loc, self.seq_lens = slots, seq.tolist()
         return slots
+
+    def mix_with_running(self, running: list[Req]) -> None:
+        """Let running requests decode inside this extend, one new token each
+        (their last output token, which the host must know already); call
+        before ``prepare_for_extend``."""
+        for req in running:
+            req.extend_input_len = 1
+        self.reqs = self.reqs + running
+        self.decoding_reqs = list(running)
 
     def prepare_for_decode(self) -> torch.Tensor:
         """Allocate one slot per request for the token being decoded; returns the slots."""

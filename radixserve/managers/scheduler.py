@@ -15,7 +15,7 @@ from radixserve.layers.logits_processor import LogitsProcessorOutput
 from radixserve.layers.sampler import SampleOutput, Sampler
 from radixserve.managers.schedule_batch import FinishReason, KVPools, ModelWorkerBatch, Req, ScheduleBatch
 from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
-from radixserve.mem_cache import ChunkCache, RadixCache, check_memory_invariant
+from radixserve.mem_cache import ChunkCache, RadixCache, check_memory_invariant, page_aligned
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from radixserve.managers.decode_sampling import DecodeSamplingState
 from radixserve.managers.grammar_queue import GrammarQueue
@@ -51,6 +51,7 @@ class _Forward:
     batch: ModelWorkerBatch
     forward_batch: ForwardBatch
     logits: LogitsProcessorOutput
+    decoding: frozenset[int] = frozenset()  # ids of running requests decoding inside an extend
 
 
 @dataclass
@@ -64,6 +65,7 @@ class _Launched:
     sample: SampleOutput
     next_ids: torch.Tensor  # [bs] on the host (pinned on CUDA), valid once `done` is reached
     done: Any  # torch.cuda.Event, or None off CUDA
+    decoding: frozenset[int] = frozenset()  # as in _Forward
 
 
 class Scheduler:
@@ -243,6 +245,8 @@ class Scheduler:
         a prompt does not: it starts at ``kv_end``, after the chunk in flight.)"""
         if (self.chunked_req and self.chunked_req.to_abort) or any(r.to_abort for r in self.running_batch.reqs):
             return True
+        if self.args.enable_mixed_chunk and (self.waiting or self.chunked_req) and self.running_batch.reqs:
+            return True  # a prefill may take the running requests along: their last tokens must be known
         return self.allocator.available_size() < self.pools.decode_pages_needed(self.running_batch.reqs)
 
     def _next_batch(self) -> ScheduleBatch | None:
@@ -290,8 +294,24 @@ class Scheduler:
         if not adder.can_run:
             return None
         batch = ScheduleBatch(adder.can_run, ForwardMode.EXTEND, self.pools, self.vocab_size)
+        if self._can_mix(batch):
+            batch.mix_with_running(self.running_batch.reqs)
         batch.prepare_for_extend()
         return batch
+
+    def _can_mix(self, batch: ScheduleBatch) -> bool:
+        """Whether the running requests decode inside this prefill
+        (``--enable-mixed-chunk``): the host knows their last tokens (no batch
+        in flight), no logprobs are asked (SGLang's condition too), and the
+        pool holds their next token beside the prefill without retracting."""
+        running = self.running_batch.reqs
+        if not (self.args.enable_mixed_chunk and running) or self._in_flight is not None:
+            return False
+        if any(r.return_logprob for r in running + batch.reqs):
+            return False
+        page = self.page_size
+        need = sum(page_aligned(r.extend_input_len, page) + page for r in batch.reqs) + 2 * page * len(running)
+        return need <= self.allocator.available_size() + self.tree_cache.evictable_size()
 
     # -- memory for a batch ------------------------------------------------------
     def _ensure_decode_memory(self) -> None:
@@ -327,10 +347,13 @@ class Scheduler:
             logits_out = self.model_runner.forward(fb)
         for req, seq in zip(reqs, batch.seq_lens_cpu):
             req.kv_inflight = seq - req.kv_len
+        decoding = frozenset(id(r) for r in schedule_batch.decoding_reqs)
+        if decoding:  # their tokens are sampled outside the decode state: rebuild it
+            self.decode_sampling.invalidate()
         if mode == ForwardMode.EXTEND:  # finished prompts decode next, their first token still on the device
-            self.running_batch.merge_batch([r for r in reqs if not r.is_chunked])
+            self.running_batch.merge_batch([r for r in reqs if not r.is_chunked and id(r) not in decoding])
         self.stats.forward_ct += 1
-        return _Forward(reqs, batch, fb, logits_out)
+        return _Forward(reqs, batch, fb, logits_out, decoding)
 
     def _launch_sample(self, fwd: _Forward) -> _Launched:
         """Queue the sampling of a queued forward, behind it on the same stream.
@@ -356,7 +379,7 @@ class Scheduler:
             if self.forward_stream is not None:
                 done = torch.cuda.Event()
                 done.record()
-        return _Launched(reqs, batch, fb, fwd.logits, sample, next_ids, done)
+        return _Launched(reqs, batch, fb, fwd.logits, sample, next_ids, done, fwd.decoding)
 
     def _on_forward_stream(self):
         if self.forward_stream is None:
@@ -404,7 +427,8 @@ class Scheduler:
                 updated.append(req)
         if constrained:
             self.grammar_queue.advance(constrained)
-        self._update_running(reqs, mode, updated, partial)
+        prefilled = [not p and id(r) not in launched.decoding for r, p in zip(reqs, partial)]
+        self._update_running(mode, updated, [r for r, done in zip(reqs, prefilled) if done])
         return updated
 
     def _release_deferred(self, req: Req) -> None:
@@ -421,7 +445,7 @@ class Scheduler:
                 req.output_top_logprobs.append(list(zip(sample.top_logprobs_val[i], sample.top_logprobs_idx[i])))
         req.check_finished(self.tokenizer, self.context_len)
 
-    def _update_running(self, reqs: list[Req], mode: ForwardMode, updated: list[Req], partial: list[bool]) -> None:
+    def _update_running(self, mode: ForwardMode, updated: list[Req], prefilled: list[Req]) -> None:
         for req in (r for r in updated if r.finished()):
             if req.kv_inflight:  # a queued decode still writes its KV
                 self._deferred.append(req)
@@ -433,8 +457,8 @@ class Scheduler:
         else:
             # Cache each prefilled prompt now, not at the end: later requests
             # sharing it reuse its KV while it is still decoding.
-            for req, part in zip(reqs, partial):
-                if not part and not req.finished():
+            for req in prefilled:
+                if not req.finished():
                     self.tree_cache.cache_unfinished_req(req)
 
     def _process_aborts(self) -> list[Req]:
