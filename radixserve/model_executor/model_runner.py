@@ -15,6 +15,7 @@ Scheduler's; the runner only owns the memory they share:
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from typing import TYPE_CHECKING
@@ -114,9 +115,14 @@ class ModelRunner:
         return tokens
 
     def _cuda_kv_budget(self, mem_fraction_static: float) -> int:
+        """Bytes for the KV pool: what the device has free, plus what torch's
+        allocator holds cached but unused (a previous engine's pools in this
+        process), less the share kept back."""
+        gc.collect()  # a previous engine's pools that only reference cycles still hold
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
-        return int(free - total * (1 - mem_fraction_static))
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return int(free + cached - total * (1 - mem_fraction_static))
 
     def _init_memory_pools(self) -> None:
         from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
