@@ -98,3 +98,15 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def wait_for(check, timeout: float, what: str, interval: float = 0.2):
+    """``check()``'s first truthy value, polled until ``timeout`` seconds;
+    AssertionError naming ``what`` if it never comes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"{what} did not happen within {timeout:g} s")

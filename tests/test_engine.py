@@ -10,6 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 import radixserve
+from radixserve.managers import scheduler as scheduler_module
+from radixserve.managers.schedule_policy import PrefillAdder
 
 SHAPE = dict(
     vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -107,15 +109,40 @@ def test_retraction_under_a_tiny_pool_keeps_outputs(llama, overlap):
         assert eng.scheduler.stats.retractions > 0
 
 
+def record_admissions(monkeypatch) -> list[list[int]]:
+    """Record the prompts PrefillAdder admits, in the order it admits them."""
+    admitted: list[list[int]] = []
+
+    class Recording(PrefillAdder):
+        def add_one_req(self, req):
+            result = super().add_one_req(req)
+            if req in self.can_run:
+                admitted.append(req.origin_input_ids)
+            return result
+
+    monkeypatch.setattr(scheduler_module, "PrefillAdder", Recording)
+    return admitted
+
+
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
-def test_cache_aware_policies(llama, policy):
+def test_cache_aware_policies(llama, policy, monkeypatch):
+    """Arrival order interleaves prompts without a cache hit and two cached
+    prefixes; fcfs would admit them as they came."""
     folder, hf = llama
     shared_a, shared_b = prompts([40], seed=3)[0], prompts([40], seed=4)[0]
-    batch = prompts([4, 6], seed=5, shared=shared_a) + prompts([5, 7], seed=6, shared=shared_b)
+    on_a = prompts([4, 6, 5], seed=5, shared=shared_a)
+    on_b = prompts([5, 7], seed=6, shared=shared_b)
+    cold = prompts([9, 11], seed=9)
+    batch = [cold[0], on_b[0], on_a[0], cold[1], on_a[1], on_b[1], on_a[2]]
     with engine(folder, schedule_policy=policy) as eng:
-        check_against_hf(eng, hf, batch[:1] + batch[2:3])
+        check_against_hf(eng, hf, [shared_a + [1], shared_b + [2]])
+        admitted = record_admissions(monkeypatch)
         outs = check_against_hf(eng, hf, batch)
-        assert sum(o["meta_info"]["cached_tokens"] for o in outs) >= 4 * 40 - 80
+        assert sum(o["meta_info"]["cached_tokens"] for o in outs) >= 5 * 40
+    if policy == "lpm":  # longest cached prefix first, stable among equals
+        assert admitted == [on_b[0], on_a[0], on_a[1], on_b[1], on_a[2], cold[0], cold[1]]
+    else:  # no hit first; then A's subtree (3 waiting) before B's (2)
+        assert admitted == [cold[0], cold[1], on_a[0], on_a[1], on_a[2], on_b[0], on_b[1]]
 
 
 def test_in_batch_prefix_sharing_prefills_one_first(llama):

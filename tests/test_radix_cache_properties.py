@@ -170,3 +170,98 @@ CacheMachine.TestCase.settings = settings(
     max_examples=80, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestRadixCacheProperties = CacheMachine.TestCase
+
+
+class ChunkCacheMachine(RuleBasedStateMachine):
+    """The same request life cycle over ChunkCache (``--disable-radix-cache``):
+    nothing is ever cached, so every live request owns all of its KV, a
+    finished or aborted one gives all of it back, and an idle pool is whole."""
+
+    @initialize(page_size=st.sampled_from([1, 2, 4]))
+    def setup(self, page_size):
+        self.h = Harness(pool_size=48 * page_size, page_size=page_size, max_reqs=6, max_len=128, disable=True)
+        self.p = page_size
+
+    def _row(self, req):
+        return self.h.req_pool.req_to_token[req.req_pool_idx, : req.kv_len].tolist()
+
+    @rule(key=tokens)
+    def match(self, key):
+        m = self.h.cache.match_prefix(key)
+        assert m.device_indices.tolist() == [] and m.last_node is None
+
+    @rule(key=tokens)
+    def insert(self, key):
+        slots = self.h.alloc.alloc(len(key)) if key else None
+        if slots is not None:
+            assert self.h.cache.insert(key, slots) == 0  # nothing is kept: the caller frees
+            self.h.alloc.free(slots)
+
+    @precondition(lambda self: len(self.h.live) < 5)
+    @rule(key=tokens.filter(len), share=st.booleans())
+    def start(self, key, share):
+        if share and self.h.live:  # a repeated prompt gets no hit either
+            key = self.h.live[0].origin_input_ids + key
+        req = self.h.start(key)
+        if req is not None:
+            assert req.prefix_indices.tolist() == [] and req.kv_len == len(key)
+
+    @precondition(lambda self: self.h.live)
+    @rule(data=st.data(), tok=st.integers(0, 2))
+    def decode(self, data, tok):
+        req = data.draw(st.sampled_from(self.h.live))
+        if not self.h.decode(req, tok):
+            req.output_ids.pop()
+
+    @precondition(lambda self: self.h.live)
+    @rule(data=st.data())
+    def chunk(self, data):
+        req = data.draw(st.sampled_from(self.h.live))
+        free = self.h.alloc.available_size()
+        self.h.cache.cache_unfinished_req(req)
+        assert req.prefix_indices.tolist() == self._row(req), "the next chunk continues after all of its KV"
+        assert req.cache_protected_len == 0 and self.h.alloc.available_size() == free
+
+    @precondition(lambda self: self.h.live)
+    @rule(data=st.data())
+    def finish(self, data):
+        req = data.draw(st.sampled_from(self.h.live))
+        free, own = self.h.alloc.available_size(), held_pages(req, self.p)
+        self.h.finish(req)
+        assert req.req_pool_idx is None
+        assert self.h.alloc.available_size() == free + own, "a finished request gives all of its KV back"
+
+    @precondition(lambda self: self.h.live)
+    @rule(data=st.data())
+    def abort(self, data):
+        req = data.draw(st.sampled_from(self.h.live))
+        free, own = self.h.alloc.available_size(), held_pages(req, self.p)
+        self.h.abort(req)
+        assert self.h.alloc.available_size() == free + own
+
+    @rule(n=st.integers(0, 64))
+    def evict(self, n):
+        free = self.h.alloc.available_size()
+        assert self.h.cache.evict(n) == 0 and self.h.alloc.available_size() == free
+
+    @invariant()
+    def memory_accounting(self):
+        if not hasattr(self, "h"):
+            return
+        self.h.check()
+        assert self.h.cache.evictable_size() == self.h.cache.protected_size() == 0
+        held = [s for r in self.h.live for s in self._row(r)]
+        assert len(set(held)) == len(held), "a slot is owned twice"
+        assert bool(self.h.alloc.slot_in_use[torch.tensor(held, dtype=torch.int64)].all())
+        if not self.h.live:
+            assert self.h.alloc.available_size() == self.h.alloc.size
+
+
+def held_pages(req, page_size) -> int:
+    return -(-req.kv_len // page_size) * page_size
+
+
+ChunkCacheMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestChunkCacheProperties = ChunkCacheMachine.TestCase

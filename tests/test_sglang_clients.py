@@ -14,13 +14,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from server_harness import ServerProcess, free_port
+from server_harness import ServerProcess, free_port, wait_for
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
@@ -32,17 +31,6 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 def needs(module: str) -> None:
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} is not installed (make test installs it)")
-
-
-def wait_for(check, timeout: float, what: str, interval: float = 0.2):
-    """``check()``'s first truthy value, polled until ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"{what} did not happen within {timeout:g} s")
 
 
 @pytest.fixture(scope="module")

@@ -189,8 +189,9 @@ class Scheduler:
         return False
 
     def is_idle(self) -> bool:
+        # a request aborted while waiting is only handed back by the next step
         return not (self.waiting or self.grammar_queue or self.running_batch.reqs or self.chunked_req
-                    or self._in_flight)
+                    or self._in_flight or self._finished_outside_batch)
 
     def live_reqs(self) -> list[Req]:
         """Requests holding KV: running, chunked, and finished ones waiting for their last forward."""
