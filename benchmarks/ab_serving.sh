@@ -23,29 +23,15 @@ ARGS=("$@")
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 A=$(cd "$A" && pwd) B=$(cd "$B" && pwd)
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-LOGDIR=$(mktemp -d) SERVER_PID=
-
-stop_server() {
-    [[ -n $SERVER_PID ]] || return 0
-    kill -TERM "$SERVER_PID" 2>/dev/null
-    for ((i = 0; i < 40; i++)); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
-    kill -KILL -- "-$SERVER_PID" 2>/dev/null
-    wait "$SERVER_PID" 2>/dev/null; SERVER_PID=
-}
-trap stop_server EXIT
+LOGDIR=$(mktemp -d)
+source "$HERE/benchmarks/server_lib.sh"
 
 run_side() {  # NAME TREE ROUND
     local name=$1 tree=$2 round=$3
     (cd "$tree" && exec setsid "$PY" -m radixserve.launch_server --model-path "$MODEL" --load-format dummy \
         --port "$PORT" $SERVER_ARGS >"$LOGDIR/server-$name-$round.log" 2>&1) &
     SERVER_PID=$!
-    local deadline=$((SECONDS + START_TIMEOUT))
-    until "$PY" -c "import sys, urllib.request as u; u.urlopen(sys.argv[1], timeout=2)" "http://127.0.0.1:$PORT/health" 2>/dev/null; do
-        if ! kill -0 "$SERVER_PID" 2>/dev/null || ((SECONDS > deadline)); then
-            echo "server $name did not start:"; tail -n 20 "$LOGDIR/server-$name-$round.log"; stop_server; return 1
-        fi
-        sleep 1
-    done
+    wait_healthy "$LOGDIR/server-$name-$round.log" || return 1
     (cd "$HERE" && "$PY" -m radixserve.bench.serving --port "$PORT" --disable-tqdm --label "$name" \
         --output-json "$OUT/$name-$round.json" "${ARGS[@]}" >"$LOGDIR/bench-$name-$round.log" 2>&1) ||
         { echo "bench $name failed:"; tail -n 20 "$LOGDIR/bench-$name-$round.log"; }

@@ -21,26 +21,13 @@ START_TIMEOUT=${START_TIMEOUT:-240} SERVER_ARGS=${SERVER_ARGS:-}
 PY=${PYTHON:-python3}
 : "${OUT:?set OUT to the output folder}"
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-LOGDIR=$(mktemp -d) SERVER_PID=
-
-stop_server() {
-    [[ -n $SERVER_PID ]] || return 0
-    kill -TERM "$SERVER_PID" 2>/dev/null
-    for ((i = 0; i < 40; i++)); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
-    kill -KILL -- "-$SERVER_PID" 2>/dev/null
-    wait "$SERVER_PID" 2>/dev/null; SERVER_PID=
-}
-trap stop_server EXIT
+LOGDIR=$(mktemp -d)
+source "$(dirname "$0")/server_lib.sh"
 
 setsid "$PY" -m radixserve.launch_server --model-path "$MODEL" --load-format dummy --tokenizer-path "$TOKENIZER" \
     --port "$PORT" $SERVER_ARGS >"$LOGDIR/server.log" 2>&1 &
 SERVER_PID=$!
-for ((i = 0; i < START_TIMEOUT; i++)); do
-    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
-    kill -0 "$SERVER_PID" 2>/dev/null || { tail -30 "$LOGDIR/server.log"; exit 1; }
-    sleep 1
-done
-curl -sf "http://127.0.0.1:$PORT/health" >/dev/null || { echo "server not ready in ${START_TIMEOUT}s"; tail -30 "$LOGDIR/server.log"; exit 1; }
+wait_healthy "$LOGDIR/server.log" || exit 1
 
 status=0
 for rate in $RATES; do
