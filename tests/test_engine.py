@@ -379,17 +379,19 @@ def test_mixed_chunk_decodes_inside_prefills_with_the_same_tokens(llama, overlap
     """With few running slots and small chunks, prefills keep arriving while
     others decode; the running requests then decode inside those prefills.
     Greedy tokens equal HF's, seeded sampling with penalties equals the unmixed
-    run, and the memory invariant holds after every step."""
+    run, and the memory invariant holds after every step. With overlap, riders
+    join while their last token is still being sampled (no drain)."""
     folder, hf = llama
     batch = prompts([40, 9, 70, 23, 5, 55, 31, 12], seed=7)
     params = [{**GREEDY, "max_new_tokens": n} for n in (9, 14, 6, 12, 10, 7, 13, 8)]
-    mixed_steps = []
+    mixed_steps, undrained = [], []
     with engine(folder, overlap=overlap, enable_mixed_chunk=True, max_running_requests=3,
                 chunked_prefill_size=16) as eng:
         launch = eng.scheduler._launch_forward
 
         def spy(b):
             mixed_steps.append(len(b.decoding_reqs))
+            undrained.append(any(r.kv_inflight for r in b.decoding_reqs))
             return launch(b)
 
         eng.scheduler._launch_forward = spy
@@ -397,6 +399,7 @@ def test_mixed_chunk_decodes_inside_prefills_with_the_same_tokens(llama, overlap
         for ids, p, out in zip(batch, params, outs):
             assert out["output_ids"] == hf_greedy(hf, ids, p["max_new_tokens"])
         assert sum(1 for n in mixed_steps if n) >= 5, "running requests decoded inside prefills"
+        assert any(undrained) == overlap
         sampled = [{**p, "temperature": 0.8, "sampling_seed": i, "repetition_penalty": 1.3,
                     "frequency_penalty": 0.5} for i, p in enumerate(params)]
         mixed = [o["output_ids"] for o in eng.generate(input_ids=batch, sampling_params=sampled)]

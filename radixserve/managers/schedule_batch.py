@@ -34,6 +34,7 @@ class ModelWorkerBatch:
     top_logprobs_nums: list[int] | None = None
     sampling_info: SamplingBatchInfo | None = None
     vocab_mask: torch.Tensor | None = None  # [bs, ceil(vocab / 32)] int32 bitmask of allowed tokens (structured output)
+    num_decoding: int = 0  # extend: the last n requests decode one token each, their input ids read on the device
 
     @property
     def batch_size(self) -> int:
@@ -316,8 +317,8 @@ class ScheduleBatch:
 
     def mix_with_running(self, running: list[Req]) -> None:
         """Let running requests decode inside this extend, one new token each
-        (their last output token, which the host must know already); call
-        before ``prepare_for_extend``."""
+        (their last output token, which the worker reads on the device: the
+        host may not know it yet); call before ``prepare_for_extend``."""
         for req in running:
             req.extend_input_len = 1
         self.reqs = self.reqs + running
@@ -351,9 +352,12 @@ class ScheduleBatch:
                                     sampling_info=sampling_info)
         input_ids, prefix, ext = [], [], []
         for r in reqs:
-            input_ids += r.fill_ids[r.kv_end : r.kv_end + r.extend_input_len]
             prefix.append(r.kv_end)
             ext.append(r.extend_input_len)
+        decoding = len(self.decoding_reqs)  # the last requests (``mix_with_running``)
+        for r in reqs[: len(reqs) - decoding]:
+            input_ids += r.fill_ids[r.kv_end : r.kv_end + r.extend_input_len]
+        input_ids += [0] * decoding  # their last tokens may still be being sampled
         want = [r.wants_input_logprobs() for r in reqs]
         return ModelWorkerBatch(
             forward_mode=ForwardMode.EXTEND,
@@ -370,4 +374,5 @@ class ScheduleBatch:
             ],
             top_logprobs_nums=[r.top_logprobs_num if w else 0 for r, w in zip(reqs, want)],
             sampling_info=sampling_info or SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.pools.device),
+            num_decoding=decoding,
         )

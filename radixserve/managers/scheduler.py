@@ -5,30 +5,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from radixserve.layers.logits_processor import LogitsProcessorOutput
-from radixserve.layers.sampler import SampleOutput, Sampler
-from radixserve.managers.schedule_batch import FinishReason, KVPools, ModelWorkerBatch, Req, ScheduleBatch
-from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
-from radixserve.mem_cache import ChunkCache, RadixCache, check_memory_invariant, page_aligned
-from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from radixserve.managers.decode_sampling import DecodeSamplingState
 from radixserve.managers.grammar_queue import GrammarQueue
-from radixserve.managers.input_logprobs import record_input_logprobs
+from radixserve.managers.schedule_batch import FinishReason, KVPools, Req, ScheduleBatch
+from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
+from radixserve.managers.scheduler_output_processor_mixin import Launched, SchedulerOutputProcessorMixin
+from radixserve.managers.tp_worker import TpModelWorker
+from radixserve.mem_cache import ChunkCache, RadixCache, check_memory_invariant, page_aligned
+from radixserve.model_executor.forward_batch_info import ForwardMode
 from radixserve.sampling.grammar import grammar_spec
+from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 INIT_NEW_TOKEN_RATIO = 0.7
-MIN_NEW_TOKEN_RATIO = 0.1
-NEW_TOKEN_RATIO_DECAY = 0.001
 
 
 @dataclass
@@ -43,32 +38,7 @@ class SchedulerStats:
     generated: int = 0  # output tokens
 
 
-@dataclass
-class _Forward:
-    """A batch whose forward is queued on the device, its sampling not yet."""
-
-    reqs: list[Req]
-    batch: ModelWorkerBatch
-    forward_batch: ForwardBatch
-    logits: LogitsProcessorOutput
-    decoding: frozenset[int] = frozenset()  # ids of running requests decoding inside an extend
-
-
-@dataclass
-class _Launched:
-    """A batch whose forward and sampling are queued on the device."""
-
-    reqs: list[Req]
-    batch: ModelWorkerBatch
-    forward_batch: ForwardBatch  # holds the device inputs until the forward is done
-    logits: LogitsProcessorOutput  # read back only for extends (a graph replay reuses a decode's buffer)
-    sample: SampleOutput
-    next_ids: torch.Tensor  # [bs] on the host (pinned on CUDA), valid once `done` is reached
-    done: Any  # torch.cuda.Event, or None off CUDA
-    decoding: frozenset[int] = frozenset()  # as in _Forward
-
-
-class Scheduler:
+class Scheduler(SchedulerOutputProcessorMixin):
     """Continuous batching over one ModelRunner.
 
     Each :meth:`step` either extends (prefill: new requests and the next chunk
@@ -103,6 +73,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids  # see scheduler_factory.eos_token_ids
         self.device = model_runner.device
+        self.worker = TpModelWorker(model_runner)
         self.page_size = model_runner.page_size
         self.vocab_size = model_runner.model_config.vocab_size
         self.context_len = model_runner.max_context_len
@@ -113,7 +84,6 @@ class Scheduler:
         self.tree_cache = cache_cls(self.req_to_token_pool, self.allocator, self.page_size, **extra)
         self.pools = KVPools(self.req_to_token_pool, self.allocator, self.tree_cache, self.page_size, self.device)
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache)
-        self.sampler = Sampler()
         self.max_running = min(server_args.max_running_requests, self.req_to_token_pool.available_size())
         self.chunk_size = server_args.resolved_chunked_prefill_size()
         self.waiting: list[Req] = []
@@ -123,13 +93,10 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.decode_sampling = DecodeSamplingState(self.vocab_size, self.device)
         self._finished_outside_batch: list[Req] = []
-        # Overlap state: the decode queued on the device, and finished requests
-        # whose last KV slot that decode still writes.
-        cuda = self.device.type == "cuda"
-        self.overlap = cuda and not server_args.disable_overlap_schedule
-        self.forward_stream = torch.cuda.Stream(self.device) if cuda else None
-        self.last_token = torch.zeros(self.req_to_token_pool.size, dtype=torch.int64, device=self.device)
-        self._in_flight: _Launched | None = None
+        # Overlap: the batch queued on the device whose results the next step
+        # takes, and finished requests whose last KV slot a queued forward writes.
+        self.overlap = self.device.type == "cuda" and not server_args.disable_overlap_schedule
+        self._in_flight: Launched | None = None
         self._deferred: list[Req] = []
         self.stats = SchedulerStats()
 
@@ -217,13 +184,13 @@ class Scheduler:
         self._finished_outside_batch = []
         previous, self._in_flight = self._in_flight, None
         if batch is not None:
-            fwd = self._launch_forward(batch)
+            launched = self._launch_forward(batch)
             if previous is not None and self.grammar_queue.constrained(batch.reqs):
                 # The token masks need the tokens of the batch in flight: take
                 # them while this batch's forward runs, then queue its sampling.
                 out += self._process(previous)
                 previous = None
-            launched = self._launch_sample(fwd)
+            self._launch_sample(launched)
             if self.overlap:
                 self._in_flight = launched
             else:
@@ -246,8 +213,6 @@ class Scheduler:
         a prompt does not: it starts at ``kv_end``, after the chunk in flight.)"""
         if (self.chunked_req and self.chunked_req.to_abort) or any(r.to_abort for r in self.running_batch.reqs):
             return True
-        if self.args.enable_mixed_chunk and (self.waiting or self.chunked_req) and self.running_batch.reqs:
-            return True  # a prefill may take the running requests along: their last tokens must be known
         return self.allocator.available_size() < self.pools.decode_pages_needed(self.running_batch.reqs)
 
     def _next_batch(self) -> ScheduleBatch | None:
@@ -259,7 +224,7 @@ class Scheduler:
         self._ensure_decode_memory()
         if running.is_empty():
             return None
-        running.reqs = self.decode_sampling.sync(running.reqs, self.last_token)  # rows in the state's order
+        running.reqs = self.decode_sampling.sync(running.reqs, self.worker.last_token)  # rows in the state's order
         running.prepare_for_decode()
         return running
 
@@ -295,18 +260,19 @@ class Scheduler:
         if not adder.can_run:
             return None
         batch = ScheduleBatch(adder.can_run, ForwardMode.EXTEND, self.pools, self.vocab_size)
-        if self._can_mix(batch):
-            batch.mix_with_running(self.running_batch.reqs)
+        if self._can_mix(batch):  # riders in the decode state's row order (see ``_launch_forward``)
+            batch.mix_with_running(self.decode_sampling.sync(self.running_batch.reqs, self.worker.last_token))
         batch.prepare_for_extend()
         return batch
 
     def _can_mix(self, batch: ScheduleBatch) -> bool:
         """Whether the running requests decode inside this prefill
-        (``--enable-mixed-chunk``): the host knows their last tokens (no batch
-        in flight), no logprobs are asked (SGLang's condition too), and the
-        pool holds their next token beside the prefill without retracting."""
+        (``--enable-mixed-chunk``): no logprobs are asked (SGLang's condition
+        too), and the pool holds their next token beside the prefill without
+        retracting. (Their last tokens may still be being sampled: the worker
+        reads them on the device.)"""
         running = self.running_batch.reqs
-        if not (self.args.enable_mixed_chunk and running) or self._in_flight is not None:
+        if not (self.args.enable_mixed_chunk and running):
             return False
         if any(r.return_logprob for r in running + batch.reqs):
             return False
@@ -327,151 +293,45 @@ class Scheduler:
             self.decode_sampling.invalidate()
             self._finished_outside_batch.append(cut)
 
-    def _release(self, req: Req) -> None:
-        """Give a request's KV to the cache (it stays reusable, evictable)."""
-        self.tree_cache.cache_finished_req(req)
-
     # -- running a batch ----------------------------------------------------------
-    def _launch_forward(self, schedule_batch: ScheduleBatch) -> _Forward:
-        """Queue the forward of a prepared batch. Host-to-device copies are
-        issued here, on the current stream; the device work then runs on
-        ``forward_stream`` after them, and nothing waits for it
-        (``_launch_sample`` follows)."""
+    def _launch_forward(self, schedule_batch: ScheduleBatch) -> Launched:
+        """Queue the forward of a prepared batch (``_launch_sample`` follows).
+        A decode's sampling state is the running batch's; a mixed batch's is
+        its new requests' followed by the riders' rows of that state, merged
+        on the device behind any update still pending there."""
         reqs, mode = list(schedule_batch.reqs), schedule_batch.forward_mode  # the running batch changes later
-        decode_info = self.decode_sampling.info if mode == ForwardMode.DECODE else None
-        batch = schedule_batch.get_model_worker_batch(decode_info)
-        fb = self.model_runner.forward_batch_from(batch)
-        with self._on_forward_stream():
-            if mode == ForwardMode.DECODE:
-                fb.input_ids = self.last_token[fb.req_pool_indices]
-                self.decode_sampling.apply_pending()
-            logits_out = self.model_runner.forward(fb)
+        decoding = schedule_batch.decoding_reqs
+        state, before = self.decode_sampling, self.decode_sampling.apply_pending
+        if mode == ForwardMode.DECODE:
+            batch = schedule_batch.get_model_worker_batch(state.info)
+        elif decoding:
+            info = SamplingBatchInfo.from_reqs(reqs[: len(reqs) - len(decoding)], self.vocab_size, self.device)
+            batch, riders = schedule_batch.get_model_worker_batch(info), state.info
+
+            def before() -> None:
+                state.apply_pending()
+                info.merge(riders)
+
+            state.invalidate()  # the riders' tokens are counted in the mixed batch's info: rebuild it after
+        else:
+            batch, before = schedule_batch.get_model_worker_batch(), None
+        forward = self.worker.launch_forward(batch, before)
         for req, seq in zip(reqs, batch.seq_lens_cpu):
             req.kv_inflight = seq - req.kv_len
-        decoding = frozenset(id(r) for r in schedule_batch.decoding_reqs)
-        if decoding:  # their tokens are sampled outside the decode state: rebuild it
-            self.decode_sampling.invalidate()
+        decoding_ids = frozenset(id(r) for r in decoding)
         if mode == ForwardMode.EXTEND:  # finished prompts decode next, their first token still on the device
-            self.running_batch.merge_batch([r for r in reqs if not r.is_chunked and id(r) not in decoding])
+            self.running_batch.merge_batch([r for r in reqs if not r.is_chunked and id(r) not in decoding_ids])
         self.stats.forward_ct += 1
-        return _Forward(reqs, batch, fb, logits_out, decoding)
+        return Launched(reqs, forward, decoding_ids)
 
-    def _launch_sample(self, fwd: _Forward) -> _Launched:
-        """Queue the sampling of a queued forward, behind it on the same stream.
-        A batch with grammars gets its token mask here, from the matchers as
-        they are now (see ``step``)."""
-        reqs, batch, fb = fwd.reqs, fwd.batch, fwd.forward_batch
-        info = batch.sampling_info
-        want_lp = any(r.return_logprob for r in reqs)
-        tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
+    def _launch_sample(self, launched: Launched) -> None:
+        """Queue the sampling of a launched forward. A batch with grammars
+        gets its token mask here, from the matchers as they are now (see ``step``)."""
+        reqs, batch = launched.reqs, launched.forward.batch
         batch.vocab_mask = self.grammar_queue.vocab_mask(reqs)
-        with self._on_forward_stream(), torch.inference_mode():
-            logits = fwd.logits.next_token_logits
-            if want_lp and batch.forward_mode == ForwardMode.EXTEND:  # read again for chunked prompts' input logprobs
-                logits = logits.clone()
-            if batch.vocab_mask is not None:
-                self.grammar_queue.apply(logits, batch.vocab_mask)
-            # The sampler penalizes and scales ``logits`` in place.
-            sample = self.sampler(logits, info, return_logprob=want_lp, top_logprobs_nums=tops)
-            self.last_token[fb.req_pool_indices] = sample.next_token_ids
-            info.cumulate_output_tokens(sample.next_token_ids)
-            next_ids = sample.next_token_ids.to("cpu", non_blocking=True)
-            done = None
-            if self.forward_stream is not None:
-                done = torch.cuda.Event()
-                done.record()
-        return _Launched(reqs, batch, fb, fwd.logits, sample, next_ids, done, fwd.decoding)
-
-    def _on_forward_stream(self):
-        if self.forward_stream is None:
-            return nullcontext()
-        self.forward_stream.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(self.forward_stream)
-
-    # -- results --------------------------------------------------------------------
-    def _process(self, launched: _Launched) -> list[Req]:
-        """Wait for a launched batch and apply its results to its requests."""
-        if launched.done is not None:
-            launched.done.synchronize()
-        reqs, batch, sample = launched.reqs, launched.batch, launched.sample
-        mode = batch.forward_mode
-        if mode == ForwardMode.EXTEND:
-            record_input_logprobs(reqs, batch, launched.logits)
-        next_ids = launched.next_ids.tolist()
-        # Entries that prefilled part of a prompt (the next chunk may be in flight already).
-        partial = [mode == ForwardMode.EXTEND and seq < len(req.fill_ids) for req, seq in zip(reqs, batch.seq_lens_cpu)]
-        updated, constrained = [], []
-        for i, (req, tok) in enumerate(zip(reqs, next_ids)):
-            seq = batch.seq_lens_cpu[i]
-            req.kv_inflight -= seq - req.kv_len
-            req.kv_len = seq
-            if req.finished():  # finished by the previous batch while this one was queued
-                self._release_deferred(req)
-            elif req.to_abort:
-                req.finished_reason = FinishReason.aborted("aborted by request")
-                if self.chunked_req is req:
-                    self.chunked_req, req.is_chunked = None, False
-                updated.append(req)
-            elif partial[i]:
-                self.tree_cache.cache_unfinished_req(req)
-            elif req.sampling_params.max_new_tokens == 0:
-                req.finished_reason = FinishReason.at_length(0)
-                updated.append(req)
-            else:
-                try:
-                    self._append_token(req, tok, sample, i)
-                    if req.grammar is not None:
-                        constrained.append(req)
-                except Exception as exc:  # e.g. a stop-string check that cannot decode this output
-                    logger.error("request %s aborted: %s: %s", req.rid, type(exc).__name__, exc)
-                    req.finished_reason = FinishReason.aborted(f"internal error: {exc}")
-                updated.append(req)
-        if constrained:
-            self.grammar_queue.advance(constrained)
-        prefilled = [not p and id(r) not in launched.decoding for r, p in zip(reqs, partial)]
-        self._update_running(mode, updated, [r for r, done in zip(reqs, prefilled) if done])
-        return updated
-
-    def _release_deferred(self, req: Req) -> None:
-        if req.kv_inflight == 0:
-            self._deferred.remove(req)
-            self._release(req)
-
-    def _append_token(self, req: Req, tok: int, sample, i: int) -> None:
-        req.output_ids.append(tok)
-        self.stats.generated += 1
-        if req.return_logprob and sample.next_token_logprobs is not None:
-            req.output_token_logprobs.append((float(sample.next_token_logprobs[i]), tok))
-            if req.top_logprobs_num and sample.top_logprobs_val is not None:
-                req.output_top_logprobs.append(list(zip(sample.top_logprobs_val[i], sample.top_logprobs_idx[i])))
-        req.check_finished(self.tokenizer, self.context_len)
-
-    def _update_running(self, mode: ForwardMode, updated: list[Req], prefilled: list[Req]) -> None:
-        for req in (r for r in updated if r.finished()):
-            if req.kv_inflight:  # a queued decode still writes its KV
-                self._deferred.append(req)
-            else:
-                self._release(req)
-        self.running_batch.filter_batch()
-        if mode == ForwardMode.DECODE:
-            self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
-        else:
-            # Cache each prefilled prompt now, not at the end: later requests
-            # sharing it reuse its KV while it is still decoding.
-            for req in prefilled:
-                if not req.finished():
-                    self.tree_cache.cache_unfinished_req(req)
-
-    def _process_aborts(self) -> list[Req]:
-        """Finish running requests marked ``to_abort`` before the next batch."""
-        out = [r for r in self.running_batch.reqs if r.to_abort]
-        if out:
-            self.running_batch.filter_batch(lambda r: not r.to_abort)
-            self.decode_sampling.invalidate()
-        for req in out:
-            req.finished_reason = FinishReason.aborted("aborted by request")
-            self.tree_cache.cache_finished_req(req)
-        return out
+        tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
+        launched.sampled = self.worker.launch_sample(launched.forward, any(r.return_logprob for r in reqs), tops,
+                                                     self.grammar_queue.apply)
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; refused (False) while requests run."""

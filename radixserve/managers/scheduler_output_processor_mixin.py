@@ -1,0 +1,116 @@
+"""What the Scheduler does with a batch's results: append each request's
+token, check its stop conditions, hand finished requests' KV to the prefix
+cache and update the running batch (SGLang's ``SchedulerOutputProcessorMixin``)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from radixserve.layers.sampler import SampleOutput
+from radixserve.managers.input_logprobs import record_input_logprobs
+from radixserve.managers.schedule_batch import FinishReason, Req
+from radixserve.managers.tp_worker import QueuedForward, QueuedSample
+from radixserve.model_executor.forward_batch_info import ForwardMode
+
+logger = logging.getLogger(__name__)
+
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+
+
+@dataclass
+class Launched:
+    """A batch queued on the device, with the requests it was launched with
+    (the running batch changes after)."""
+
+    reqs: list[Req]
+    forward: QueuedForward
+    decoding: frozenset[int] = frozenset()  # ids of running requests decoding inside an extend
+    sampled: QueuedSample | None = None  # set once its sampling is queued too
+
+
+class SchedulerOutputProcessorMixin:
+    """Result processing of :class:`Scheduler` (whose state it uses)."""
+
+    def _process(self, launched: Launched) -> list[Req]:
+        """Wait for a launched batch and apply its results to its requests."""
+        next_ids = launched.sampled.wait()
+        reqs, batch, sample = launched.reqs, launched.forward.batch, launched.sampled.sample
+        mode = batch.forward_mode
+        if mode == ForwardMode.EXTEND:
+            record_input_logprobs(reqs, batch, launched.forward.logits)
+        # Entries that prefilled part of a prompt (the next chunk may be in flight already).
+        partial = [mode == ForwardMode.EXTEND and seq < len(req.fill_ids) for req, seq in zip(reqs, batch.seq_lens_cpu)]
+        updated, constrained = [], []
+        for i, (req, tok) in enumerate(zip(reqs, next_ids)):
+            seq = batch.seq_lens_cpu[i]
+            req.kv_inflight -= seq - req.kv_len
+            req.kv_len = seq
+            if req.finished():  # finished by the previous batch while this one was queued
+                self._release_deferred(req)
+            elif req.to_abort:
+                req.finished_reason = FinishReason.aborted("aborted by request")
+                if self.chunked_req is req:
+                    self.chunked_req, req.is_chunked = None, False
+                updated.append(req)
+            elif partial[i]:
+                self.tree_cache.cache_unfinished_req(req)
+            elif req.sampling_params.max_new_tokens == 0:
+                req.finished_reason = FinishReason.at_length(0)
+                updated.append(req)
+            else:
+                try:
+                    self._append_token(req, tok, sample, i)
+                    if req.grammar is not None:
+                        constrained.append(req)
+                except Exception as exc:  # e.g. a stop-string check that cannot decode this output
+                    logger.error("request %s aborted: %s: %s", req.rid, type(exc).__name__, exc)
+                    req.finished_reason = FinishReason.aborted(f"internal error: {exc}")
+                updated.append(req)
+        if constrained:
+            self.grammar_queue.advance(constrained)
+        prefilled = [r for r, p in zip(reqs, partial) if not p and id(r) not in launched.decoding]
+        self._update_running(mode, updated, prefilled)
+        return updated
+
+    def _release_deferred(self, req: Req) -> None:
+        if req.kv_inflight == 0:
+            self._deferred.remove(req)
+            self.tree_cache.cache_finished_req(req)
+
+    def _append_token(self, req: Req, tok: int, sample: SampleOutput, i: int) -> None:
+        req.output_ids.append(tok)
+        self.stats.generated += 1
+        if req.return_logprob and sample.next_token_logprobs is not None:
+            req.output_token_logprobs.append((float(sample.next_token_logprobs[i]), tok))
+            if req.top_logprobs_num and sample.top_logprobs_val is not None:
+                req.output_top_logprobs.append(list(zip(sample.top_logprobs_val[i], sample.top_logprobs_idx[i])))
+        req.check_finished(self.tokenizer, self.context_len)
+
+    def _update_running(self, mode: ForwardMode, updated: list[Req], prefilled: list[Req]) -> None:
+        for req in (r for r in updated if r.finished()):
+            if req.kv_inflight:  # a queued decode still writes its KV
+                self._deferred.append(req)
+            else:
+                self.tree_cache.cache_finished_req(req)  # it stays reusable, evictable
+        self.running_batch.filter_batch()
+        if mode == ForwardMode.DECODE:
+            self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+        else:
+            # Cache each prefilled prompt now, not at the end: later requests
+            # sharing it reuse its KV while it is still decoding.
+            for req in prefilled:
+                if not req.finished():
+                    self.tree_cache.cache_unfinished_req(req)
+
+    def _process_aborts(self) -> list[Req]:
+        """Finish running requests marked ``to_abort`` before the next batch."""
+        out = [r for r in self.running_batch.reqs if r.to_abort]
+        if out:
+            self.running_batch.filter_batch(lambda r: not r.to_abort)
+            self.decode_sampling.invalidate()
+        for req in out:
+            req.finished_reason = FinishReason.aborted("aborted by request")
+            self.tree_cache.cache_finished_req(req)
+        return out
