@@ -55,6 +55,16 @@ class ServerArgs:
         "help": "process each batch's results before scheduling the next (no CPU/GPU overlap)"})
     mem_fraction_static: float = field(default=0.8, metadata={"help": "GPU memory share for weights + KV"})
     random_seed: int = field(default=0, metadata={"help": "seed of the global RNG"})
+    # Tensor parallelism (docs/tensor_parallel.md): one scheduler process per rank.
+    tp_size: int = field(default=1, metadata={"help": "tensor-parallel ranks (one process and device each)"})
+    base_gpu_id: int = field(default=0, metadata={"help": "the first GPU this node's ranks use"})
+    gpu_id_step: int = field(default=1, metadata={"help": "GPU ids between consecutive ranks of this node"})
+    dist_init_addr: str | None = field(default=None, metadata={
+        "help": "host:port where the ranks meet (torch.distributed TCP store); default a free local port"})
+    nnodes: int = field(default=1, metadata={"help": "hosts the TP ranks span"})
+    node_rank: int = field(default=0, metadata={"help": "this host's index among --nnodes (0 serves HTTP)"})
+    dist_timeout: float | None = field(default=None, metadata={
+        "help": "seconds before a collective that a rank never joins fails (default 600)"})
     check_invariants: bool = field(default=False, metadata={"help": "check the memory invariant after every step"})
     # Limits on what clients may ask (docs/limits.md).
     max_queued_requests: int | None = field(default=4096, metadata={
@@ -88,7 +98,7 @@ class ServerArgs:
         for name, allowed in (("tool_call_parser", TOOL_CALL_PARSER_NAMES), ("reasoning_parser", REASONING_PARSER_NAMES)):
             if getattr(self, name) is not None:
                 _one_of(name, getattr(self, name), allowed)
-        for name in ("page_size", "max_running_requests", "max_prefill_tokens"):
+        for name in ("page_size", "max_running_requests", "max_prefill_tokens", "tp_size", "nnodes", "gpu_id_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunked_prefill_size is not None and (self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1):
@@ -102,9 +112,40 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        self._check_distributed()
         self.model_overrides()  # fail at start-up, naming the flag
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+
+    def _check_distributed(self) -> None:
+        if self.base_gpu_id < 0:
+            raise ValueError(f"base_gpu_id must be >= 0, got {self.base_gpu_id}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size {self.tp_size} is not divisible by nnodes {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("dist_init_addr: several nodes need the address where their ranks meet (host:port)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+        if self.dist_timeout is not None and not self.dist_timeout > 0:
+            raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
+
+    def local_tp_ranks(self) -> range:
+        """The TP ranks this node runs (rank 0, which talks to the tokenizer
+        and detokenizer, is on node 0)."""
+        per_node = self.tp_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
+
+    def tp_device(self, tp_rank: int) -> str:
+        """The device of ``tp_rank``: ``cuda:<base_gpu_id + local index * gpu_id_step>``, or cpu."""
+        device = self.resolved_device()
+        if device != "cuda":
+            return device
+        local = tp_rank - self.local_tp_ranks().start
+        return f"cuda:{self.base_gpu_id + local * self.gpu_id_step}"
 
     def model_name(self) -> str:
         """The name clients use: --served-model-name, else the model path's base name."""

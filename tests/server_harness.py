@@ -62,12 +62,12 @@ class ServerProcess:
             time.sleep(0.2)
 
     def children(self) -> dict[str, int]:
-        """The engine's child processes by role: ``scheduler``, ``detokenizer``
-        (spawned in that order: the detokenizer first) and any others."""
+        """The engine's child processes by role: ``detokenizer``, ``scheduler``
+        (TP rank 0), ``scheduler-tp1`` ... (spawned in that order) and any others."""
         with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
             pids = [int(x) for x in f.read().split()]
         spawned = [p for p in pids if "spawn_main" in cmdline(p)]
-        roles = dict(zip(("detokenizer", "scheduler"), spawned))
+        roles = dict(zip(("detokenizer", "scheduler", *(f"scheduler-tp{r}" for r in range(1, 8))), spawned))
         return {**roles, **{f"other-{p}": p for p in pids if p not in spawned}}
 
     def stop(self) -> int:

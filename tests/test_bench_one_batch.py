@@ -71,3 +71,14 @@ def test_w3_overrides_need_an_input_length():
     assert parse_args(["--workload", "W3", "--input-len", "64"]).workload_spec.cases == ((8, 64), (1, 64))
     with pytest.raises(SystemExit):
         parse_args(["--workload", "W3", "--batch-sizes", "2"])
+
+
+def test_one_batch_at_tp2_runs_every_rank_and_times_the_all_reduces():
+    """--tp-size 2: rank 1 runs the same cases in its own process; rank 0
+    reports per-rank shapes and what a step's all-reduces cost."""
+    records = main(["--workload", "W2", "--model-path", "tiny-llama", "--load-format", "dummy", "--device", "cpu",
+                    "--dtype", "float32", "--batch-sizes", "1", "3", "--input-len", "16", "--output-len", "4",
+                    "--tp-size", "2"])
+    ours = [r for r in records if r.get("backend") == "radixserve"]
+    assert [r["batch_size"] for r in ours] == [1, 3]
+    assert all(r["tp_size"] == 2 and r["allreduce_ms_per_step"] > 0 and r["decode_steps"] == 3 for r in ours)

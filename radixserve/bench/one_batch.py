@@ -44,6 +44,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import sys
 import time
 from dataclasses import dataclass, fields
 
@@ -89,7 +90,8 @@ class ModelShape:
     itemsize: int
 
     @classmethod
-    def of(cls, model: torch.nn.Module, model_config) -> "ModelShape":
+    def of(cls, model: torch.nn.Module, model_config, heads=None) -> "ModelShape":
+        """One rank's shape: its weights, and ``heads`` (its ``HeadLayout``) under TP."""
         from radixserve.layers.vocab_embedding import VocabParallelEmbedding
 
         params = list(model.parameters())  # a tied embedding appears once
@@ -98,8 +100,8 @@ class ModelShape:
             weight_bytes=sum(p.numel() * p.element_size() for p in params),
             non_embedding_params=sum(p.numel() for p in params if id(p) not in embedding),
             num_layers=model_config.num_hidden_layers,
-            num_heads=model_config.num_attention_heads,
-            num_kv_heads=model_config.num_key_value_heads,
+            num_heads=heads.num_heads if heads else model_config.num_attention_heads,
+            num_kv_heads=heads.num_kv_heads if heads else model_config.num_key_value_heads,
             head_dim=model_config.head_dim,
             itemsize=model_config.dtype.itemsize,
         )
@@ -319,7 +321,7 @@ def _timed(fn, device: torch.device) -> float:
 _ENGINE_OPTIONS = {
     "model_path": str, "load_format": str, "dtype": str, "device": str, "attention_backend": str,
     "page_size": int, "max_total_tokens": int, "mem_fraction_static": float, "random_seed": int,
-    "disable_cuda_graph": bool,
+    "disable_cuda_graph": bool, "tp_size": int,
 }
 
 
@@ -428,8 +430,8 @@ class Report:
         return record
 
 
-def build_runner(server_args: ServerArgs, model_config, wl: Workload):
-    """A ModelRunner whose KV pool and request table fit the largest case."""
+def build_runner(server_args: ServerArgs, model_config, wl: Workload, tp_rank: int = 0, init: str | None = None):
+    """A ModelRunner (of TP rank ``tp_rank``) whose KV pool and request table fit the largest case."""
     from radixserve.managers.scheduler_factory import build_model_runner
 
     max_len = max(n for _, n in wl.cases) + wl.output_len
@@ -437,15 +439,63 @@ def build_runner(server_args: ServerArgs, model_config, wl: Workload):
         raise SystemExit(f"input + output = {max_len} tokens exceeds the context length {model_config.context_len}")
     page = server_args.page_size
     needed = max(bs * page_aligned(n + wl.output_len, page) for bs, n in wl.cases)
-    return build_model_runner(server_args, model_config, max_total_tokens=server_args.max_total_tokens or needed,
+    return build_model_runner(server_args, model_config, tp_rank, init,
+                              max_total_tokens=server_args.max_total_tokens or needed,
                               max_running_requests=max(bs for bs, _ in wl.cases), max_context_len=max_len)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+ALLREDUCE_REPEATS = 50
+
+
+def allreduce_ms_per_step(runner, batch_size: int) -> float | None:
+    """What a decode step's all-reduces cost alone: two per layer (after
+    attention and after the MLP) of ``[batch_size, hidden]`` activations, plus
+    the embedding's, timed eagerly on this rank's device (every rank calls it)."""
+    group = runner.tp_group
+    if group.size == 1:
+        return None
+    config = runner.model_config
+    x = torch.ones(batch_size, config.hidden_size, dtype=runner.dtype, device=runner.device)
+    per_step = 2 * config.num_hidden_layers + 1
+    group.all_reduce(x)
+    _sync(runner.device)
+    start = time.perf_counter()
+    for _ in range(ALLREDUCE_REPEATS * per_step):
+        group.all_reduce(x)
+    _sync(runner.device)
+    return (time.perf_counter() - start) / ALLREDUCE_REPEATS * 1e3
+
+
+def _follower(argv: list[str] | None, tp_rank: int, init: str) -> None:
+    """TP ranks 1..: the same cases as rank 0, nothing reported."""
+    main(argv, tp_rank, init)
+
+
+def _start_followers(argv: list[str] | None, tp_size: int) -> tuple[str, list]:
+    """Where the ranks meet, and the processes of ranks 1.. (spawned)."""
+    import multiprocessing as mp
+
+    from radixserve.entrypoints.launcher import free_local_port
+
+    init = f"tcp://127.0.0.1:{free_local_port()}"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_follower, args=(argv, rank, init), daemon=True) for rank in range(1, tp_size)]
+    for p in procs:
+        p.start()
+    return init, procs
+
+
+def main(argv: list[str] | None = None, tp_rank: int = 0, init: str | None = None) -> list[dict]:
+    """Run the workload's cases; with ``--tp-size N``, rank 0 (this call)
+    starts ranks 1.. as processes running the same cases."""
     from radixserve.layers.sampler import Sampler
     from radixserve.model_loader import resolve_model
 
+    argv = sys.argv[1:] if argv is None else argv  # the followers parse the same
     args = parse_args(argv)
+    followers = []
+    if args.tp_size > 1 and tp_rank == 0:
+        init, followers = _start_followers(argv, args.tp_size)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     wl, spec = args.workload_spec, WORKLOADS[args.workload]
@@ -453,24 +503,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model_path = server_args.model_path or wl.model_path
     device = torch.device(server_args.resolved_device())
     model_config = resolve_model(model_path, server_args.load_format, server_args.dtype, str(device))
-    runner = build_runner(server_args, model_config, wl)
+    runner = build_runner(server_args, model_config, wl, tp_rank, init)
+    if tp_rank > 0:
+        _run_cases(runner, Sampler(), wl, {c: make_prompts(*c, model_config.vocab_size, args.seed) for c in wl.cases})
+        runner.shutdown()
+        return []
     report = Report({
         "bench": "one_batch", "workload": args.workload, "full_size": wl == spec and model_path == spec.model_path,
         "model": os.path.basename(model_path.rstrip("/")), "device": device.type,
         "dtype": str(model_config.dtype).removeprefix("torch."), "torch_threads": torch.get_num_threads(),
-        **environment(device),
-    }, ModelShape.of(runner.model, model_config), Peaks(args.peak_bandwidth, args.gemv_bandwidth, args.peak_flops),
+        "tp_size": runner.tp_size, **environment(device),
+    }, ModelShape.of(runner.model, model_config, runner.head_layout), Peaks(args.peak_bandwidth, args.gemv_bandwidth, args.peak_flops),
         wl.output_len, args.output_json)
     prompts = {case: make_prompts(*case, model_config.vocab_size, args.seed) for case in wl.cases}
 
-    ours, sampler = {}, Sampler()
-    for case in wl.cases:
-        timing, _ = warm_and_run(runner, sampler, prompts[case], wl.output_len)
+    ours = {}
+    for case, (timing, allreduce_ms) in _run_cases(runner, Sampler(), wl, prompts).items():
         ours[case] = report.case("radixserve", *case, timing, attention_backend=server_args.resolved_attention_backend(),
-                                 cuda_graph=runner.cuda_graph_runner is not None,
-                                 page_size=server_args.page_size, kv_pool_tokens=runner.max_total_tokens)
+                                 cuda_graph=runner.cuda_graph_runner is not None, page_size=server_args.page_size,
+                                 kv_pool_tokens=runner.max_total_tokens, allreduce_ms_per_step=allreduce_ms)
+    runner.shutdown()
+    for p in followers:
+        p.join(timeout=60)
     if args.compare_hf:
-        del runner, sampler  # our weights and KV pool go before HF's model comes
+        del runner  # our weights and KV pool go before HF's model comes
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -479,6 +535,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             hf = report.case("hf_transformers", *case, run_hf_case(hf_model, prompts[case], wl.output_len, device))
             report.summary(ours[case], hf)
     return report.records
+
+
+def _run_cases(runner, sampler, wl: Workload, prompts: dict) -> dict:
+    """Each case's timing and, under TP, its all-reduce cost per decode step
+    (every rank runs this, in the same order)."""
+    out = {}
+    for case in wl.cases:
+        timing, _ = warm_and_run(runner, sampler, prompts[case], wl.output_len)
+        out[case] = timing, allreduce_ms_per_step(runner, case[0])
+    return out
 
 
 if __name__ == "__main__":

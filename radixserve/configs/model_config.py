@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
+from radixserve.distributed.partition import HeadLayout, divide, head_layout
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -56,3 +58,20 @@ class ModelConfig:
     @property
     def context_len(self) -> int:
         return int(getattr(self.hf_config, "max_position_embeddings", 4096))
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.hf_config.intermediate_size
+
+    def head_layout(self, tp_size: int = 1, tp_rank: int = 0) -> HeadLayout:
+        """The attention heads rank ``tp_rank`` of ``tp_size`` holds (its KV
+        pool holds ``num_kv_heads`` of them)."""
+        return head_layout(self.num_attention_heads, self.num_key_value_heads, tp_size, tp_rank)
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """A ValueError, naming the dimension, when the model cannot be split
+        over ``tp_size`` ranks (heads, KV heads, the MLP's intermediate size)."""
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        self.head_layout(tp_size)
+        divide(self.intermediate_size, tp_size, "intermediate_size")

@@ -31,7 +31,12 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, **options: Any):
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **options)
-        self.scheduler = build_scheduler(self.server_args)
+        if self.server_args.tp_size > 1:  # rank 0 here, the other ranks in processes (engine_tp.py)
+            from radixserve.entrypoints.engine_tp import TpLeader
+
+            self.scheduler = TpLeader(self.server_args)
+        else:
+            self.scheduler = build_scheduler(self.server_args)
         self.tokenizer = self.scheduler.tokenizer
         self._counter = itertools.count()
 
@@ -79,7 +84,11 @@ class Engine:
         return self.scheduler.get_stats()
 
     def shutdown(self) -> None:
-        if self.scheduler is not None and self.scheduler.device.type == "cpu":
+        if self.scheduler is None:
+            return
+        if self.server_args.tp_size > 1:
+            self.scheduler.shutdown()
+        if self.scheduler.device.type == "cpu":
             from radixserve.model_executor.cpu_malloc import reuse_freed_memory
 
             reuse_freed_memory(False)

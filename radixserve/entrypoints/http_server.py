@@ -255,6 +255,8 @@ def launch_server(args: ServerArgs) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     max_connections = http_guards.resolved_max_connections(args.max_connections, http_guards.raise_open_file_limit())
     engine = start_engine_processes(args)
+    if args.node_rank > 0:
+        return _run_ranks_only(engine)
     app = create_app(engine, args)
     loop = "uvloop" if _has_uvloop() else "asyncio"
     server = uvicorn.Server(uvicorn.Config(
@@ -278,6 +280,22 @@ def launch_server(args: ServerArgs) -> int:
     finally:
         engine.shutdown()
     return 0 if app.state.healthy else 1
+
+
+def _run_ranks_only(engine: EngineProcesses) -> int:
+    """A node other than node 0 serves no HTTP: it runs its TP ranks until a
+    signal or one of them dies (a dead rank ends the others' collectives)."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"radixserve: TP ranks {', '.join(p.name for p in engine.processes)} running", flush=True)
+    while not stop.wait(WATCHDOG_S):
+        if engine.dead():
+            logger.error("child process(es) died: %s; exiting", ", ".join(engine.dead()))
+            engine.shutdown()
+            return 1
+    engine.shutdown()
+    return 0
 
 
 def _has_uvloop() -> bool:

@@ -1,11 +1,12 @@
-"""Start the engine's processes (scheduler, detokenizer) and connect a
-TokenizerManager to them; stop them again."""
+"""Start the engine's processes (the scheduler ranks, the detokenizer) and
+connect a TokenizerManager to them; stop them again."""
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
 import shutil
+import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -50,53 +51,89 @@ class EngineProcesses:
 
 
 def _wait_ready(procs_pipes: list[tuple[mp.Process, object]]) -> dict:
+    """Wait until every child reports ready; the first that fails or exits
+    (a TP rank that cannot load its shard, say) fails the start-up at once,
+    while the others may still be waiting for it."""
     info: dict = {}
+    waiting = list(procs_pipes)
     deadline = time.monotonic() + START_TIMEOUT_S
-    for proc, pipe in procs_pipes:
-        while not pipe.poll(0.2):
-            if not proc.is_alive():
+    while waiting:
+        for proc, pipe in list(waiting):
+            if pipe.poll(0.05):
+                msg = pipe.recv()
+                if msg.get("status") != "ready":
+                    raise RuntimeError(f"{proc.name} failed to start: {msg.get('error')}")
+                info.update({k: v for k, v in msg.items() if k != "status"})
+                waiting.remove((proc, pipe))
+            elif not proc.is_alive():
                 raise RuntimeError(f"{proc.name} exited during start-up (exit code {proc.exitcode})")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{proc.name} did not start within {START_TIMEOUT_S}s")
-        msg = pipe.recv()
-        if msg.get("status") != "ready":
-            raise RuntimeError(f"{proc.name} failed to start: {msg.get('error')}")
-        info.update({k: v for k, v in msg.items() if k != "status"})
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{', '.join(p.name for p, _ in waiting)} did not start within {START_TIMEOUT_S}s")
     return info
+
+
+def free_local_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def dist_init_method(args: ServerArgs) -> str | None:
+    """Where the TP ranks meet: ``--dist-init-addr``, or a free local port."""
+    if args.tp_size == 1:
+        return None
+    return f"tcp://{args.dist_init_addr or f'127.0.0.1:{free_local_port()}'}"
+
+
+def scheduler_processes(ctx, args: ServerArgs, addr: dict | None, ipc_dir: str) -> list[tuple[mp.Process, object]]:
+    """This node's TP ranks, each a process with the read end of its ready
+    pipe; rank 0 (node 0) gets the socket addresses."""
+    init = dist_init_method(args)
+    out = []
+    for rank in args.local_tp_ranks():
+        recv, send = (addr["scheduler"], addr["detokenizer"]) if rank == 0 else (None, None)
+        reader, writer = ctx.Pipe(duplex=False)
+        name = "scheduler" if args.tp_size == 1 else f"scheduler-tp{rank}"
+        proc = ctx.Process(target=run_scheduler_process, name=name, daemon=True,
+                           args=(args, recv, send, writer, ipc_dir, rank, init))
+        out.append((proc, reader))
+    return out
 
 
 def start_engine_processes(args: ServerArgs) -> EngineProcesses:
     """Resolve the model (converting a GGUF once, here), start the scheduler
-    and detokenizer processes, wait until the model is loaded."""
+    ranks and the detokenizer, wait until the model is loaded. A node other
+    than node 0 (``--node-rank``) runs only its scheduler ranks."""
     from radixserve.model_loader import resolve_model
 
     model_config = resolve_model(args.model_path, args.load_format, args.dtype, args.resolved_device(),
                                  args.tokenizer_path, args.model_overrides())
+    ipc_dir = tempfile.mkdtemp(prefix="radixserve-ipc-")
+    addr = {name: f"ipc://{ipc_dir}/{name}" for name in ("scheduler", "detokenizer", "tokenizer")}
+    ctx = mp.get_context("spawn")
+    children = scheduler_processes(ctx, args, addr, ipc_dir)
+    if args.node_rank == 0:
+        reader, writer = ctx.Pipe(duplex=False)
+        detok = ctx.Process(
+            target=run_detokenizer_process, name="detokenizer", daemon=True,
+            args=(model_config.tokenizer_dir, addr["detokenizer"], addr["tokenizer"], writer, ipc_dir),
+        )
+        children.insert(0, (detok, reader))
+    procs = [p for p, _ in children]
+    for p in procs:
+        p.start()
+    try:
+        info = _wait_ready(children)
+    except Exception:
+        EngineProcesses(None, procs, ipc_dir, {}).shutdown()
+        raise
+    if args.node_rank > 0:
+        return EngineProcesses(None, procs, ipc_dir, info)
     tokenizer = None
     if model_config.tokenizer_dir:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer_dir)
-    ipc_dir = tempfile.mkdtemp(prefix="radixserve-ipc-")
-    addr = {name: f"ipc://{ipc_dir}/{name}" for name in ("scheduler", "detokenizer", "tokenizer")}
-    ctx = mp.get_context("spawn")
-    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
-    detok = ctx.Process(
-        target=run_detokenizer_process, name="detokenizer", daemon=True,
-        args=(model_config.tokenizer_dir, addr["detokenizer"], addr["tokenizer"], pipes[0][1], ipc_dir),
-    )
-    sched = ctx.Process(
-        target=run_scheduler_process, name="scheduler", daemon=True,
-        args=(args, addr["scheduler"], addr["detokenizer"], pipes[1][1], ipc_dir),
-    )
-    procs = [detok, sched]
-    for p in procs:
-        p.start()
-    try:
-        info = _wait_ready([(detok, pipes[0][0]), (sched, pipes[1][0])])
-    except Exception:
-        EngineProcesses(None, procs, ipc_dir, {}).shutdown()
-        raise
     info.update(model_path=model_config.model_path, tokenizer_path=model_config.tokenizer_dir,
                 weights_dir=model_config.weights_dir, dtype=str(model_config.dtype).replace("torch.", ""))
     tm = TokenizerManager(tokenizer, info, args.model_name(), addr["scheduler"], addr["tokenizer"],

@@ -1,27 +1,51 @@
-"""Linear layers whose weights may be stored merged (q/k/v, gate/up).
+"""Linear layers split over tensor-parallel ranks; their weights may be
+stored merged (q/k/v, gate/up).
+
+- :class:`ColumnParallelLinear` splits the output dimension: rank ``r`` holds
+  its slice of the rows of ``W`` (and of the bias) and outputs its slice of
+  ``y``; nothing is communicated.
+- :class:`RowParallelLinear` splits the input dimension: rank ``r`` holds its
+  slice of the columns of ``W`` and takes its slice of ``x`` (a column-parallel
+  output); an all-reduce sums the partial products, then the bias is added once.
+- :class:`MergedColumnParallelLinear` and :class:`QKVParallelLinear` stack
+  several column-parallel projections, each split on its own, so a rank holds
+  ``[gate_r; up_r]`` or ``[q_r; k_r; v_r]`` (KV heads replicated where there
+  are fewer than ranks, see ``distributed/partition.py``).
 
 Every weight parameter carries a ``weight_loader(param, loaded_weight,
-shard_id=None)`` that copies one checkpoint tensor into its place, so a model's
-``load_weights`` only maps names. Everything runs at tensor-parallel size 1;
-the ``*Parallel*`` names mark where a TP build would split the output
-(column) or the input (row) dimension, inside these loaders and forwards.
+shard_id=None)`` that takes a whole checkpoint tensor and copies this rank's
+shard of it into place, so a model's ``load_weights`` only maps names, and
+``checkpoint_shards``: the ``(shard_id, full shape)`` of the checkpoint
+tensors it is loaded from (dummy weights draw those, so every tp size gets the
+same model). At tp size 1 these are plain linear layers and no collective runs.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.distributed import TPGroup, divide, head_layout
+
 logger = logging.getLogger(__name__)
 
 
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"weight shape mismatch: parameter slice {tuple(dst.shape)}, checkpoint {tuple(src.shape)}")
     dst.copy_(src)
+
+
+def narrow_checked(loaded: torch.Tensor, dim: int, start: int, length: int, full: int) -> torch.Tensor:
+    """``loaded.narrow(dim, start, length)`` after checking that ``loaded`` is
+    the whole checkpoint tensor (``full`` long along ``dim``)."""
+    if loaded.dim() <= dim or loaded.shape[dim] != full:
+        raise ValueError(f"weight shape mismatch: checkpoint {tuple(loaded.shape)}, expected {full} along dim {dim}")
+    return loaded.narrow(dim, start, length)
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
@@ -29,7 +53,7 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
     if shard_id is not None:
         raise ValueError(f"this parameter has no shards, got shard_id {shard_id!r}")
     with torch.no_grad():
-        _copy_checked(param.data, loaded_weight)
+        copy_checked(param.data, loaded_weight)
 
 
 # -- CPU weight prepacking ---------------------------------------------------
@@ -83,7 +107,7 @@ def prepack_linears_for_cpu(model: nn.Module) -> int:
     weights are loaded."""
     packed = 0
     for module in model.modules():
-        if isinstance(module, ColumnParallelLinear):
+        if isinstance(module, LinearBase):
             packed += module.prepack_for_cpu()
     head = getattr(model, "lm_head", None)
     if head is not None and hasattr(head, "prepack_lm_head_for_cpu"):
@@ -91,19 +115,15 @@ def prepack_linears_for_cpu(model: nn.Module) -> int:
     return packed
 
 
-class ColumnParallelLinear(nn.Module):
-    """``y = x @ W.T + b`` with ``W: [output_size, input_size]`` (TP would split the output)."""
+class LinearBase(nn.Module):
+    """A linear layer's weight ``[out, in]`` and bias (this rank's part of them),
+    the plain or CPU-prepacked GEMM, and the rank's TP group."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, weight_shape: tuple[int, int], bias_size: int | None, tp_group: TPGroup):
         super().__init__()
-        self.input_size = input_size
-        self.output_size = output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.bias = None
-        if bias:
-            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+        self.tp_group = tp_group
+        self.weight = nn.Parameter(torch.empty(*weight_shape), requires_grad=False)
+        self.bias = None if bias_size is None else nn.Parameter(torch.empty(bias_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -111,46 +131,116 @@ class ColumnParallelLinear(nn.Module):
     def prepack_for_cpu(self) -> bool:
         return swap_in_prepacked_weight(self)
 
+
+@dataclass(frozen=True)
+class OutputShard:
+    """This rank's rows of one checkpoint tensor and where they sit in the parameter."""
+
+    full: int  # rows of the checkpoint tensor
+    start: int  # this rank's first row in it
+    size: int  # rows this rank holds
+    offset: int  # their first row in the parameter
+
+
+class ColumnParallelLinear(LinearBase):
+    """``y = x @ W.T + b`` with ``W: [output_size, input_size]``, the output
+    dimension split over the ranks (each outputs its slice of ``y``)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_group: TPGroup | None = None):
+        tp = tp_group or TPGroup()
+        size = divide(output_size, tp.size, f"output size of a {type(self).__name__}")
+        self._init_shards(input_size, {None: (output_size, tp.rank * size, size)}, bias, tp)
+
+    def _init_shards(self, input_size: int, shards: dict, bias: bool, tp: TPGroup) -> None:
+        """Allocate for ``shards`` (shard id -> (checkpoint rows, this rank's
+        first row, its row count)), stacked along the output in that order."""
+        table, offset = {}, 0
+        for shard_id, (full, start, size) in shards.items():
+            table[shard_id] = OutputShard(full, start, size, offset)
+            offset += size
+        LinearBase.__init__(self, (offset, input_size), offset if bias else None, tp)
+        self.input_size, self.shards = input_size, table
+        self.output_size = sum(s.full for s in table.values())
+        for param, tail in ((self.weight, (input_size,)), (self.bias, ())):
+            if param is not None:
+                param.weight_loader = self.weight_loader
+                param.checkpoint_shards = [(i, (s.full, *tail)) for i, s in table.items()]
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
-        default_weight_loader(param, loaded_weight, shard_id)
+        if shard_id not in self.shards:
+            raise ValueError(f"shard_id must be one of {list(self.shards)}, got {shard_id!r}")
+        s = self.shards[shard_id]
+        piece = narrow_checked(loaded_weight, 0, s.start, s.size, s.full)
+        with torch.no_grad():
+            copy_checked(param.data.narrow(0, s.offset, s.size), piece)
 
     def extra_repr(self) -> str:
-        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
+        rows = self.weight.shape[0]
+        return f"in={self.input_size}, out={self.output_size} ({rows} on this rank), bias={self.bias is not None}"
 
 
-class RowParallelLinear(ColumnParallelLinear):
-    """A plain linear layer whose input dimension TP would split (o_proj, down_proj)."""
+class RowParallelLinear(LinearBase):
+    """``y = x @ W.T + b`` with the input dimension split over the ranks (o_proj,
+    down_proj): each rank multiplies its slice of ``x`` by its columns of
+    ``W``, an all-reduce sums the products, and the bias is added after it."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_group: TPGroup | None = None):
+        tp = tp_group or TPGroup()
+        cols = divide(input_size, tp.size, f"input size of a {type(self).__name__}")
+        super().__init__((output_size, cols), output_size if bias else None, tp)
+        self.input_size, self.output_size, self.input_size_per_rank = input_size, output_size, cols
+        self.weight.weight_loader = self.weight_loader
+        self.weight.checkpoint_shards = [(None, (output_size, input_size))]
+        if self.bias is not None:
+            self.bias.weight_loader = default_weight_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_group.size == 1:
+            return linear(x, self.weight, self.bias)
+        y = self.tp_group.all_reduce(linear(x, self.weight))
+        return y if self.bias is None else y.add_(self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"this parameter has no shards, got shard_id {shard_id!r}")
+        size = self.input_size_per_rank
+        with torch.no_grad():
+            copy_checked(param.data, narrow_checked(loaded_weight, 1, self.tp_group.rank * size, size, self.input_size))
+
+    def extra_repr(self) -> str:
+        cols = self.input_size_per_rank
+        return f"in={self.input_size} ({cols} on this rank), out={self.output_size}, bias={self.bias is not None}"
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several projections of the same input stacked along the output, e.g.
-    ``gate_up_proj = [gate_proj; up_proj]``; shard ``i`` is ``output_sizes[i]`` rows."""
+    ``gate_up_proj = [gate_proj; up_proj]``; shard ``i`` is ``output_sizes[i]``
+    rows in the checkpoint, each split over the ranks on its own."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
-        super().__init__(input_size, sum(output_sizes), bias)
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp_group: TPGroup | None = None):
+        tp = tp_group or TPGroup()
+        shards = {}
+        for i, full in enumerate(output_sizes):
+            size = divide(full, tp.size, f"output size {i} of a {type(self).__name__}")
+            shards[i] = (full, tp.rank * size, size)
+        self._init_shards(input_size, shards, bias, tp)
         self.output_sizes = list(output_sizes)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
-        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
-            raise ValueError(f"shard_id must be an index below {len(self.output_sizes)}, got {shard_id!r}")
-        offset = sum(self.output_sizes[:shard_id])
-        with torch.no_grad():
-            _copy_checked(param.data.narrow(0, offset, self.output_sizes[shard_id]), loaded_weight)
 
+class QKVParallelLinear(ColumnParallelLinear):
+    """The q, k and v projections stacked along the output, loaded with shard
+    ids ``"q"``, ``"k"``, ``"v"``. ``num_heads`` and ``num_kv_heads`` are the
+    model's totals; this rank holds rows ``[q (its heads) | k (its KV heads) |
+    v (same)]``, ``q_size`` and ``kv_size`` of them."""
 
-class QKVParallelLinear(MergedColumnParallelLinear):
-    """The q, k and v projections stacked along the output: rows
-    ``[q (num_heads*head_dim) | k (num_kv_heads*head_dim) | v (same)]``,
-    loaded with shard ids ``"q"``, ``"k"``, ``"v"``."""
-
-    SHARDS = ("q", "k", "v")
-
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
-        self.q_size = num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
-        super().__init__(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias)
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
-        if shard_id not in self.SHARDS:
-            raise ValueError(f"QKV shard_id must be one of {self.SHARDS}, got {shard_id!r}")
-        super().weight_loader(param, loaded_weight, self.SHARDS.index(shard_id))
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+        tp_group: TPGroup | None = None,
+    ):
+        tp = tp_group or TPGroup()
+        layout = head_layout(num_heads, num_kv_heads, tp.size, tp.rank)
+        q_size, kv_size = layout.num_heads * head_dim, layout.num_kv_heads * head_dim
+        q = (num_heads * head_dim, layout.q_head_start * head_dim, q_size)
+        kv = (num_kv_heads * head_dim, layout.kv_head_start * head_dim, kv_size)
+        self._init_shards(hidden_size, {"q": q, "k": kv, "v": kv}, bias, tp)
+        self.layout, self.q_size, self.kv_size = layout, q_size, kv_size

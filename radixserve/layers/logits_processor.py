@@ -1,4 +1,9 @@
-"""From the last hidden states to next-token logits and input-token logprobs."""
+"""From the last hidden states to next-token logits and input-token logprobs.
+
+Under tensor parallelism each rank's LM head gives its slice of the
+vocabulary; the slices are all-gathered (and the padding dropped) before
+anything reads them, so every rank holds the same, full logits.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from radixserve.distributed import TPGroup
 from radixserve.layers.linear import linear
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ragged_arange
 
@@ -49,9 +55,10 @@ class LogitsProcessorOutput:
 class LogitsProcessor(nn.Module):
     """Applies the LM head only where logits are needed (see :class:`LogitsProcessorOutput`)."""
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, tp_group: TPGroup | None = None):
         super().__init__()
         self.vocab_size = vocab_size
+        self.tp_group = tp_group or TPGroup()
 
     def forward(
         self,
@@ -71,7 +78,8 @@ class LogitsProcessor(nn.Module):
         return out
 
     def _logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        return linear(hidden, lm_head.lm_head_weight())[:, : self.vocab_size].float()
+        logits = self.tp_group.all_gather(linear(hidden, lm_head.lm_head_weight()), dim=-1)
+        return logits[:, : self.vocab_size].float()
 
     def _add_input_logprobs(self, out, input_ids, hidden_states, lm_head, fb: ForwardBatch) -> None:
         rows, lens = _input_logprob_rows(fb)

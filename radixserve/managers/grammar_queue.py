@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from concurrent import futures
+from typing import Callable
 
 import torch
 
@@ -38,12 +39,16 @@ class GrammarQueue:
         self.reqs.append(req)
         self.used = True
 
-    def pop_compiled(self) -> tuple[list[Req], list[Req]]:
+    def pop_compiled(self, agree: Callable[[list[str]], list[str]] | None = None) -> tuple[list[Req], list[Req]]:
         """(requests whose grammar is ready, now with a matcher; requests whose
-        grammar failed to compile, finished with an abort)."""
+        grammar failed to compile, finished with an abort). ``agree`` turns
+        the rids compiled here into those every TP rank takes now (rank 0's);
+        a rank whose compilation is behind waits for it."""
+        done = [r.rid for r in self.reqs if r.grammar_future.done()]
+        taken = set(agree(done) if agree is not None else done)
         ready, failed, still = [], [], []
         for req in self.reqs:
-            if not req.grammar_future.done():
+            if req.rid not in taken:
                 still.append(req)
                 continue
             try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+
+import msgpack
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +75,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids  # see scheduler_factory.eos_token_ids
         self.device = model_runner.device
+        self.tp_group = model_runner.tp_group  # every rank's scheduler must take the same decisions
         self.worker = TpModelWorker(model_runner)
         self.page_size = model_runner.page_size
         self.vocab_size = model_runner.model_config.vocab_size
@@ -174,7 +177,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         out = self._drain() if self._in_flight and self._must_drain() else []
         out += self._process_aborts()
         if self.grammar_queue:
-            ready, failed = self.grammar_queue.pop_compiled()
+            ready, failed = self.grammar_queue.pop_compiled(self._agree_on_rids)
             self.waiting += ready
             out += failed
         batch = self._next_batch()
@@ -202,6 +205,14 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if self.args.check_invariants or self.is_idle():
             self.check_memory()
         return out
+
+    def _agree_on_rids(self, rids: list[str]) -> list[str]:
+        """Rank 0's ``rids`` on every rank (a decision that depends on timing,
+        such as which grammars have compiled, is rank 0's)."""
+        if self.tp_group.size == 1:
+            return rids
+        packed = msgpack.packb(rids) if self.tp_group.rank == 0 else None
+        return msgpack.unpackb(self.tp_group.broadcast_bytes(packed))
 
     def _drain(self) -> list[Req]:
         launched, self._in_flight = self._in_flight, None

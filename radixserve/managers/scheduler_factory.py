@@ -7,20 +7,27 @@ EOS ids. The scheduler process and the offline Engine both build through
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+import torch
 
 from radixserve.managers.scheduler import Scheduler
 from radixserve.server_args import ServerArgs
 
 
-def build_model_runner(args: ServerArgs, model_config, **overrides: Any):
-    """The ModelRunner that ``args`` describe (``overrides`` replace its
-    keyword arguments: ``max_total_tokens``, ``max_running_requests``,
-    ``max_context_len``)."""
+def build_model_runner(args: ServerArgs, model_config, tp_rank: int = 0, dist_init_method: str | None = None,
+                       **overrides: Any):
+    """The ModelRunner that ``args`` describe, at TP rank ``tp_rank``
+    (``overrides`` replace its keyword arguments: ``max_total_tokens``,
+    ``max_running_requests``, ``max_context_len``)."""
+    from radixserve.distributed import DEFAULT_TIMEOUT_S
     from radixserve.model_executor.model_runner import ModelRunner
 
+    if args.tp_size > 1 and dist_init_method is None:
+        dist_init_method = f"tcp://{args.dist_init_addr}" if args.dist_init_addr else None
     options = dict(
-        device=args.resolved_device(),
+        device=args.tp_device(tp_rank),
         page_size=args.page_size,
         max_total_tokens=args.max_total_tokens,
         max_running_requests=args.max_running_requests,
@@ -29,6 +36,11 @@ def build_model_runner(args: ServerArgs, model_config, **overrides: Any):
         mem_fraction_static=args.mem_fraction_static,
         seed=args.random_seed,
         cuda_graph_max_bs=args.resolved_cuda_graph_max_bs(),
+        tp_rank=tp_rank,
+        tp_size=args.tp_size,
+        dist_init_method=dist_init_method,
+        dist_timeout_s=args.dist_timeout or DEFAULT_TIMEOUT_S,
+        nnodes=args.nnodes,
     )
     return ModelRunner(model_config, **{**options, **overrides})
 
@@ -62,8 +74,9 @@ def eos_token_ids(model_config, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def build_scheduler(args: ServerArgs) -> Scheduler:
-    """Resolve the model, load weights and tokenizer, build the scheduler."""
+def build_scheduler(args: ServerArgs, tp_rank: int = 0, dist_init_method: str | None = None) -> Scheduler:
+    """Resolve the model, load weights and tokenizer, build the scheduler
+    (of TP rank ``tp_rank``, whose ranks meet at ``dist_init_method``)."""
     from radixserve.model_loader import resolve_model
 
     device = args.resolved_device()
@@ -71,8 +84,10 @@ def build_scheduler(args: ServerArgs) -> Scheduler:
         from radixserve.model_executor.cpu_malloc import reuse_freed_memory
 
         reuse_freed_memory()
+        if args.tp_size > 1:  # this host's ranks share its cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(args.local_tp_ranks())))
     model_config = resolve_model(args.model_path, args.load_format, args.dtype, device, args.tokenizer_path,
                                  args.model_overrides())
-    runner = build_model_runner(args, model_config)
+    runner = build_model_runner(args, model_config, tp_rank, dist_init_method)
     tokenizer = load_tokenizer(model_config)
     return Scheduler(args, runner, tokenizer, eos_token_ids(model_config, tokenizer))

@@ -1,11 +1,19 @@
 """The Scheduler as a process: receive requests over ZeroMQ, step the
-Scheduler, send new tokens to the detokenizer."""
+Scheduler, send new tokens to the detokenizer.
+
+With tensor parallelism there is one such process per rank, each with its
+own Scheduler over its shard of the model. Only rank 0 has sockets: each
+loop iteration it broadcasts the messages it received, as the msgpack bytes
+they arrived in, over the TP group's CPU (gloo) group, and every rank handles
+the same messages in the same order, so all schedulers take the same
+decisions. Only rank 0 answers and sends tokens to the detokenizer."""
 
 from __future__ import annotations
 
 import logging
 import time
 
+import msgpack
 import zmq
 
 from radixserve.managers.child_process import ParentWatch, zmq_context
@@ -64,10 +72,14 @@ class SchedulerProcess:
     exception inside a step is fatal (the process exits, and the server with
     it), because the batch's KV state can no longer be trusted."""
 
-    def __init__(self, scheduler: Scheduler, recv_addr: str, send_addr: str, watch: ParentWatch | None = None):
+    def __init__(self, scheduler: Scheduler, recv_addr: str | None, send_addr: str | None,
+                 watch: ParentWatch | None = None):
         self.scheduler = scheduler
         self.watch = watch
-        self.recv, self.send = pipeline_sockets(zmq_context(), recv_addr, send_addr)
+        self.tp = scheduler.tp_group
+        self.leader = self.tp.rank == 0  # has the sockets; the other ranks follow its broadcasts
+        if self.leader:
+            self.recv, self.send = pipeline_sockets(zmq_context(), recv_addr, send_addr)
         self.sent: dict[str, tuple[int, int]] = {}  # rid -> (output ids sent, logprobs sent)
         self._stats_at = 0.0
 
@@ -76,25 +88,40 @@ class SchedulerProcess:
             if self.watch is not None and not self.watch.alive():
                 self.watch.exit_orphaned()
             idle = self.scheduler.is_idle()
-            if idle and not self.recv.poll(IDLE_POLL_MS):
+            received = self.receive_all(wait=idle) if self.leader else None
+            if self.tp.size > 1:  # a follower waits here, at most IDLE_POLL_MS while the leader is idle
+                received = msgpack.unpackb(self.tp.broadcast_bytes(msgpack.packb(received) if self.leader else None))
+            if idle and not received:
                 continue
-            self.receive_all()
+            for data in received:
+                self.handle_bytes(data)
             if not self.scheduler.is_idle():
-                self.send_outputs(self.scheduler.step())
-            self.report_stats(became_idle=not idle and self.scheduler.is_idle())
+                outputs = self.scheduler.step()
+                if self.leader:
+                    self.send_outputs(outputs)
+            if self.leader:
+                self.report_stats(became_idle=not idle and self.scheduler.is_idle())
 
-    def receive_all(self) -> None:
+    def receive_all(self, wait: bool) -> list[bytes]:
+        """Every message waiting on the socket, after waiting up to
+        ``IDLE_POLL_MS`` for one if ``wait``."""
+        if wait and not self.recv.poll(IDLE_POLL_MS):
+            return []
+        received = []
         while True:
             try:
-                data = self.recv.recv(zmq.NOBLOCK)
+                received.append(self.recv.recv(zmq.NOBLOCK))
             except zmq.Again:
-                return
-            try:
-                msg = decode(data)
-            except ValueError as exc:
+                return received
+
+    def handle_bytes(self, data: bytes) -> None:
+        try:
+            msg = decode(data)
+        except ValueError as exc:
+            if self.leader:
                 logger.error("dropped a malformed message: %s", str(exc).splitlines()[0])
-                continue
-            self.handle(msg)
+            return
+        self.handle(msg)
 
     def handle(self, msg) -> None:
         if isinstance(msg, TokenizedGenerateReqInput):
@@ -102,9 +129,12 @@ class SchedulerProcess:
         elif isinstance(msg, AbortReq):
             self.scheduler.abort_request(msg.rid)
         elif isinstance(msg, FlushCacheReq):
-            self.send.send(encode(FlushCacheReqOutput(self.scheduler.flush_cache())))
+            flushed = self.scheduler.flush_cache()  # on every rank: the caches stay the same
+            if self.leader:
+                self.send.send(encode(FlushCacheReqOutput(flushed)))
         elif isinstance(msg, GetInternalStateReq):
-            self.send.send(encode(GetInternalStateReqOutput(self.internal_state())))
+            if self.leader:
+                self.send.send(encode(GetInternalStateReqOutput(self.internal_state())))
         else:
             logger.error("dropped a %s: not a message for the scheduler", type(msg).__name__)
 
@@ -114,6 +144,8 @@ class SchedulerProcess:
                                          msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num)
             self.scheduler.add_request(req)
         except Exception as exc:  # the tokenizer manager validates first; this is the backstop
+            if not self.leader:
+                return
             logger.error("request %s refused: %s", msg.rid, exc)
             req = Req(msg.rid, msg.input_ids or [0], SamplingParams())
             req.finished_reason = FinishReason.aborted(f"invalid request: {exc}")
@@ -165,14 +197,17 @@ class SchedulerProcess:
         return state
 
 
-def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: str, ready, ipc_dir: str | None = None) -> None:
-    """Entry point of the scheduler process: load the model, report, loop."""
-    logging.basicConfig(level=logging.INFO, format="[scheduler] %(message)s")
+def run_scheduler_process(server_args: ServerArgs, recv_addr: str | None, send_addr: str | None, ready,
+                          ipc_dir: str | None = None, tp_rank: int = 0, dist_init_method: str | None = None) -> None:
+    """Entry point of a scheduler process (TP rank ``tp_rank``; only rank 0
+    gets socket addresses): load the model, report, loop."""
+    name = "scheduler" if server_args.tp_size == 1 else f"scheduler TP{tp_rank}"
+    logging.basicConfig(level=logging.INFO, format=f"[{name}] %(message)s")
     watch = ParentWatch(ipc_dir)
     try:
         from radixserve.managers.scheduler_factory import build_scheduler
 
-        scheduler = build_scheduler(server_args)
+        scheduler = build_scheduler(server_args, tp_rank, dist_init_method)
         proc = SchedulerProcess(scheduler, recv_addr, send_addr, watch)
         runner = scheduler.model_runner
         ready.send({

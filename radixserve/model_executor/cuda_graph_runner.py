@@ -13,6 +13,11 @@ and every EXTEND, run eagerly.
 All graphs share one memory pool and are captured largest first, so the pool
 is sized by the largest batch. The outputs (logits) of a replay live in that
 pool and are valid until the next replay.
+
+Under tensor parallelism the graphs hold the layers' NCCL all-reduces and the
+logits' all-gather: every rank captures the same sizes in the same order
+(the collectives must match), and a replay on one rank needs the same replay
+on all of them.
 """
 
 from __future__ import annotations
@@ -94,7 +99,11 @@ class CudaGraphRunner:
                 self._run_once(fb)
         torch.cuda.current_stream(self.runner.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+        # Under TP, NCCL's watchdog thread queries the events of the warm-up's
+        # collectives while we capture; "thread_local" keeps such calls from
+        # other threads from invalidating the capture (older torch builds).
+        mode = "thread_local" if self.runner.tp_size > 1 else "global"
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode=mode):
             out = self._run_once(fb)
         if self.pool is None:
             self.pool = graph.pool()

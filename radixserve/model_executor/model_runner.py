@@ -1,5 +1,10 @@
 """The ModelRunner: one rank's model, KV memory and attention backend.
 
+Under tensor parallelism (``tp_size > 1``) each rank runs one ModelRunner in
+its own process: it joins the TP group, holds its shard of the weights and a
+KV pool of only its KV heads, and every forward returns the same, full logits
+on every rank (docs/tensor_parallel.md).
+
 It turns a host-side ``ModelWorkerBatch`` into a device ``ForwardBatch`` and
 runs the model on it. Sampling is the Sampler's job, scheduling the
 Scheduler's; the runner only owns the memory they share:
@@ -9,7 +14,7 @@ Scheduler's; the runner only owns the memory they share:
   (all zeros, i.e. the dummy KV slot 0) for padded batches such as CUDA-graph
   decode, so exactly ``max_running_requests`` rows are free for requests.
 - ``token_to_kv_pool``: an ``MHATokenToKVPool`` of ``max_total_tokens`` slots
-  (plus the dummy page) in the model's dtype.
+  (plus the dummy page) in the model's dtype, of this rank's KV heads.
 - ``token_to_kv_pool_allocator``: hands out those slots in pages.
 """
 
@@ -24,6 +29,7 @@ import torch
 from torch import nn
 
 from radixserve.configs.model_config import ModelConfig
+from radixserve.distributed import DEFAULT_TIMEOUT_S, TPGroup, check_tp_devices, init_tp_group
 from radixserve.layers.attention import create_attention_backend
 from radixserve.layers.linear import prepack_linears_for_cpu
 from radixserve.layers.logits_processor import LogitsProcessorOutput
@@ -49,8 +55,19 @@ class ModelRunner:
     or, by default, ``min(CPU_KV_RAM_FRACTION * available RAM, 32k tokens)``.
     ``max_context_len`` defaults to the model's context length; it is capped
     by the pool size. With ``cuda_graph_max_bs > 0`` on CUDA, decodes of up
-    to that many requests replay CUDA graphs (``cuda_graph_runner.py``). ``model`` may be passed ready-made (tests); otherwise it
-    is loaded with ``radixserve.model_loader.get_model``.
+    to that many requests replay CUDA graphs (``cuda_graph_runner.py``).
+    ``model`` may be passed ready-made (tests); otherwise it is loaded with
+    ``radixserve.model_loader.get_model``.
+
+    Tensor parallelism: rank ``tp_rank`` of ``tp_size`` joins the group at
+    ``dist_init_method`` (``tcp://HOST:PORT``, the same on every rank; a
+    collective or the rendezvous fails after ``dist_timeout_s``), or takes a
+    ready ``tp_group``; ``nnodes`` hosts share the ranks equally. Every rank
+    is built with the same arguments but its rank and device (a plain
+    ``"cuda"`` means device ``tp_rank`` of this host). The pool size
+    is agreed (the smallest rank's), so all ranks hold as many KV slots. A
+    model that cannot be split, or more CUDA ranks than devices, is a
+    ValueError before any rank waits for another. ``shutdown`` leaves the group.
     """
 
     def __init__(
@@ -67,12 +84,22 @@ class ModelRunner:
         seed: int = 0,
         model: nn.Module | None = None,
         cuda_graph_max_bs: int = 0,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_group: TPGroup | None = None,
+        dist_init_method: str | None = None,
+        dist_timeout_s: float = DEFAULT_TIMEOUT_S,
+        nnodes: int = 1,
     ):
         if page_size < 1 or max_running_requests < 1:
             raise ValueError(f"page_size and max_running_requests must be >= 1, got {page_size}, {max_running_requests}")
-        torch.manual_seed(seed)
         self.model_config = model_config
         self.device = torch.device(device)
+        self.owns_tp_group = tp_group is None
+        self.tp_group = self._join_tp_group(tp_rank, tp_size, tp_group, dist_init_method, dist_timeout_s, nnodes)
+        self.tp_rank, self.tp_size = self.tp_group.rank, self.tp_group.size
+        self.head_layout = model_config.head_layout(self.tp_size, self.tp_rank)
+        torch.manual_seed(seed)
         self.dtype = model_config.dtype
         self.page_size = page_size
         self.max_running_requests = max_running_requests
@@ -92,14 +119,33 @@ class ModelRunner:
             self.cuda_graph_runner = CudaGraphRunner(self, default_batch_sizes(max_bs))
 
     # -- set-up ------------------------------------------------------------
+    def _join_tp_group(self, tp_rank, tp_size, tp_group, init_method, timeout_s, nnodes) -> TPGroup:
+        """Check that the model splits over the ranks first, so a bad
+        configuration fails at once on every rank; then join the group."""
+        if tp_group is not None:
+            if (tp_rank, tp_size) not in ((0, 1), (tp_group.rank, tp_group.size)):
+                raise ValueError(f"tp_rank {tp_rank} / tp_size {tp_size} contradict the given group's "
+                                 f"{tp_group.rank} / {tp_group.size}")
+            tp_rank, tp_size = tp_group.rank, tp_group.size
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+        self.model_config.check_tensor_parallel(tp_size)
+        check_tp_devices(tp_size, self.device, nnodes)
+        if self.device.type == "cuda" and self.device.index is None and tp_size > 1:
+            self.device = torch.device("cuda", tp_rank % (tp_size // nnodes))  # one device per rank of this host
+        if tp_group is not None:
+            return tp_group
+        return init_tp_group(tp_rank, tp_size, self.device, init_method, timeout_s)
+
     def _load_model(self) -> nn.Module:
         from radixserve.model_loader import get_model  # the loader imports the model registry
 
-        return get_model(self.model_config, self.device)
+        return get_model(self.model_config, self.device, self.tp_group)
 
     def kv_bytes_per_token(self) -> int:
+        """KV bytes per token on this rank (its KV heads only)."""
         c = self.model_config
-        return c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * self.dtype.itemsize
+        return c.num_hidden_layers * self.head_layout.num_kv_heads * c.head_dim * 2 * self.dtype.itemsize
 
     def _kv_pool_tokens(self, max_total_tokens: int | None, mem_fraction_static: float) -> int:
         if self.device.type == "cuda":
@@ -109,7 +155,7 @@ class ModelRunner:
             tokens = max_total_tokens
         else:
             tokens = min(int(_available_ram() * CPU_KV_RAM_FRACTION) // self.kv_bytes_per_token(), CPU_MAX_KV_TOKENS)
-        tokens = tokens // self.page_size * self.page_size
+        tokens = self.tp_group.agree_min(tokens) // self.page_size * self.page_size
         if tokens < self.page_size:
             raise ValueError(f"no room for a KV cache: {tokens} tokens fit (page_size {self.page_size})")
         return tokens
@@ -131,16 +177,16 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.max_context_len, self.device)
         self.padding_req_row = self.req_to_token_pool.alloc(1)[0]
         self.token_to_kv_pool = MHATokenToKVPool(
-            self.max_total_tokens, self.page_size, self.dtype, c.num_key_value_heads, c.head_dim,
+            self.max_total_tokens, self.page_size, self.dtype, self.head_layout.num_kv_heads, c.head_dim,
             c.num_hidden_layers, self.device,
         )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
             size=self.max_total_tokens, page_size=self.page_size, device=self.device
         )
         logger.info(
-            "KV pool: %d tokens (%.2f GiB, %s), %d request rows of %d tokens",
+            "KV pool: %d tokens (%.2f GiB, %s, %d KV heads on TP rank %d of %d), %d request rows of %d tokens",
             self.max_total_tokens, self.token_to_kv_pool.mem_bytes() / 2**30, self.dtype,
-            self.max_running_requests, self.max_context_len,
+            self.head_layout.num_kv_heads, self.tp_rank, self.tp_size, self.max_running_requests, self.max_context_len,
         )
 
     # -- forward -----------------------------------------------------------
@@ -195,6 +241,11 @@ class ModelRunner:
             return self.cuda_graph_runner.replay(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    def shutdown(self) -> None:
+        """Leave the TP group this runner joined (a no-op at tp 1 or for a group passed in)."""
+        if self.owns_tp_group:
+            self.tp_group.destroy()
 
 
 def _available_ram() -> int:

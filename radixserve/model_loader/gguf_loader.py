@@ -10,6 +10,7 @@ and appears by an atomic rename, so a crash never leaves a half-written one.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -281,12 +282,31 @@ def is_converted(folder: str) -> bool:
 
 
 def load_gguf(gguf_path: str, root: str | None = None) -> str:
-    """Return the converted HF-style folder for ``gguf_path``, converting on a cache miss."""
+    """Return the converted HF-style folder for ``gguf_path``, converting on a cache miss.
+
+    Processes that miss at once (the ranks of a tensor-parallel server) take
+    turns on a lock of the GGUF file itself: one converts, the others then
+    find its folder, so only one of them holds the whole model in memory."""
     final = converted_dir(gguf_path, root)
     if is_converted(final):
         return final
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    with open(gguf_path, "rb") as source:
+        _lock_if_possible(source)  # released when the file closes
+        if not is_converted(final):
+            _convert_into(gguf_path, final)
+    return final
+
+
+def _lock_if_possible(file) -> None:
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX)
+    except OSError:  # a file system without locks: concurrent conversions still end well (_publish)
+        pass
+
+
+def _convert_into(gguf_path: str, final: str) -> None:
     parent = os.path.dirname(final)
-    os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(final)}-", dir=parent)
     try:
         start = time.perf_counter()
@@ -299,7 +319,6 @@ def load_gguf(gguf_path: str, root: str | None = None) -> str:
         logger.info("converted %s in %.1f s", gguf_path, time.perf_counter() - start)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after a rename; cleans up after errors
-    return final
 
 
 def _publish(tmp: str, final: str) -> None:

@@ -24,6 +24,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from radixserve.configs.model_config import ModelConfig
+from radixserve.distributed import TPGroup
 from radixserve.model_loader.dummy_configs import DUMMY_MODEL_NAMES, dummy_config, is_dummy_name
 from radixserve.model_loader.weight_utils import fill_dummy_weights, iter_safetensors, safetensors_files
 
@@ -172,18 +173,22 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def get_model(model_config: ModelConfig, device: str | torch.device = "cpu") -> torch.nn.Module:
+def get_model(
+    model_config: ModelConfig, device: str | torch.device = "cpu", tp_group: TPGroup | None = None
+) -> torch.nn.Module:
     """Build the model on ``device`` in ``model_config.dtype`` and fill its weights.
 
-    Parameters are allocated directly on the device; dummy weights are drawn
-    there too (seed 0), safetensors weights stream through the model's
-    ``load_weights``, which takes HF names.
+    Parameters are allocated directly on the device, and under tensor
+    parallelism (``tp_group``) only this rank's shard of each. Dummy weights
+    are drawn there too (seed 0, the same model at every tp size);
+    safetensors weights stream through the model's ``load_weights``, which
+    takes HF names and one whole tensor at a time.
     """
     from radixserve.models.registry import ModelRegistry  # models import this module
 
     model_cls = ModelRegistry.resolve(model_config.architectures)
     with _default_dtype(model_config.dtype), torch.device(device):
-        model = model_cls(model_config.hf_config)
+        model = model_cls(model_config.hf_config, tp_group=tp_group)
     if model_config.load_format == "dummy":
         fill_dummy_weights(model)
     else:

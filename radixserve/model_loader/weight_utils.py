@@ -69,15 +69,35 @@ def fill_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02)
     activations keep their scale through many layers; biases get N(0, std).
     Values are generated on each parameter's own device, so nothing crosses
     the host-device link.
+
+    A tensor-parallel shard (a parameter with ``checkpoint_shards``, see
+    ``layers/linear.py``) draws the whole checkpoint tensor, in the same order
+    from the same generator, and keeps its part through its
+    ``weight_loader``: every tp size gets the same model, and tp 1 the values
+    it always had.
     """
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         gen = generators.get(param.device)
         if gen is None:
             gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-        param.normal_(0.0, std, generator=gen)
-        if _is_norm_weight(name, param):
-            param.add_(1.0)
+        shards = getattr(param, "checkpoint_shards", None)
+        if shards is None:
+            _fill(param, name, std, gen)
+            continue
+        # The checkpoint tensors of a merged parameter are stacked along dim 0,
+        # as the parameter stacks them at tp 1: one draw gives the same values.
+        full_shape = (sum(shape[0] for _, shape in shards), *shards[0][1][1:])
+        full = _fill(torch.empty(full_shape, dtype=param.dtype, device=param.device), name, std, gen)
+        for (shard_id, shape), part in zip(shards, full.split([shape[0] for _, shape in shards])):
+            param.weight_loader(param, part, shard_id)
+
+
+def _fill(tensor: torch.Tensor, name: str, std: float, gen: torch.Generator) -> torch.Tensor:
+    tensor.normal_(0.0, std, generator=gen)
+    if _is_norm_weight(name, tensor):
+        tensor.add_(1.0)
+    return tensor
 
 
 def _is_norm_weight(name: str, param: torch.Tensor) -> bool:

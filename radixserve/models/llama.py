@@ -1,7 +1,10 @@
 """Llama family: Llama 2/3/3.1/3.2, SmolLM2, Mistral (no sliding window).
 
 Qwen2 and Qwen3 reuse these modules through :class:`AttentionOptions` (biases,
-per-head q/k norm); see ``qwen2.py`` and ``qwen3.py``.
+per-head q/k norm); see ``qwen2.py`` and ``qwen3.py``. Under tensor
+parallelism every module takes the rank's :class:`TPGroup` (see
+docs/tensor_parallel.md): attention runs on the rank's heads, the MLP on its
+slice of the intermediate size, and norms and rotary are replicated.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from radixserve.distributed import TPGroup
 from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import (
@@ -45,12 +49,12 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool, tp_group: TPGroup):
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"only the silu activation is supported, got {hidden_act!r}")
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, tp_group)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp_group)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,16 +62,22 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_id: int, rotary_emb: RotaryEmbedding, options: AttentionOptions):
+    """Self-attention over this rank's heads (``qkv_proj.layout``)."""
+
+    def __init__(
+        self, config: PretrainedConfig, layer_id: int, rotary_emb: RotaryEmbedding, options: AttentionOptions,
+        tp_group: TPGroup,
+    ):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = head_dim_of(config)
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=options.qkv_bias
+            config.hidden_size, self.head_dim, total_heads, total_kv_heads, options.qkv_bias, tp_group
         )
-        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=options.o_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.layout.num_heads, self.qkv_proj.layout.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, options.o_bias, tp_group)
         self.q_norm = self.k_norm = None
         if options.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -87,12 +97,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_id: int, rotary_emb: RotaryEmbedding, options: AttentionOptions):
+    def __init__(
+        self, config: PretrainedConfig, layer_id: int, rotary_emb: RotaryEmbedding, options: AttentionOptions,
+        tp_group: TPGroup,
+    ):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, options)
-        self.mlp = LlamaMLP(
-            config.hidden_size, config.intermediate_size, config.hidden_act, bias=getattr(config, "mlp_bias", False)
-        )
+        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, options, tp_group)
+        mlp_bias = getattr(config, "mlp_bias", False)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act, mlp_bias, tp_group)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -115,13 +127,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: AttentionOptions):
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions, tp_group: TPGroup):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group)
         rope_theta, rope_scaling = rope_params_from_config(config)
         self.rotary_emb = get_rope(head_dim_of(config), config.max_position_embeddings, rope_theta, rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb, options) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, self.rotary_emb, options, tp_group) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -147,19 +159,23 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder-only Llama model taking HF checkpoint names in :meth:`load_weights`."""
+    """Decoder-only Llama model taking HF checkpoint names in :meth:`load_weights`.
 
-    def __init__(self, config: PretrainedConfig):
+    ``tp_group`` is this rank's tensor-parallel group (default: one rank);
+    the model then holds, and loads, only the rank's shard of each weight."""
+
+    def __init__(self, config: PretrainedConfig, tp_group: TPGroup | None = None):
         super().__init__()
         _check_config(config)
+        tp_group = tp_group or TPGroup()
         self.config = config
-        self.model = LlamaModel(config, self.attention_options(config))
+        self.model = LlamaModel(config, self.attention_options(config), tp_group)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group)
+        self.logits_processor = LogitsProcessor(config.vocab_size, tp_group)
 
     @classmethod
     def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
@@ -173,8 +189,9 @@ class LlamaForCausalLM(nn.Module):
         return self.logits_processor(input_ids, hidden_states, self.lm_head, forward_batch)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors; raises ValueError on a name this model does
-        not have, a shape mismatch, or a parameter left unloaded."""
+        """Load HF-named tensors, each whole as in the checkpoint (a parameter's
+        ``weight_loader`` keeps this rank's shard); raises ValueError on a name
+        this model does not have, a shape mismatch, or a parameter left unloaded."""
         params = dict(self.named_parameters())
         loaded: set[tuple[str, object]] = set()
         for hf_name, tensor in weights:

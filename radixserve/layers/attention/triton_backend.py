@@ -61,12 +61,12 @@ class TritonAttnBackend(AttentionBackend):
         self._mid_lse: torch.Tensor | None = None
         self._num_sms: dict[torch.device, int] = {}
         if model_runner is not None:
-            cfg, device = model_runner.model_config, model_runner.device
-            self.num_kv_heads = cfg.num_key_value_heads
+            heads, device = model_runner.head_layout, model_runner.device  # this TP rank's heads
+            self.num_kv_heads = heads.num_kv_heads
             rows = model_runner.max_running_requests + 1  # the padding row too
             self._splits(rows, device)
             split_rows = decode_ops.scratch_splits(rows, self.num_kv_heads, self._sm_count(device))
-            self._scratch(split_rows, 1, cfg.num_attention_heads, cfg.head_dim, device)
+            self._scratch(split_rows, 1, heads.num_heads, model_runner.model_config.head_dim, device)
 
     # -- metadata (once per forward, before the layers) ---------------------
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:

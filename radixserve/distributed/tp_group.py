@@ -1,0 +1,158 @@
+"""This rank's tensor-parallel group, on torch.distributed.
+
+A :class:`TPGroup` is passed to the model and its layers (there is no
+module-global group). It holds two process groups over the same ranks:
+
+- ``device_group``: the collectives of the forward pass (NCCL on CUDA, which
+  CUDA graphs capture; gloo on CPU);
+- ``cpu_group``: gloo, for host messages (the scheduler's broadcasts, agreeing
+  on a number), so they never queue behind device work.
+
+``TPGroup()`` is the trivial group of one rank: every method returns at once,
+no collective runs and torch.distributed is never initialised. The torch
+world is the TP group itself: its ranks are the TP ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 600.0  # a collective (or the start-up rendezvous) fails after this long
+# Newer torch renamed all_gather_into_tensor to all_gather_single; the GPU hosts may have either.
+_all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """Rank ``rank`` of ``size`` tensor-parallel ranks (see the module docstring)."""
+
+    rank: int = 0
+    size: int = 1
+    device_group: dist.ProcessGroup | None = None
+    cpu_group: dist.ProcessGroup | None = None
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tp_rank must be in [0, {self.size}), got {self.rank}")
+        if self.size > 1 and (self.device_group is None or self.cpu_group is None):
+            raise ValueError("a TP group of several ranks needs its device and CPU process groups (init_tp_group)")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; returns ``x``."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """The ranks' ``x`` (same shape on each) concatenated along ``dim``, in rank order."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        gathered = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # rank-major along dim 0
+        _all_gather_single(gathered, x, group=self.device_group)
+        return torch.cat(gathered.chunk(self.size), dim=dim)
+
+    def agree_min(self, value: int) -> int:
+        """The smallest ``value`` over the ranks (a decision every rank must
+        share, e.g. the KV pool size when free memory differs per device)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+        """Rank ``src``'s ``data`` on every rank, over the CPU group (others pass None)."""
+        if self.size == 1:
+            return data
+        length = torch.tensor([len(data) if self.rank == src else 0], dtype=torch.int64)
+        dist.broadcast(length, src=src, group=self.cpu_group)
+        n = int(length.item())
+        if n == 0:
+            return b""
+        if self.rank == src:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buf = torch.empty(n, dtype=torch.uint8)
+        dist.broadcast(buf, src=src, group=self.cpu_group)
+        return buf.numpy().tobytes()
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier(group=self.cpu_group)
+
+    def destroy(self) -> None:
+        """Leave torch.distributed (the groups are unusable afterwards)."""
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def check_tp_devices(tp_size: int, device: str | torch.device, nnodes: int = 1) -> None:
+    """A ValueError when the ``tp_size / nnodes`` CUDA ranks of this host
+    cannot each have a device of their own."""
+    device = torch.device(device)
+    if device.type != "cuda" or tp_size == 1:
+        return
+    if nnodes < 1 or tp_size % nnodes:
+        raise ValueError(f"tp_size {tp_size} must be a multiple of nnodes {nnodes}")
+    here, visible = tp_size // nnodes, torch.cuda.device_count()
+    if here > visible:
+        raise ValueError(f"tp_size {tp_size} needs {here} CUDA devices on this host (one per rank); {visible} visible")
+    if device.index is not None and device.index >= visible:
+        raise ValueError(f"device {device} does not exist: {visible} CUDA devices are visible")
+
+
+def init_tp_group(
+    tp_rank: int,
+    tp_size: int,
+    device: str | torch.device,
+    init_method: str | None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> TPGroup:
+    """Join the ``tp_size`` ranks rendezvousing at ``init_method`` (e.g.
+    ``tcp://127.0.0.1:29500``) as rank ``tp_rank`` and build the groups.
+
+    Every rank calls this once, in its own process. A rank that does not
+    arrive, or an address nobody listens on, makes the others fail within
+    about ``timeout_s`` (a RuntimeError naming the address) instead of
+    waiting forever; later collectives fail after ``timeout_s`` as well. At
+    ``tp_size == 1`` nothing is initialised and the trivial group is returned.
+    """
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+    if tp_size == 1:
+        return TPGroup()
+    if not init_method:
+        raise ValueError(f"tp_size {tp_size} needs an init method (e.g. tcp://127.0.0.1:PORT) for the ranks to meet")
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised in this process: one TP rank per process")
+    device = torch.device(device)
+    timeout = timedelta(seconds=timeout_s)
+    cuda = device.type == "cuda"
+    extra = {}
+    if cuda:
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        torch.cuda.set_device(device)
+        extra["device_id"] = device  # creates the NCCL communicator now, not at the first (captured) collective
+    try:
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", init_method=init_method, world_size=tp_size, rank=tp_rank,
+            timeout=timeout, **extra,
+        )
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    except RuntimeError as e:  # torch's DistError family: a missing rank, an unreachable address
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise RuntimeError(
+            f"tensor-parallel rank {tp_rank} of {tp_size} could not join the group at {init_method} "
+            f"within {timeout_s:g} s (a rank did not start, or the address is unreachable): {e}"
+        ) from e
+    logger.info("TP rank %d of %d joined at %s (%s)", tp_rank, tp_size, init_method, dist.get_backend())
+    return TPGroup(tp_rank, tp_size, dist.group.WORLD, cpu_group)

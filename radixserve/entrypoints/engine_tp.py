@@ -1,0 +1,116 @@
+"""Tensor parallelism for the offline ``Engine``: rank 0 runs in the Engine's
+process, ranks 1.. in processes of their own running the scheduler loop of
+``managers/scheduler_process.py`` (without sockets).
+
+The followers handle, each step, the messages rank 0 broadcasts, exactly as
+behind the HTTP server: :class:`TpLeader` stands where the Engine's scheduler
+stands, and turns each call that changes the scheduler (a request added, an
+abort, a cache flush) into the message the followers apply, sent with the
+next step. While the Engine is idle a thread keeps broadcasting empty lists,
+so that the followers' collective never times out.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import threading
+from typing import Any
+
+import msgpack
+
+from radixserve.managers.io_struct import AbortReq, FlushCacheReq, TokenizedGenerateReqInput, encode
+from radixserve.managers.schedule_batch import Req
+from radixserve.managers.scheduler_process import IDLE_POLL_MS, run_scheduler_process
+from radixserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 10
+
+
+class TpLeader:
+    """Rank 0's Scheduler, with its decisions broadcast to the other ranks."""
+
+    def __init__(self, args: ServerArgs):
+        from radixserve.entrypoints.launcher import _wait_ready, dist_init_method
+        from radixserve.managers.scheduler_factory import build_scheduler
+
+        init = dist_init_method(args)
+        ctx = mp.get_context("spawn")
+        children = []
+        for rank in range(1, args.tp_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=run_scheduler_process, name=f"scheduler-tp{rank}", daemon=True,
+                               args=(args, None, None, writer, None, rank, init))
+            proc.start()
+            children.append((proc, reader))
+        self.processes = [p for p, _ in children]
+        try:
+            self.scheduler = build_scheduler(args, 0, init)
+            _wait_ready(children)
+        except BaseException:
+            self._stop_followers()
+            raise
+        self.tp_group = self.scheduler.tp_group
+        self._outbox: list[bytes] = []
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._heartbeat = threading.Thread(target=self._keep_alive, name="tp-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def __getattr__(self, name: str) -> Any:  # the rest of the Scheduler's interface reads rank 0's state
+        return getattr(self.scheduler, name)
+
+    # -- what changes the schedulers: applied here, broadcast with the next step --
+    def add_request(self, req: Req) -> None:
+        msg = TokenizedGenerateReqInput(req.rid, req.origin_input_ids, req.sampling_params.to_dict(),
+                                        req.return_logprob, req.logprob_start_len, req.top_logprobs_num)
+        self.scheduler.add_request(req)
+        self._outbox.append(encode(msg))
+
+    def abort_request(self, rid: str) -> bool:
+        self._outbox.append(encode(AbortReq(rid)))
+        return self.scheduler.abort_request(rid)
+
+    def flush_cache(self) -> bool:
+        with self._lock:
+            self._broadcast([encode(FlushCacheReq())])
+            return self.scheduler.flush_cache()
+
+    def step(self) -> list[Req]:
+        with self._lock:
+            self._broadcast(self._outbox)
+            self._outbox = []
+            return self.scheduler.step() if not self.scheduler.is_idle() else []
+
+    # -- the group -------------------------------------------------------------------
+    def _broadcast(self, messages: list[bytes]) -> None:
+        self.tp_group.broadcast_bytes(msgpack.packb(messages))
+
+    def _keep_alive(self) -> None:
+        while not self._closed.wait(IDLE_POLL_MS / 1000):
+            with self._lock:
+                if self._closed.is_set():
+                    return
+                if self.scheduler.is_idle() and not self._outbox:
+                    self._broadcast([])
+
+    def dead(self) -> list[str]:
+        return [p.name for p in self.processes if not p.is_alive()]
+
+    def shutdown(self) -> None:
+        self._closed.set()
+        with self._lock:
+            self._stop_followers()
+            self.scheduler.model_runner.shutdown()
+
+    def _stop_followers(self) -> None:
+        for p in self.processes:
+            if p.is_alive():
+                p.terminate()
+        for p in self.processes:
+            p.join(timeout=STOP_TIMEOUT_S)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
