@@ -13,6 +13,7 @@ CHARS_PER_TOKEN_LIMIT = 32  # default --max-prompt-chars per token of context
 # SGLang's names; the parsers are in entrypoints/openai/tool_parser.py and reasoning_parser.py
 TOOL_CALL_PARSER_NAMES = ("llama3", "qwen", "qwen25")
 REASONING_PARSER_NAMES = ("deepseek-r1", "qwen3")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 
 
 @dataclass
@@ -65,6 +66,13 @@ class ServerArgs:
     node_rank: int = field(default=0, metadata={"help": "this host's index among --nnodes (0 serves HTTP)"})
     dist_timeout: float | None = field(default=None, metadata={
         "help": "seconds before a collective that a rank never joins fails (default 600)"})
+    # Data parallelism (docs/data_parallel.md): replicas behind one TokenizerManager.
+    dp_size: int = field(default=1, metadata={"help": "scheduler replicas (each with --tp-size ranks) in one server"})
+    load_balance_method: str = field(default="round_robin", metadata={
+        "help": "how requests are spread over --dp-size replicas", "choices": LOAD_BALANCE_METHODS})
+    kv_events_config: str | None = field(default=None, metadata={
+        "help": "publish KV cache events for routers, a JSON object, e.g. "
+                "'{\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}'"})
     check_invariants: bool = field(default=False, metadata={"help": "check the memory invariant after every step"})
     # Limits on what clients may ask (docs/limits.md).
     max_queued_requests: int | None = field(default=4096, metadata={
@@ -95,10 +103,11 @@ class ServerArgs:
         _one_of("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         _one_of("device", self.device, ("auto", "cpu", "cuda"))
         _one_of("attention_backend", self.attention_backend, ("auto", "triton", "torch_native"))
+        _one_of("load_balance_method", self.load_balance_method, LOAD_BALANCE_METHODS)
         for name, allowed in (("tool_call_parser", TOOL_CALL_PARSER_NAMES), ("reasoning_parser", REASONING_PARSER_NAMES)):
             if getattr(self, name) is not None:
                 _one_of(name, getattr(self, name), allowed)
-        for name in ("page_size", "max_running_requests", "max_prefill_tokens", "tp_size", "nnodes", "gpu_id_step"):
+        for name in ("page_size", "max_running_requests", "max_prefill_tokens", "tp_size", "nnodes", "gpu_id_step", "dp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunked_prefill_size is not None and (self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1):
@@ -124,6 +133,9 @@ class ServerArgs:
             raise ValueError(f"tp_size {self.tp_size} is not divisible by nnodes {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.dp_size > 1 and self.nnodes > 1:
+            raise ValueError("dp_size: data parallelism runs on one host; with several, run a server per host "
+                             "behind a router")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("dist_init_addr: several nodes need the address where their ranks meet (host:port)")
         if self.dist_init_addr is not None:
@@ -139,13 +151,19 @@ class ServerArgs:
         per_node = self.tp_size // self.nnodes
         return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
-    def tp_device(self, tp_rank: int) -> str:
-        """The device of ``tp_rank``: ``cuda:<base_gpu_id + local index * gpu_id_step>``, or cpu."""
+    def tp_device(self, tp_rank: int, dp_rank: int = 0) -> str:
+        """The device of TP rank ``tp_rank`` of replica ``dp_rank``: this
+        host's ``i``-th scheduler process (replica by replica) gets
+        ``cuda:<base_gpu_id + i * gpu_id_step>``; or cpu."""
         device = self.resolved_device()
         if device != "cuda":
             return device
-        local = tp_rank - self.local_tp_ranks().start
+        local = dp_rank * len(self.local_tp_ranks()) + tp_rank - self.local_tp_ranks().start
         return f"cuda:{self.base_gpu_id + local * self.gpu_id_step}"
+
+    def processes_per_host(self) -> int:
+        """Scheduler processes on this host: every replica's local TP ranks."""
+        return self.dp_size * len(self.local_tp_ranks())
 
     def model_name(self) -> str:
         """The name clients use: --served-model-name, else the model path's base name."""

@@ -31,6 +31,9 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, **options: Any):
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **options)
+        if self.server_args.dp_size > 1:
+            raise ValueError("dp_size: the offline Engine runs one replica (with tp_size ranks); "
+                             "data parallelism is a server option (--dp-size)")
         if self.server_args.tp_size > 1:  # rank 0 here, the other ranks in processes (engine_tp.py)
             from radixserve.entrypoints.engine_tp import TpLeader
 

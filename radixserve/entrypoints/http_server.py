@@ -158,21 +158,24 @@ def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
     @app.get("/get_server_info")
     @app.get("/server_info")
     async def get_server_info():
-        state = await tm.get_internal_state()
+        states = await tm.get_internal_states()
         public = {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"}
         # served_model_name resolved, as SGLang reports it: its router names the model by it
         return {**public, **engine.model_info, "served_model_name": tm.served_model_name,
-                "version": radixserve.__version__, "api_version": API_VERSION, "internal_states": [state]}
+                "version": radixserve.__version__, "api_version": API_VERSION, "internal_states": states}
 
     @app.get("/get_load")
     async def get_load():
         """The load SGLang's router polls (its power-of-two policy sums
         ``num_tokens``: KV tokens held by requests plus the prompts waiting),
         from the scheduler's latest report, so a poll never waits on it."""
-        st = tm.last_stats
-        waiting = st.get("waiting", 0)
-        return [{"dp_rank": 0, "num_reqs": st.get("running", 0) + waiting, "num_waiting_reqs": waiting,
-                 "num_tokens": st.get("kv_used", 0) + st.get("waiting_tokens", 0)}]
+        loads = []
+        for dp_rank in range(len(tm.sends)):
+            st = tm.replica_stats.get(dp_rank, {})
+            waiting = st.get("waiting", 0)
+            loads.append({"dp_rank": dp_rank, "num_reqs": st.get("running", 0) + waiting, "num_waiting_reqs": waiting,
+                          "num_tokens": st.get("kv_used", 0) + st.get("waiting_tokens", 0)})
+        return loads
 
     @app.post("/flush_cache")
     async def flush_cache():

@@ -78,25 +78,37 @@ def free_local_port() -> int:
         return sock.getsockname()[1]
 
 
-def dist_init_method(args: ServerArgs) -> str | None:
-    """Where the TP ranks meet: ``--dist-init-addr``, or a free local port."""
+def dist_init_method(args: ServerArgs, dp_rank: int = 0) -> str | None:
+    """Where replica ``dp_rank``'s TP ranks meet: ``--dist-init-addr`` (its
+    port plus ``dp_rank``), or a free local port."""
     if args.tp_size == 1:
         return None
-    return f"tcp://{args.dist_init_addr or f'127.0.0.1:{free_local_port()}'}"
+    if args.dist_init_addr:
+        host, _, port = args.dist_init_addr.rpartition(":")
+        return f"tcp://{host}:{int(port) + dp_rank}"
+    return f"tcp://127.0.0.1:{free_local_port()}"
 
 
-def scheduler_processes(ctx, args: ServerArgs, addr: dict | None, ipc_dir: str) -> list[tuple[mp.Process, object]]:
-    """This node's TP ranks, each a process with the read end of its ready
-    pipe; rank 0 (node 0) gets the socket addresses."""
-    init = dist_init_method(args)
+def scheduler_addr(ipc_dir: str, dp_rank: int) -> str:
+    """Where replica ``dp_rank``'s rank 0 receives requests."""
+    return f"ipc://{ipc_dir}/scheduler-{dp_rank}"
+
+
+def scheduler_processes(ctx, args: ServerArgs, addr: dict, ipc_dir: str) -> list[tuple[mp.Process, object]]:
+    """This node's scheduler processes (every replica's local TP ranks), each
+    with the read end of its ready pipe; each replica's rank 0 gets the
+    socket addresses."""
     out = []
-    for rank in args.local_tp_ranks():
-        recv, send = (addr["scheduler"], addr["detokenizer"]) if rank == 0 else (None, None)
-        reader, writer = ctx.Pipe(duplex=False)
-        name = "scheduler" if args.tp_size == 1 else f"scheduler-tp{rank}"
-        proc = ctx.Process(target=run_scheduler_process, name=name, daemon=True,
-                           args=(args, recv, send, writer, ipc_dir, rank, init))
-        out.append((proc, reader))
+    for dp_rank in range(args.dp_size):
+        init = dist_init_method(args, dp_rank)
+        for rank in args.local_tp_ranks():
+            first = rank == 0
+            recv, send = (scheduler_addr(ipc_dir, dp_rank), addr["detokenizer"]) if first else (None, None)
+            reader, writer = ctx.Pipe(duplex=False)
+            name = "scheduler" + (f"-dp{dp_rank}" if args.dp_size > 1 else "") + (f"-tp{rank}" if args.tp_size > 1 and rank else "")
+            proc = ctx.Process(target=run_scheduler_process, name=name, daemon=True,
+                               args=(args, recv, send, writer, ipc_dir, rank, init, dp_rank))
+            out.append((proc, reader))
     return out
 
 
@@ -109,7 +121,7 @@ def start_engine_processes(args: ServerArgs) -> EngineProcesses:
     model_config = resolve_model(args.model_path, args.load_format, args.dtype, args.resolved_device(),
                                  args.tokenizer_path, args.model_overrides())
     ipc_dir = tempfile.mkdtemp(prefix="radixserve-ipc-")
-    addr = {name: f"ipc://{ipc_dir}/{name}" for name in ("scheduler", "detokenizer", "tokenizer")}
+    addr = {name: f"ipc://{ipc_dir}/{name}" for name in ("detokenizer", "tokenizer")}
     ctx = mp.get_context("spawn")
     children = scheduler_processes(ctx, args, addr, ipc_dir)
     if args.node_rank == 0:
@@ -129,6 +141,8 @@ def start_engine_processes(args: ServerArgs) -> EngineProcesses:
         raise
     if args.node_rank > 0:
         return EngineProcesses(None, procs, ipc_dir, info)
+    info["max_running_requests"] *= args.dp_size  # every replica reported its own
+    info["dp_size"] = args.dp_size
     tokenizer = None
     if model_config.tokenizer_dir:
         from transformers import AutoTokenizer
@@ -136,8 +150,10 @@ def start_engine_processes(args: ServerArgs) -> EngineProcesses:
         tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer_dir)
     info.update(model_path=model_config.model_path, tokenizer_path=model_config.tokenizer_dir,
                 weights_dir=model_config.weights_dir, dtype=str(model_config.dtype).replace("torch.", ""))
-    tm = TokenizerManager(tokenizer, info, args.model_name(), addr["scheduler"], addr["tokenizer"],
-                          request_limits(args, info), args.model_names(model_config.model_path))
+    sends = [scheduler_addr(ipc_dir, d) for d in range(args.dp_size)]
+    tm = TokenizerManager(tokenizer, info, args.model_name(), sends, addr["tokenizer"],
+                          request_limits(args, info), args.model_names(model_config.model_path),
+                          load_balance_method=args.load_balance_method)
     return EngineProcesses(tm, procs, ipc_dir, info)
 
 

@@ -17,7 +17,7 @@ from radixserve.server_args import ServerArgs
 
 
 def build_model_runner(args: ServerArgs, model_config, tp_rank: int = 0, dist_init_method: str | None = None,
-                       **overrides: Any):
+                       dp_rank: int = 0, **overrides: Any):
     """The ModelRunner that ``args`` describe, at TP rank ``tp_rank``
     (``overrides`` replace its keyword arguments: ``max_total_tokens``,
     ``max_running_requests``, ``max_context_len``)."""
@@ -27,7 +27,7 @@ def build_model_runner(args: ServerArgs, model_config, tp_rank: int = 0, dist_in
     if args.tp_size > 1 and dist_init_method is None:
         dist_init_method = f"tcp://{args.dist_init_addr}" if args.dist_init_addr else None
     options = dict(
-        device=args.tp_device(tp_rank),
+        device=args.tp_device(tp_rank, dp_rank),
         page_size=args.page_size,
         max_total_tokens=args.max_total_tokens,
         max_running_requests=args.max_running_requests,
@@ -74,9 +74,11 @@ def eos_token_ids(model_config, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def build_scheduler(args: ServerArgs, tp_rank: int = 0, dist_init_method: str | None = None) -> Scheduler:
+def build_scheduler(args: ServerArgs, tp_rank: int = 0, dist_init_method: str | None = None,
+                    dp_rank: int = 0) -> Scheduler:
     """Resolve the model, load weights and tokenizer, build the scheduler
-    (of TP rank ``tp_rank``, whose ranks meet at ``dist_init_method``)."""
+    (of TP rank ``tp_rank`` of replica ``dp_rank``, whose ranks meet at
+    ``dist_init_method``)."""
     from radixserve.model_loader import resolve_model
 
     device = args.resolved_device()
@@ -84,10 +86,22 @@ def build_scheduler(args: ServerArgs, tp_rank: int = 0, dist_init_method: str | 
         from radixserve.model_executor.cpu_malloc import reuse_freed_memory
 
         reuse_freed_memory()
-        if args.tp_size > 1:  # this host's ranks share its cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(args.local_tp_ranks())))
+        if args.processes_per_host() > 1:  # this host's scheduler processes share its cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.processes_per_host()))
     model_config = resolve_model(args.model_path, args.load_format, args.dtype, device, args.tokenizer_path,
                                  args.model_overrides())
-    runner = build_model_runner(args, model_config, tp_rank, dist_init_method)
+    runner = build_model_runner(args, model_config, tp_rank, dist_init_method, dp_rank)
     tokenizer = load_tokenizer(model_config)
-    return Scheduler(args, runner, tokenizer, eos_token_ids(model_config, tokenizer))
+    publisher = kv_event_publisher(args, tp_rank, dp_rank)
+    return Scheduler(args, runner, tokenizer, eos_token_ids(model_config, tokenizer), publisher)
+
+
+def kv_event_publisher(args: ServerArgs, tp_rank: int = 0, dp_rank: int = 0):
+    """Replica ``dp_rank``'s KV event publisher (docs/kv_events.md), on its
+    TP rank 0 only (the other ranks' caches are the same); None when
+    ``--kv-events-config`` is off. The scheduler's ``close`` stops it."""
+    if tp_rank != 0 or not args.kv_events_config:
+        return None
+    from radixserve.mem_cache.kv_events import create_publisher
+
+    return create_publisher(args.kv_events_config, dp_rank, args.page_size)

@@ -73,8 +73,9 @@ class SchedulerProcess:
     it), because the batch's KV state can no longer be trusted."""
 
     def __init__(self, scheduler: Scheduler, recv_addr: str | None, send_addr: str | None,
-                 watch: ParentWatch | None = None):
+                 watch: ParentWatch | None = None, dp_rank: int = 0):
         self.scheduler = scheduler
+        self.dp_rank = dp_rank
         self.watch = watch
         self.tp = scheduler.tp_group
         self.leader = self.tp.rank == 0  # has the sockets; the other ranks follow its broadcasts
@@ -177,6 +178,7 @@ class SchedulerProcess:
         """Counters and gauges: cheap, computed at any time."""
         sched = self.scheduler
         state = sched.get_stats()
+        state["dp_rank"] = self.dp_rank
         state["max_total_tokens"] = sched.allocator.size
         state["kv_used"] = sched.allocator.size - sched.allocator.available_size() - sched.tree_cache.evictable_size()
         state["kv_usage"] = state["kv_used"] / sched.allocator.size
@@ -198,17 +200,19 @@ class SchedulerProcess:
 
 
 def run_scheduler_process(server_args: ServerArgs, recv_addr: str | None, send_addr: str | None, ready,
-                          ipc_dir: str | None = None, tp_rank: int = 0, dist_init_method: str | None = None) -> None:
-    """Entry point of a scheduler process (TP rank ``tp_rank``; only rank 0
-    gets socket addresses): load the model, report, loop."""
-    name = "scheduler" if server_args.tp_size == 1 else f"scheduler TP{tp_rank}"
+                          ipc_dir: str | None = None, tp_rank: int = 0, dist_init_method: str | None = None,
+                          dp_rank: int = 0) -> None:
+    """Entry point of a scheduler process (TP rank ``tp_rank`` of replica
+    ``dp_rank``; only rank 0 gets socket addresses): load the model, report, loop."""
+    name = "scheduler" + (f" DP{dp_rank}" if server_args.dp_size > 1 else "") + (
+        f" TP{tp_rank}" if server_args.tp_size > 1 else "")
     logging.basicConfig(level=logging.INFO, format=f"[{name}] %(message)s")
     watch = ParentWatch(ipc_dir)
     try:
         from radixserve.managers.scheduler_factory import build_scheduler
 
-        scheduler = build_scheduler(server_args, tp_rank, dist_init_method)
-        proc = SchedulerProcess(scheduler, recv_addr, send_addr, watch)
+        scheduler = build_scheduler(server_args, tp_rank, dist_init_method, dp_rank)
+        proc = SchedulerProcess(scheduler, recv_addr, send_addr, watch, dp_rank)
         runner = scheduler.model_runner
         ready.send({
             "status": "ready",

@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Callable
 import zmq
 import zmq.asyncio
 
+from radixserve.managers.data_parallel_controller import DataParallelController
 from radixserve.managers.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -93,8 +94,9 @@ class ReqState:
 class TokenizerManager:
     """The front of the engine in the HTTP process (see module docstring)."""
 
-    def __init__(self, tokenizer, model_info: dict, served_model_name: str, send_addr: str, recv_addr: str,
-                 limits: RequestLimits, model_names: set[str] = frozenset()):
+    def __init__(self, tokenizer, model_info: dict, served_model_name: str, send_addrs: str | list[str],
+                 recv_addr: str, limits: RequestLimits, model_names: set[str] = frozenset(),
+                 load_balance_method: str = "round_robin"):
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.context_len: int = model_info["context_len"]
@@ -106,15 +108,28 @@ class TokenizerManager:
         self.ctx.setsockopt(zmq.LINGER, 0)
         # Sends never block: admission bounds what can queue up in the socket.
         self.ctx.setsockopt(zmq.SNDHWM, 0)
-        self.recv, self.send = pipeline_sockets(self.ctx, recv_addr, send_addr)
+        send_addrs = [send_addrs] if isinstance(send_addrs, str) else list(send_addrs)
+        self.recv, first = pipeline_sockets(self.ctx, recv_addr, send_addrs[0])
+        self.sends = [first] + [self._connect(addr) for addr in send_addrs[1:]]  # one per data-parallel replica
+        self.dp = DataParallelController(len(self.sends), load_balance_method)
         self.states: dict[str, ReqState] = {}
-        self.control: dict[type, asyncio.Future] = {}
+        self.control: dict[type, tuple[asyncio.Future, list]] = {}  # reply type -> (future, replies so far)
         self._control_lock: asyncio.Lock | None = None
         self.metrics = ServerMetrics()
-        self.last_stats: dict = {}  # the scheduler's latest SchedulerStats (empty until its first report)
+        self.replica_stats: dict[int, dict] = {}  # each replica's latest SchedulerStats, by dp rank
         self.dead: str | None = None  # why the engine stopped serving, once it has
         self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
         self._loop_task: asyncio.Task | None = None
+
+    def _connect(self, addr: str):
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.connect(addr)
+        return sock
+
+    @property
+    def last_stats(self) -> dict:
+        """The replicas' latest figures added up (empty until a first report)."""
+        return sum_replica_stats(list(self.replica_stats.values()))
 
     def start(self) -> None:
         """Start receiving (call from inside the running event loop)."""
@@ -244,7 +259,7 @@ class TokenizerManager:
                 self.states[st.rid] = st
                 if obj.log_metrics:
                     self.metrics.on_request(len(r.input_ids))
-                self.send.send(data, zmq.NOBLOCK)
+                self.sends[self.dp.dispatch(r.rid, r.input_ids)].send(data, zmq.NOBLOCK)
             if request is not None:
                 watcher = asyncio.ensure_future(self._watch_disconnect(request, states))
             async for st in self._updates(queue, len(states)):
@@ -259,6 +274,7 @@ class TokenizerManager:
                     self.abort_request(st.rid)
                 if self.states.get(st.rid) is st:
                     del self.states[st.rid]
+                    self.dp.finished(st.rid)
 
     async def _updates(self, queue: asyncio.Queue, pending: int) -> AsyncIterator[ReqState]:
         """The request's states as they change, until all are finished; raises
@@ -315,8 +331,11 @@ class TokenizerManager:
                 return
 
     def abort_request(self, rid: str) -> None:
-        if self.dead is None:
-            self.send.send(encode(AbortReq(rid)), zmq.NOBLOCK)
+        if self.dead is not None:
+            return
+        replica = self.dp.replica_of(rid)
+        for sock in self.sends if replica is None else [self.sends[replica]]:
+            sock.send(encode(AbortReq(rid)), zmq.NOBLOCK)
 
     def fail_all(self, reason: str) -> None:
         """The engine is gone: every request in flight and every control call
@@ -324,7 +343,7 @@ class TokenizerManager:
         self.dead = reason
         for st in list(self.states.values()):
             st.queue.put_nowait(_ENGINE_DEAD)
-        for fut in self.control.values():
+        for fut, _ in self.control.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(f"the engine is not serving: {reason}"))
 
@@ -342,12 +361,14 @@ class TokenizerManager:
         if isinstance(msg, BatchStrOut):
             self._on_outputs(msg)
         elif isinstance(msg, SchedulerStats):
-            self.last_stats = msg.state
-            self.metrics.update_from_state(msg.state)
-        else:
-            fut = self.control.pop(type(msg), None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
+            self.replica_stats[int(msg.state.get("dp_rank", 0))] = msg.state
+            self.metrics.update_from_state(self.last_stats)
+        elif type(msg) in self.control:  # a control reply: complete once every replica has answered
+            fut, replies = self.control[type(msg)]
+            replies.append(msg)
+            if len(replies) == len(self.sends) and not fut.done():
+                self.control.pop(type(msg))
+                fut.set_result(replies)
 
     def _on_outputs(self, out: BatchStrOut) -> None:
         now = time.perf_counter()
@@ -365,33 +386,39 @@ class TokenizerManager:
             if ids and st.log_metrics:
                 self.metrics.on_tokens(st, len(ids), now)
             st.finished = meta.get("finish_reason") is not None
+            if st.finished:
+                self.dp.finished(rid)
             if st.finished and st.log_metrics:
                 self.metrics.on_finish(st, now)
             if not st.queued:
                 st.queued = True
                 st.queue.put_nowait(st)
 
-    async def _control(self, request, reply_type: type, timeout: float = 30.0):
-        """Send a control request and await its reply (one at a time)."""
+    async def _control(self, request, reply_type: type, timeout: float = 30.0) -> list:
+        """Send a control request to every replica and await their replies (one request at a time)."""
         self.start()
         self._control_lock = self._control_lock or asyncio.Lock()
         async with self._control_lock:
             self._check_alive()
             fut = asyncio.get_running_loop().create_future()
-            self.control[reply_type] = fut
-            self.send.send(encode(request), zmq.NOBLOCK)
+            self.control[reply_type] = (fut, [])
+            for sock in self.sends:
+                sock.send(encode(request), zmq.NOBLOCK)
             try:
                 return await asyncio.wait_for(fut, timeout)
             finally:
                 self.control.pop(reply_type, None)
 
     async def flush_cache(self) -> bool:
-        reply: FlushCacheReqOutput = await self._control(FlushCacheReq(), FlushCacheReqOutput)
-        return reply.success
+        replies: list[FlushCacheReqOutput] = await self._control(FlushCacheReq(), FlushCacheReqOutput)
+        if all(r.success for r in replies):
+            self.dp.cache_flushed()
+        return all(r.success for r in replies)
 
-    async def get_internal_state(self) -> dict:
-        reply: GetInternalStateReqOutput = await self._control(GetInternalStateReq(), GetInternalStateReqOutput)
-        return reply.state
+    async def get_internal_states(self) -> list[dict]:
+        """Each replica's internal state, in dp-rank order."""
+        replies: list[GetInternalStateReqOutput] = await self._control(GetInternalStateReq(), GetInternalStateReqOutput)
+        return sorted((r.state for r in replies), key=lambda state: state.get("dp_rank", 0))
 
     def num_running_requests(self) -> int:
         return len(self.states)
@@ -400,3 +427,19 @@ class TokenizerManager:
         """Stop the tokenizer threads and close the sockets (the process is exiting)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.ctx.destroy(linger=0)
+
+
+# Figures that add up over replicas; the others are recomputed from them.
+_SUMMED = ("running", "waiting", "kv_used", "waiting_tokens", "max_total_tokens", "prompt_tokens", "cached_tokens",
+           "generated", "forward_ct", "retractions", "kv_free", "kv_cached")
+
+
+def sum_replica_stats(states: list[dict]) -> dict:
+    """One replica's figures, or several replicas' added up (usage and hit
+    rate over the sums)."""
+    if len(states) <= 1:
+        return dict(states[0]) if states else {}
+    total = {key: sum(s.get(key, 0) for s in states) for key in _SUMMED}
+    total["kv_usage"] = total["kv_used"] / max(total["max_total_tokens"], 1)
+    total["cache_hit_rate"] = total["cached_tokens"] / max(total["prompt_tokens"], 1)
+    return total
