@@ -78,7 +78,8 @@ class PagedBatch:
         pool.v_buffer = [b.clone() for b in self.pool.v_buffer]
         return pool
 
-    def forward(self, backend_name: str, mode: ForwardMode, pool: MHATokenToKVPool, save_kv_cache: bool = True):
+    def forward(self, backend_name: str, mode: ForwardMode, pool: MHATokenToKVPool, save_kv_cache: bool = True,
+                num_decoding: int = 0):
         backend = create_attention_backend(backend_name, None)
         out_loc = torch.cat([s[p:] for s, p in zip(self.slots, self.prefix_lens)])
         fb = ForwardBatch(
@@ -99,16 +100,18 @@ class PagedBatch:
             fb.extend_prefix_lens, fb.extend_seq_lens = torch.tensor(self.prefix_lens, device=DEVICE), ext
             fb.extend_start_loc = torch.cumsum(ext, 0) - ext
             fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = list(self.prefix_lens), list(self.extend_lens)
+            fb.num_decoding = num_decoding
         backend.init_forward_metadata(fb)
         return self.layer(self.q, self.k, self.v, fb, save_kv_cache=save_kv_cache), fb
 
 
-def check_against_torch_native(batch: PagedBatch, mode: ForwardMode, save_kv_cache: bool = True) -> ForwardBatch:
+def check_against_torch_native(batch: PagedBatch, mode: ForwardMode, save_kv_cache: bool = True,
+                               num_decoding: int = 0) -> ForwardBatch:
     """Run ``batch`` through both backends; outputs close, pools equal. Returns
     the triton ForwardBatch (for metadata checks)."""
     native_pool = batch.clone_pool()
-    out, fb = batch.forward("triton", mode, batch.pool, save_kv_cache)
-    ref, _ = batch.forward("torch_native", mode, native_pool, save_kv_cache)
+    out, fb = batch.forward("triton", mode, batch.pool, save_kv_cache, num_decoding)
+    ref, _ = batch.forward("torch_native", mode, native_pool, save_kv_cache, num_decoding)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert torch.isfinite(out).all()
     atol, rtol = TOLERANCE[batch.dtype]
@@ -165,6 +168,19 @@ def test_extend_odd_head_dim():
     """A head_dim that is not a power of two (masked lanes)."""
     batch = PagedBatch([0, 50, 130], [20, 1, 70], page_size=4, group=2, head_dim=80, dtype=torch.bfloat16, seed=6)
     check_against_torch_native(batch, ForwardMode.EXTEND)
+
+
+@pytest.mark.parametrize("save_kv_cache", [True, False])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_with_riding_decodes(page_size, save_kv_cache):
+    """A mixed batch: two prompts extend, then three running requests decode
+    one token each (``num_decoding``), through the decode kernel."""
+    batch = PagedBatch([37, 0, 2000, 1, 900], [300, 7, 1, 1, 1], page_size=page_size, group=4, head_dim=128,
+                       dtype=torch.bfloat16, seed=8, q_scale=3.0)
+    fb = check_against_torch_native(batch, ForwardMode.EXTEND, save_kv_cache, num_decoding=3)
+    md = fb.attn_metadata
+    assert md.prefix_lens.shape == (2,) and md.max_extend_len == 300
+    assert md.riders is not None and md.riders.num_kv_splits.shape == (3,)
 
 
 # -- decode -------------------------------------------------------------------------

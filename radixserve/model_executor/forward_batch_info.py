@@ -57,6 +57,9 @@ class ForwardBatch:
     extend_start_loc: torch.Tensor | None = None  # [bs], offset of each request's first new token
     extend_prefix_lens_cpu: list[int] | None = None
     extend_seq_lens_cpu: list[int] | None = None
+    # The last ``num_decoding`` requests of an EXTEND decode one token each
+    # (a mixed batch): a backend may run them as a decode.
+    num_decoding: int = 0
 
     # Input-token logprobs (EXTEND with return_logprob): for request i, logprobs
     # are computed for new-token positions >= extend_logprob_start_lens_cpu[i]

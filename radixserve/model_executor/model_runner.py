@@ -210,6 +210,7 @@ class ModelRunner:
             return_logprob=batch.return_logprob,
             extend_logprob_start_lens_cpu=batch.extend_logprob_start_lens,
             top_logprobs_nums=batch.top_logprobs_nums,
+            num_decoding=batch.num_decoding,
             **extend,
         )
 

@@ -9,6 +9,10 @@
   is ready for CUDA-graph capture.
 - EXTEND: one kernel over all requests (``triton_ops.extend_attention``): the
   cached prefix through ``req_to_token``, the new tokens causally from q/k/v.
+  In a mixed batch the requests decoding inside it (the last
+  ``num_decoding``, one token each) go through the decode kernel instead,
+  after their K/V is stored: the extend kernel would spend a whole query
+  block on each one's single token and read its K/V once per query head.
 - New K/V go into the pool with one fused store kernel (``triton_ops.kv_store``).
 
 Kernels only see slot indices, so any page size works. q/k/v may be bf16,
@@ -46,6 +50,7 @@ class ExtendMetadata:
     extend_lens: torch.Tensor  # [bs]
     extend_start: torch.Tensor  # [bs], row of each request's first new token in q/k/v
     max_extend_len: int
+    riders: DecodeMetadata | None = None  # the decode of a mixed batch's last requests, if any
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -72,17 +77,22 @@ class TritonAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         fb = forward_batch
         if fb.forward_mode.is_decode():
-            bs, device = fb.batch_size, fb.seq_lens.device
-            max_splits = decode_ops.splits_grid(bs, self.num_kv_heads, self._sm_count(device))
-            num_kv_splits = decode_ops.num_kv_splits_(self._splits(bs, device)[:bs], fb.seq_lens, max_splits)
-            fb.attn_metadata = DecodeMetadata(num_kv_splits=num_kv_splits, max_splits=max_splits)
-        else:
-            fb.attn_metadata = ExtendMetadata(
-                prefix_lens=fb.extend_prefix_lens,
-                extend_lens=fb.extend_seq_lens,
-                extend_start=fb.extend_start_loc,
-                max_extend_len=max(fb.extend_seq_lens_cpu, default=0),
-            )
+            fb.attn_metadata = self._decode_metadata(fb.seq_lens)
+            return
+        n = fb.batch_size - fb.num_decoding  # requests that extend; the others ride as a decode
+        fb.attn_metadata = ExtendMetadata(
+            prefix_lens=fb.extend_prefix_lens[:n],
+            extend_lens=fb.extend_seq_lens[:n],
+            extend_start=fb.extend_start_loc[:n],
+            max_extend_len=max(fb.extend_seq_lens_cpu[:n], default=0),
+            riders=self._decode_metadata(fb.seq_lens[n:]) if fb.num_decoding else None,
+        )
+
+    def _decode_metadata(self, seq_lens: torch.Tensor) -> DecodeMetadata:
+        bs, device = seq_lens.shape[0], seq_lens.device
+        max_splits = decode_ops.splits_grid(bs, self.num_kv_heads, self._sm_count(device))
+        num_kv_splits = decode_ops.num_kv_splits_(self._splits(bs, device)[:bs], seq_lens, max_splits)
+        return DecodeMetadata(num_kv_splits=num_kv_splits, max_splits=max_splits)
 
     # -- forward --------------------------------------------------------------
     def forward_decode(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache=True):
@@ -90,33 +100,48 @@ class TritonAttnBackend(AttentionBackend):
         if not save_kv_cache:
             # The pool lacks the new tokens: read them from k/v like an extend of one token.
             return self._extend(q, k, v, layer, fb, _decode_as_extend(fb))
-        md: DecodeMetadata = fb.attn_metadata
         bs, d, dv = fb.batch_size, layer.head_dim, v.shape[-1] // layer.num_kv_heads
         self._store(k.view(bs, layer.num_kv_heads, d), v.view(bs, layer.num_kv_heads, dv), layer, fb)
-        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        mid_o, mid_lse = self._scratch(bs, md.max_splits, layer.num_heads, dv, q.device)
         out = q.new_empty(bs, layer.num_heads, dv)
-        decode_ops.decode_attention_fwd(
-            q.view(bs, layer.num_heads, d), k_buf, v_buf, out,
-            fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
-            md.num_kv_splits, md.max_splits, mid_o, mid_lse, layer.scaling,
-        )
+        self._decode(q.view(bs, layer.num_heads, d), out, layer, fb, fb.attn_metadata, slice(None))
         return out.view(bs, layer.num_heads * dv)
 
+    def _decode(self, q, out, layer: "RadixAttention", fb: "ForwardBatch", md: DecodeMetadata, rows: slice) -> None:
+        """Attention of one new token per request of ``rows`` over its cached K/V (stored already)."""
+        bs, dv = q.shape[0], out.shape[-1]
+        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        mid_o, mid_lse = self._scratch(bs, md.max_splits, layer.num_heads, dv, q.device)
+        decode_ops.decode_attention_fwd(
+            q, k_buf, v_buf, out, fb.req_to_token_pool.req_to_token, fb.req_pool_indices[rows], fb.seq_lens[rows],
+            md.num_kv_splits, md.max_splits, mid_o, mid_lse, layer.scaling,
+        )
+
     def forward_extend(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache=True):
+        fb, md = forward_batch, forward_batch.attn_metadata
         if save_kv_cache:
             d, dv = layer.head_dim, v.shape[-1] // layer.num_kv_heads
-            self._store(k.view(-1, layer.num_kv_heads, d), v.view(-1, layer.num_kv_heads, dv), layer, forward_batch)
-        return self._extend(q, k, v, layer, forward_batch, forward_batch.attn_metadata)
-
-    def _extend(self, q, k, v, layer: "RadixAttention", fb: "ForwardBatch", md: ExtendMetadata) -> torch.Tensor:
+            self._store(k.view(-1, layer.num_kv_heads, d), v.view(-1, layer.num_kv_heads, dv), layer, fb)
+        if md.riders is None or not save_kv_cache:  # without the riders' K/V in the pool, they extend too
+            return self._extend(q, k, v, layer, fb, md if md.riders is None else _all_extend(fb))
+        riders = fb.num_decoding
         d, dv = layer.head_dim, v.shape[-1] // layer.num_kv_heads
-        q = q.view(-1, layer.num_heads, d)
         out = q.new_empty(q.shape[0], layer.num_heads, dv)
+        ext = q.shape[0] - riders  # the riders' tokens are the batch's last
+        self._extend(q[:ext], k[:ext], v[:ext], layer, fb, md, out[:ext])
+        self._decode(q[ext:].view(riders, layer.num_heads, d), out[ext:], layer, fb, md.riders,
+                     slice(fb.batch_size - riders, None))
+        return out.view(-1, layer.num_heads * dv)
+
+    def _extend(self, q, k, v, layer: "RadixAttention", fb: "ForwardBatch", md: ExtendMetadata,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        d, dv = layer.head_dim, v.shape[-1] // layer.num_kv_heads
+        q = q.reshape(-1, layer.num_heads, d)
+        out = q.new_empty(q.shape[0], layer.num_heads, dv) if out is None else out
         k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        rows = fb.req_pool_indices[: md.prefix_lens.shape[0]]
         extend_attention_fwd(
-            q, k.view(-1, layer.num_kv_heads, d), v.view(-1, layer.num_kv_heads, dv), out, k_buf, v_buf,
-            fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
+            q, k.reshape(-1, layer.num_kv_heads, d), v.reshape(-1, layer.num_kv_heads, dv), out, k_buf, v_buf,
+            fb.req_to_token_pool.req_to_token, rows,
             md.prefix_lens, md.extend_lens, md.extend_start, md.max_extend_len, layer.scaling,
         )
         return out.view(-1, layer.num_heads * dv)
@@ -165,6 +190,12 @@ def _canonical(device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def _all_extend(fb: "ForwardBatch") -> ExtendMetadata:
+    """A mixed batch's metadata with its riders extending like the rest."""
+    return ExtendMetadata(fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc,
+                          max(fb.extend_seq_lens_cpu, default=0))
 
 
 def _decode_as_extend(fb: "ForwardBatch") -> ExtendMetadata:
