@@ -123,6 +123,14 @@ class ServerArgs:
                 raise ValueError(f"{name} must be > 0, got {value}")
         self._check_distributed()
         self.model_overrides()  # fail at start-up, naming the flag
+        if self.kv_events_config:
+            from radixserve.mem_cache.kv_events.publisher import KVEventsConfig
+            from radixserve.mem_cache.kv_events.recorder import event_block_size
+
+            try:
+                event_block_size(self.page_size, KVEventsConfig.from_json(self.kv_events_config).block_size)
+            except ValueError as exc:  # the config's own errors name the flag already
+                raise ValueError(str(exc) if "kv-events-config" in str(exc) else f"kv_events_config: {exc}") from None
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
 

@@ -89,6 +89,7 @@ class Engine:
     def shutdown(self) -> None:
         if self.scheduler is None:
             return
+        self.scheduler.close()  # its KV event publisher, if any
         if self.server_args.tp_size > 1:
             self.scheduler.shutdown()
         if self.scheduler.device.type == "cpu":

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-
-import msgpack
+import weakref
 from dataclasses import dataclass
 from typing import Any
+
+import msgpack
 
 from radixserve.managers.decode_sampling import DecodeSamplingState
 from radixserve.managers.grammar_queue import GrammarQueue
@@ -16,7 +17,8 @@ from radixserve.managers.schedule_batch import FinishReason, KVPools, Req, Sched
 from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
 from radixserve.managers.scheduler_output_processor_mixin import Launched, SchedulerOutputProcessorMixin
 from radixserve.managers.tp_worker import TpModelWorker
-from radixserve.mem_cache import ChunkCache, RadixCache, check_memory_invariant, page_aligned
+from radixserve.mem_cache import ChunkCache, KVEventRecorder, RadixCache, check_memory_invariant, page_aligned
+from radixserve.mem_cache.kv_events import ZmqEventPublisher
 from radixserve.model_executor.forward_batch_info import ForwardMode
 from radixserve.sampling.grammar import grammar_spec
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
@@ -67,9 +69,14 @@ class Scheduler(SchedulerOutputProcessorMixin):
     the tokens of the batch in flight: its forward is queued first, the
     previous batch's results are taken (and fed to the grammars) while that
     forward runs, and its sampling is queued last with the masks.
+
+    KV events (``kv_event_publisher``, docs/kv_events.md): the radix cache
+    records the blocks it stores and evicts; each step's events go out as
+    one batch at its end (and a flush's at once). ``close`` stops the publisher.
     """
 
-    def __init__(self, server_args: ServerArgs, model_runner, tokenizer=None, eos_token_ids: frozenset[int] = frozenset()):
+    def __init__(self, server_args: ServerArgs, model_runner, tokenizer=None,
+                 eos_token_ids: frozenset[int] = frozenset(), kv_event_publisher: ZmqEventPublisher | None = None):
         self.args = server_args
         self.model_runner = model_runner
         self.tokenizer = tokenizer
@@ -84,6 +91,11 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.allocator = model_runner.token_to_kv_pool_allocator
         cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
         extra = {} if server_args.disable_radix_cache else {"eviction_policy": server_args.eviction_policy}
+        self.kv_event_publisher = kv_event_publisher
+        if kv_event_publisher is not None:
+            weakref.finalize(self, kv_event_publisher.close)  # dropped without close(): its ports still come back
+            if not server_args.disable_radix_cache:
+                extra["kv_events"] = KVEventRecorder(self.page_size, kv_event_publisher.config.block_size)
         self.tree_cache = cache_cls(self.req_to_token_pool, self.allocator, self.page_size, **extra)
         self.pools = KVPools(self.req_to_token_pool, self.allocator, self.tree_cache, self.page_size, self.device)
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache)
@@ -204,7 +216,13 @@ class Scheduler(SchedulerOutputProcessorMixin):
             out += self._drain()  # it only writes finished requests' last KV: nothing to overlap with
         if self.args.check_invariants or self.is_idle():
             self.check_memory()
+        self._publish_kv_events()
         return out
+
+    def _publish_kv_events(self) -> None:
+        recorder = getattr(self.tree_cache, "kv_events", None)
+        if recorder is not None:
+            self.kv_event_publisher.publish(recorder.take())
 
     def _agree_on_rids(self, rids: list[str]) -> list[str]:
         """Rank 0's ``rids`` on every rank (a decision that depends on timing,
@@ -350,7 +368,13 @@ class Scheduler(SchedulerOutputProcessorMixin):
             return False
         self.tree_cache.reset()
         self.allocator.clear()
+        self._publish_kv_events()
         return True
+
+    def close(self) -> None:
+        """Stop publishing KV events (sends what is queued, closes the sockets)."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
 
     def get_stats(self) -> dict[str, Any]:
         return dict(dataclasses.asdict(self.stats), running=len(self.running_batch), waiting=len(self.waiting) + len(self.grammar_queue),

@@ -9,7 +9,7 @@ owns whole pages of the KV pool. Children are indexed by their first page
 from __future__ import annotations
 
 import heapq
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -17,11 +17,14 @@ from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, CachedReq, MatchResult
 from radixserve.mem_cache.memory_pool import ReqToTokenPool
 
+if TYPE_CHECKING:
+    from radixserve.mem_cache.kv_events import KVEventRecorder
+
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "hit_count", "id")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "hit_count", "id", "kv_blocks")
 
     def __init__(self, node_id: int, key: list[int], value: torch.Tensor, parent: "TreeNode | None"):
         self.children: dict = {}
@@ -32,6 +35,7 @@ class TreeNode:
         self.last_access = 0
         self.hit_count = 0
         self.id = node_id
+        self.kv_blocks = None  # the KV event recorder's (kv_events/recorder.py)
 
     def is_leaf(self) -> bool:
         return not self.children
@@ -68,7 +72,11 @@ _EVICTION_PRIORITY: dict[str, Callable[[TreeNode], tuple]] = {
 class RadixCache(BasePrefixCache):
     """Prefix cache over a paged KV pool (see ``base_prefix_cache`` for the
     ownership contract). ``evictable_size`` and ``protected_size`` are counters
-    kept by every operation; :meth:`check_invariants` recomputes them."""
+    kept by every operation; :meth:`check_invariants` recomputes them.
+
+    ``kv_events``, when given, hears of every node inserted, split and
+    evicted, and of every reset (this constructor's too), to publish KV
+    events for routers (docs/kv_events.md)."""
 
     def __init__(
         self,
@@ -76,6 +84,7 @@ class RadixCache(BasePrefixCache):
         token_to_kv_pool_allocator: TokenToKVPoolAllocator | None,
         page_size: int = 1,
         eviction_policy: str = "lru",
+        kv_events: "KVEventRecorder | None" = None,
     ):
         if eviction_policy not in _EVICTION_PRIORITY:
             raise ValueError(f"eviction_policy must be one of {sorted(_EVICTION_PRIORITY)}, got {eviction_policy!r}")
@@ -84,6 +93,7 @@ class RadixCache(BasePrefixCache):
         self.page_size = page_size
         self.eviction_policy = eviction_policy
         self._priority = _EVICTION_PRIORITY[eviction_policy]
+        self.kv_events = kv_events
         self.reset()
 
     # -- basics ------------------------------------------------------------
@@ -95,6 +105,8 @@ class RadixCache(BasePrefixCache):
         self.root.lock_ref = 1  # the root is never evicted
         self._evictable = 0
         self._protected = 0
+        if self.kv_events is not None:
+            self.kv_events.on_reset()
 
     def _new_node(self, key: list[int], value: torch.Tensor, parent: TreeNode | None) -> TreeNode:
         node = TreeNode(self._next_id, key, value, parent)
@@ -156,6 +168,8 @@ class RadixCache(BasePrefixCache):
         upper.children[self._child_key(child.key[n:])] = child
         child.parent.children[self._child_key(upper.key)] = upper
         child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
+        if self.kv_events is not None:
+            self.kv_events.on_split(upper, child)
         return upper
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
@@ -171,6 +185,8 @@ class RadixCache(BasePrefixCache):
             self._touch(leaf)
             node.children[self._child_key(leaf.key)] = leaf
             self._evictable += len(leaf.key)
+            if self.kv_events is not None:
+                self.kv_events.on_insert(leaf, present)
         return present
 
     # -- locks -------------------------------------------------------------
@@ -216,6 +232,8 @@ class RadixCache(BasePrefixCache):
         parent = leaf.parent
         del parent.children[self._child_key(leaf.key)]
         self._evictable -= len(leaf.key)
+        if self.kv_events is not None:
+            self.kv_events.on_evict(leaf)
         return parent
 
     def _nodes(self):

@@ -1,0 +1,701 @@
+"""KV events for external routers (docs/kv_events.md).
+
+A test subscriber plays the router: it reads each replica's PUB stream (and
+its replay socket when it sees a gap), rebuilds the set of cached blocks from
+BlockStored / BlockRemoved / AllBlocksCleared alone, and must find exactly
+the full blocks of the replica's radix tree, under shared prefixes, node
+splits, eviction from a tiny pool and flush_cache. Block hashes are checked
+against SGLang's page hash computed here independently; payloads are decoded
+with SGLang's own msgspec schema when sglang is installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import radixserve
+from mem_harness import Harness
+from radixserve.managers.scheduler_factory import build_scheduler
+from radixserve.mem_cache import RadixCache
+from radixserve.mem_cache.kv_events import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEventRecorder,
+    KVEventsConfig,
+    ZmqEventPublisher,
+    create_publisher,
+    decode_batch,
+    encode_batch,
+    offset_endpoint,
+    prefix_block_hashes,
+)
+from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.server_args import ServerArgs
+
+
+# -- the router's side ----------------------------------------------------------------
+def sglang_block_hash(prefix: tuple[int, ...], block_size: int) -> int:
+    """SGLang's page hash chain (mem_cache/utils.py get_hash_str +
+    hash_str_to_int64), written out: the hash of the last block of ``prefix``."""
+    prior_hex = None
+    for start in range(0, len(prefix), block_size):
+        h = hashlib.sha256()
+        if prior_hex:
+            h.update(bytes.fromhex(prior_hex))
+        for t in prefix[start : start + block_size]:
+            h.update(t.to_bytes(4, byteorder="little", signed=False))
+        prior_hex = h.hexdigest()
+    value = int(prior_hex[:16], 16)
+    return value - 2**64 if value >= 2**63 else value
+
+
+class Mirror:
+    """A router's view of one replica's cache, from events only: block hash
+    -> the token prefix that block ends. Strict: an unknown parent, a block
+    stored twice or removed while absent, or a hash that is not SGLang's for
+    its prefix fails the test."""
+
+    def __init__(self):
+        self.blocks: dict[int, tuple[int, ...]] = {}
+        self.stored = self.removed = self.cleared = 0
+
+    def apply(self, event: dict) -> None:
+        kind = event["type"]
+        if kind == "BlockStored":
+            size, hashes, tokens = event["block_size"], event["block_hashes"], event["token_ids"]
+            assert len(tokens) == size * len(hashes) and hashes
+            parent = event["parent_block_hash"]
+            prefix = () if parent is None else self.blocks[parent]
+            for i, h in enumerate(hashes):
+                prefix = prefix + tuple(tokens[i * size : (i + 1) * size])
+                assert h not in self.blocks, "a block stored twice"
+                assert h == sglang_block_hash(prefix, size), "not SGLang's hash for this prefix"
+                self.blocks[h] = prefix
+            self.stored += len(hashes)
+        elif kind == "BlockRemoved":
+            for h in event["block_hashes"]:
+                del self.blocks[h]
+            self.removed += len(event["block_hashes"])
+        elif kind == "AllBlocksCleared":
+            self.blocks.clear()
+            self.cleared += 1
+        else:
+            raise AssertionError(f"unknown event {event!r}")
+
+    def prefixes(self) -> set[tuple[int, ...]]:
+        return set(self.blocks.values())
+
+
+def tree_blocks(cache: RadixCache, block_size: int) -> set[tuple[int, ...]]:
+    """The token prefix of every full block the tree holds."""
+    out = set()
+
+    def walk(node, path):
+        for child in node.children.values():
+            full = path + list(child.key)
+            out.update(tuple(full[:n]) for n in range(block_size, len(full) + 1, block_size))
+            walk(child, full)
+
+    walk(cache.root, [])
+    return out
+
+
+def assert_mirrors(mirror: Mirror, cache: RadixCache, block_size: int) -> None:
+    expected = tree_blocks(cache, block_size)
+    assert mirror.prefixes() == expected
+    assert set(mirror.blocks) == {sglang_block_hash(p, block_size) for p in expected}
+
+
+class Subscriber:
+    """One replica's stream as a router reads it: SUB for live batches, and a
+    DEALER on the replay socket to fill a gap (the first batches, sent before
+    the subscription took, come that way too)."""
+
+    def __init__(self, ctx: zmq.Context, port: int, replay_port: int, topic: bytes = b""):
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self.sub.connect(f"tcp://127.0.0.1:{port}")
+        self.replay = ctx.socket(zmq.DEALER)
+        self.replay.connect(f"tcp://127.0.0.1:{replay_port}")
+        self.topic = topic
+        self.mirror = Mirror()
+        self.next_seq = 0
+        self.payloads: dict[int, bytes] = {}  # every batch applied, by sequence number
+        self.live_seqs: list[int] = []  # in arrival order
+        self.dp_ranks: set = set()
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        assert seq == self.next_seq, f"batch {seq} applied after {self.next_seq - 1}"
+        ts, events, dp_rank = msgpack.unpackb(payload, raw=False)
+        assert isinstance(ts, float) and abs(time.time() - ts) < 600
+        self.dp_ranks.add(dp_rank)
+        for event in events:
+            self.mirror.apply(event)
+        self.payloads[seq] = payload
+        self.next_seq = seq + 1
+
+    def poll(self, timeout_ms: int) -> bool:
+        """Take the live batches waiting (up to ``timeout_ms`` for the first)."""
+        got = False
+        while self.sub.poll(timeout_ms if not got else 0):
+            topic, seq_bytes, payload = self.sub.recv_multipart()
+            assert topic == self.topic and len(seq_bytes) == 8
+            seq = int.from_bytes(seq_bytes, "big")
+            self.live_seqs.append(seq)
+            got = True
+            if seq > self.next_seq:
+                self.catch_up()  # may bring this batch and later ones too
+            if seq == self.next_seq:
+                self._apply(seq, payload)
+        return got
+
+    def request_replay(self, start: int) -> list[tuple[int, bytes]]:
+        self.replay.send_multipart([b"", start.to_bytes(8, "big")])
+        out = []
+        while True:
+            assert self.replay.poll(5000), "no replay answer"
+            empty, topic, seq_bytes, payload = self.replay.recv_multipart()
+            assert empty == b""
+            if seq_bytes == END_SEQ:
+                assert topic == b"" and payload == b""
+                return out
+            assert topic == self.topic
+            out.append((int.from_bytes(seq_bytes, "big"), payload))
+
+    def catch_up(self) -> None:
+        for seq, payload in self.request_replay(self.next_seq):
+            if seq >= self.next_seq:
+                self._apply(seq, payload)  # fails on a gap replay cannot fill
+
+    def sync(self, publisher: ZmqEventPublisher, timeout: float = 10.0) -> None:
+        """Until every batch published so far is applied."""
+        deadline = time.monotonic() + timeout
+        while self.next_seq < publisher.next_seq:
+            assert time.monotonic() < deadline, f"at {self.next_seq}, published {publisher.next_seq}"
+            if not self.poll(50):
+                self.catch_up()
+
+    def close(self) -> None:
+        self.sub.close(linger=0)
+        self.replay.close(linger=0)
+
+
+def free_port_block(n: int) -> int:
+    """A port p with p .. p+n-1 free (for a replica's endpoint + dp rank)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def events_config(dp_size: int = 1, **extra) -> tuple[str, int, int]:
+    """A --kv-events-config on free ports; returns (json, pub port, replay port)."""
+    pub, replay = free_port_block(dp_size), free_port_block(dp_size)
+    while replay < pub + dp_size and pub < replay + dp_size:
+        replay = free_port_block(dp_size)
+    config = {"publisher": "zmq", "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}",
+              "topic": "kv", **extra}
+    return json.dumps(config), pub, replay
+
+
+def full_blocks(tokens: list[int], block_size: int = 16) -> set[tuple[int, ...]]:
+    return {tuple(tokens[:n]) for n in range(block_size, len(tokens) + 1, block_size)}
+
+
+def wait_until(check, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def ctx():
+    context = zmq.Context()
+    yield context
+    context.term()  # every socket of the test must be closed by now
+
+
+# -- hashes and the wire format ----------------------------------------------------------
+def test_block_hashes_are_sglangs_page_hash_chain():
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    for size in (1, 2, 4, 16):
+        got = prefix_block_hashes(tokens, size)
+        assert len(got) == len(tokens) // size  # a partial block has no hash
+        assert got == [sglang_block_hash(tuple(tokens[:n]), size) for n in range(size, len(tokens) + 1, size)]
+    # A block's hash depends on everything before it, not only its own tokens.
+    assert prefix_block_hashes([7, 7, 1, 2], 2)[1] != prefix_block_hashes([8, 8, 1, 2], 2)[1]
+    assert prefix_block_hashes([1, 2, 7, 7], 2)[0] == prefix_block_hashes([1, 2, 8, 8], 2)[0]
+    assert all(-(2**63) <= h < 2**63 for h in prefix_block_hashes(list(range(64)), 4))
+
+
+def test_wire_format_is_sglangs():
+    batch = EventBatch(1234.5, [
+        AllBlocksCleared(),
+        BlockStored([11, -12], None, [1, 2, 3, 4], 2),
+        BlockStored([13], -12, [5, 6], 2),
+        BlockRemoved([13, 11]),
+    ], data_parallel_rank=3)
+    payload = encode_batch(batch)
+    ts, events, dp_rank = msgpack.unpackb(payload, raw=False)  # a positional array [ts, events, dp rank]
+    assert (ts, dp_rank) == (1234.5, 3)
+    assert events[0] == {"type": "AllBlocksCleared"}
+    assert events[1] == {"type": "BlockStored", "block_hashes": [11, -12], "parent_block_hash": None,
+                         "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": None, "medium": "GPU",
+                         "lora_name": None}
+    assert events[3] == {"type": "BlockRemoved", "block_hashes": [13, 11], "medium": "GPU"}
+    assert decode_batch(payload) == batch
+    with pytest.raises(ValueError):
+        decode_batch(msgpack.packb([1.0, [{"type": "BlockMoved"}], 0]))
+
+    sglang_events = pytest.importorskip("sglang.srt.disaggregation.kv_events")
+    msgspec = pytest.importorskip("msgspec")
+    decoded = msgspec.msgpack.Decoder(sglang_events.KVEventBatch).decode(payload)
+    assert decoded.ts == 1234.5 and decoded.attn_dp_rank == 3
+    kinds = [type(e).__name__ for e in decoded.events]
+    assert kinds == ["AllBlocksCleared", "BlockStored", "BlockStored", "BlockRemoved"]
+    stored = decoded.events[1]
+    assert (stored.block_hashes, stored.parent_block_hash, stored.token_ids, stored.block_size, stored.medium) == (
+        [11, -12], None, [1, 2, 3, 4], 2, "GPU")
+    assert decoded.events[2].parent_block_hash == -12 and decoded.events[3].block_hashes == [13, 11]
+
+
+def test_config_parsing_and_dp_endpoints():
+    cfg = KVEventsConfig.from_json('{"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": '
+                                   '"tcp://*:5558", "topic": "kv", "buffer_steps": 5}')
+    assert (cfg.endpoint, cfg.replay_endpoint, cfg.topic, cfg.buffer_steps) == ("tcp://*:5557", "tcp://*:5558", "kv", 5)
+    assert KVEventsConfig.from_json("{}").publisher == "zmq"  # giving the flag turns events on
+    assert create_publisher('{"publisher": "null"}') is None
+    assert create_publisher('{"enable_kv_cache_events": false}') is None  # vLLM's switch
+    for bad in ('{"endpont": "tcp://*:1"}', '{"publisher": "kafka"}', '{"hwm": -1}', '[1]', 'nope',
+                '{"buffer_steps": 0}', '{"block_size": 0}'):
+        with pytest.raises(ValueError):
+            KVEventsConfig.from_json(bad)
+    with pytest.raises(ValueError, match="multiple of the page size 4"):
+        create_publisher('{"block_size": 6}', page_size=4)
+
+    assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint("tcp://*:5557", 3) == "tcp://*:5560"
+    assert offset_endpoint("tcp://[::1]:5557", 1) == "tcp://[::1]:5558"
+    assert offset_endpoint("inproc://kv", 2) == "inproc://kv_dp2"
+    assert offset_endpoint(None, 2) is None
+    with pytest.raises(ValueError):
+        offset_endpoint("tcp://*:http", 1)
+
+
+# -- the recorder on a radix tree, without sockets -----------------------------------------
+def recorded_harness(page_size: int, block_size: int | None, pool_size: int) -> tuple[Harness, KVEventRecorder]:
+    h = Harness(pool_size=pool_size, page_size=page_size, max_reqs=8, max_len=256)
+    recorder = KVEventRecorder(page_size, block_size)
+    h.cache = RadixCache(h.req_pool, h.alloc, page_size, kv_events=recorder)
+    return h, recorder
+
+
+@pytest.mark.parametrize("page_size,block_size", [(1, None), (1, 4), (2, None), (2, 4), (4, None), (4, 8)])
+def test_recorder_follows_inserts_splits_eviction_and_reset(page_size, block_size):
+    b = block_size or (16 if page_size == 1 else page_size)
+    h, recorder = recorded_harness(page_size, block_size, pool_size=12 * b)
+    assert recorder.block_size == b
+    mirror = Mirror()
+
+    def check():
+        for event in recorder.take():
+            mirror.apply(encode_and_back(event))
+        assert_mirrors(mirror, h.cache, b)
+        h.check()
+
+    check()
+    stem = list(range(100, 100 + 3 * b + 1))  # ends inside a block: the next insert splits mid-block
+    for tail in ([1] * (2 * b), [2] * (2 * b), [1] * b + [3] * b, []):
+        req = h.start(stem + tail)
+        h.finish(req)
+        check()
+    h.cache.match_prefix(stem[: b + page_size])  # a split by a lookup stores nothing
+    assert recorder.take() == []
+    check()
+    assert mirror.stored > 0
+    while h.cache.evictable_size():  # evict leaf by leaf: each one's blocks go, the rest stay
+        h.cache.evict(1)
+        check()
+    assert mirror.blocks == {} and mirror.removed == mirror.stored
+    h.finish(h.start(stem))
+    check()
+    h.cache.reset()
+    h.alloc.clear()
+    assert recorder.take() == [AllBlocksCleared()]  # what the reset superseded is not sent
+    mirror.apply({"type": "AllBlocksCleared"})
+    check()
+
+
+def encode_and_back(event) -> dict:
+    (event_dict,) = msgpack.unpackb(encode_batch(EventBatch(0.0, [event], 0)), raw=False)[1]
+    return event_dict
+
+
+def test_eviction_under_pressure_from_a_tiny_pool():
+    """Requests that do not all fit: admission evicts, the mirror follows."""
+    h, recorder = recorded_harness(page_size=1, block_size=4, pool_size=40)
+    mirror = Mirror()
+    gen = torch.Generator().manual_seed(0)
+    for i in range(30):
+        shared = [7] * (4 * (i % 3))
+        tail_len = int(torch.randint(4, 20, (1,), generator=gen))
+        req = h.start(shared + torch.randint(0, 50, (tail_len,), generator=gen).tolist())
+        if req is not None:
+            h.finish(req)
+        for event in recorder.take():
+            mirror.apply(encode_and_back(event))
+        assert_mirrors(mirror, h.cache, 4)
+        h.check()
+    assert mirror.removed > 0, "the pool never filled"
+
+
+# Tokens from a tiny alphabet so that keys share prefixes and split nodes often.
+tokens = st.lists(st.integers(0, 1), min_size=0, max_size=20)
+
+
+class RecordedCacheMachine(RuleBasedStateMachine):
+    """Random request life cycles, lookups, locks, evictions and resets on a
+    RadixCache with a recorder: after every step, the blocks a router rebuilds
+    from the events are exactly the tree's."""
+
+    @initialize(page_size=st.sampled_from([1, 2, 4]), blocks_per_page=st.sampled_from([1, 2, 3]))
+    def setup(self, page_size, blocks_per_page):
+        block_size = page_size * blocks_per_page if page_size * blocks_per_page > 1 else 2
+        self.h, self.recorder = recorded_harness(page_size, block_size, pool_size=40 * page_size)
+        self.mirror = Mirror()
+        self.locks = []
+
+    @rule(key=tokens)
+    def match(self, key):
+        self.h.cache.match_prefix(key)
+
+    @precondition(lambda self: len(self.h.live) < 5)
+    @rule(key=tokens.filter(len))
+    def start(self, key):
+        self.h.start(key)
+
+    @precondition(lambda self: self.h.live)
+    @rule(data=st.data(), tok=st.integers(0, 2))
+    def decode(self, data, tok):
+        req = data.draw(st.sampled_from(self.h.live))
+        if not self.h.decode(req, tok):
+            req.output_ids.pop()
+
+    @precondition(lambda self: self.h.live)
+    @rule(data=st.data())
+    def finish(self, data):
+        self.h.finish(data.draw(st.sampled_from(self.h.live)))
+
+    @precondition(lambda self: self.h.live)
+    @rule(data=st.data())
+    def chunk(self, data):
+        self.h.cache.cache_unfinished_req(data.draw(st.sampled_from(self.h.live)))
+
+    @precondition(lambda self: self.h.live)
+    @rule(data=st.data())
+    def abort(self, data):
+        self.h.abort(data.draw(st.sampled_from(self.h.live)))
+
+    @rule(key=tokens)
+    def lock(self, key):
+        m = self.h.cache.match_prefix(key)
+        if m.last_node is not self.h.cache.root:
+            self.h.cache.inc_lock_ref(m.last_node)
+            self.locks.append(m.last_node)
+
+    @precondition(lambda self: self.locks)
+    @rule(data=st.data())
+    def unlock(self, data):
+        self.h.cache.dec_lock_ref(self.locks.pop(data.draw(st.integers(0, len(self.locks) - 1))))
+
+    @rule(n=st.integers(0, 64))
+    def evict(self, n):
+        self.h.cache.evict(n)
+
+    @precondition(lambda self: not self.h.live and not self.locks)
+    @rule()
+    def reset(self):
+        self.h.cache.reset()
+        self.h.alloc.clear()
+
+    @invariant()
+    def router_view_is_the_tree(self):
+        if not hasattr(self, "h"):
+            return
+        for event in self.recorder.take():
+            self.mirror.apply(encode_and_back(event))
+        assert_mirrors(self.mirror, self.h.cache, self.recorder.block_size)
+        self.h.check()
+
+
+RecordedCacheMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestRecordedCacheProperties = RecordedCacheMachine.TestCase
+
+
+# -- the publisher: sequence numbers, replay, never blocking --------------------------------
+def stored(i: int) -> list:
+    """A batch storing the one-token block [i]."""
+    return [BlockStored(prefix_block_hashes([i], 1), None, [i], 1)]
+
+
+def test_publisher_sequence_replay_and_end_marker(ctx):
+    config, pub_port, replay_port = events_config(buffer_steps=4)
+    publisher = create_publisher(config)
+    sub = Subscriber(ctx, pub_port, replay_port, b"kv")
+    try:
+        assert publisher.endpoint == f"tcp://*:{pub_port}" and publisher.replay_endpoint == f"tcp://*:{replay_port}"
+        assert publisher.publish([]) is None  # no events, no batch
+        assert [publisher.publish(stored(i)) for i in range(3)] == [0, 1, 2]
+        sub.sync(publisher)
+        assert sorted(sub.payloads) == [0, 1, 2]
+        for i in range(3, 6):
+            publisher.publish(stored(i))
+        sub.sync(publisher)
+        assert sub.live_seqs == sorted(sub.live_seqs), "live batches out of order"
+        assert set(sub.live_seqs) & {3, 4, 5}, "nothing arrived live"
+        assert {decode_batch(p).data_parallel_rank for p in sub.payloads.values()} == {0}
+
+        # Replay: the last buffer_steps batches from the asked sequence on, as they went out live.
+        replays_before = publisher.stats()["replays"]  # the syncs may have asked already
+        replayed = sub.request_replay(3)
+        assert replayed == [(s, sub.payloads[s]) for s in (3, 4, 5)]
+        assert [s for s, _ in sub.request_replay(0)] == [2, 3, 4, 5]  # 0 and 1 are no longer kept
+        assert sub.request_replay(6) == []
+        # A REQ client gets the first reply; a DEALER without delimiter every one; a bad request the end marker.
+        req = ctx.socket(zmq.REQ)
+        req.connect(f"tcp://127.0.0.1:{replay_port}")
+        req.send((5).to_bytes(8, "big"))
+        assert req.poll(5000) and req.recv_multipart() == [b"kv", (5).to_bytes(8, "big"), sub.payloads[5]]
+        req.close(linger=0)
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+        dealer.send(b"bad")
+        assert dealer.poll(5000) and dealer.recv_multipart() == [b"", END_SEQ, b""]
+        dealer.send((5).to_bytes(8, "big"))
+        assert dealer.poll(5000) and dealer.recv_multipart()[1] == (5).to_bytes(8, "big")
+        assert dealer.poll(5000) and dealer.recv_multipart() == [b"", END_SEQ, b""]
+        dealer.close(linger=0)
+        wait_until(lambda: publisher.stats()["replays"] == replays_before + 6, "replays not counted", timeout=5)
+    finally:
+        sub.close()
+        publisher.close()
+    with pytest.raises(RuntimeError):
+        publisher.publish(stored(9))
+
+
+def test_publishing_never_blocks_and_counts_drops():
+    """No subscriber, and a queue of one batch: publish returns at once and
+    counts what it had no room for; the gap shows in the sequence numbers."""
+    config, _, _ = events_config(max_queue_size=1, hwm=1)
+    publisher = create_publisher(config)
+    try:
+        start = time.perf_counter()
+        seqs = [publisher.publish(stored(i)) for i in range(20_000)]
+        assert time.perf_counter() - start < 5
+        assert seqs == list(range(20_000))
+        assert publisher.dropped > 0
+        wait_until(lambda: publisher.sent + publisher.dropped == 20_000, "a batch neither sent nor dropped", 10)
+    finally:
+        publisher.close()
+
+
+def test_a_port_in_use_fails_at_start():
+    config, pub_port, _ = events_config()
+    first = create_publisher(config)
+    try:
+        with pytest.raises(RuntimeError, match=str(pub_port)):
+            create_publisher(config)
+    finally:
+        first.close()
+
+
+# -- end to end: the Engine and scheduler replicas ----------------------------------------------
+def random_prompts(n: int, seed: int, stems: int = 3, stem_len: int = 21, tail=(3, 30)) -> list[list[int]]:
+    """Prompts over a few shared stems (splits, hits) with random tails."""
+    gen = torch.Generator().manual_seed(seed)
+    stem_ids = [torch.randint(1, 250, (stem_len,), generator=gen).tolist() for _ in range(stems)]
+    out = []
+    for i in range(n):
+        tail_len = int(torch.randint(tail[0], tail[1], (1,), generator=gen))
+        out.append(stem_ids[i % stems] + torch.randint(1, 250, (tail_len,), generator=gen).tolist())
+    return out
+
+
+@pytest.mark.parametrize("page_size,block_size", [(1, None), (1, 4), (4, None)])
+def test_engine_stream_rebuilds_the_cache(ctx, page_size, block_size):
+    config, pub_port, replay_port = events_config(**({"block_size": block_size} if block_size else {}))
+    engine = radixserve.Engine(model_path="tiny-llama", load_format="dummy", device="cpu", kv_events_config=config,
+                               page_size=page_size, max_total_tokens=160, max_running_requests=4,
+                               check_invariants=True, disable_tqdm=True)
+    scheduler, sub = engine.scheduler, Subscriber(ctx, pub_port, replay_port, b"kv")
+    publisher, b = scheduler.kv_event_publisher, scheduler.tree_cache.kv_events.block_size
+    try:
+        greedy = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+        for round_ in range(3):
+            for prompts in (random_prompts(6, seed=round_), random_prompts(4, seed=10 + round_, stems=1)):
+                engine.generate(input_ids=prompts, sampling_params=greedy)
+                sub.sync(publisher)
+                assert_mirrors(sub.mirror, scheduler.tree_cache, b)
+        assert sub.mirror.removed > 0, "the pool never filled: no eviction"
+        assert engine.flush_cache()
+        sub.sync(publisher)
+        assert sub.mirror.blocks == {} and tree_blocks(scheduler.tree_cache, b) == set()
+        engine.generate(input_ids=random_prompts(3, seed=99), sampling_params=greedy)
+        sub.sync(publisher)
+        assert sub.mirror.blocks and sub.mirror.cleared == 2  # at start, and the flush
+        assert_mirrors(sub.mirror, scheduler.tree_cache, b)
+
+        assert sorted(sub.payloads) == list(range(publisher.next_seq))  # consecutive, each once
+        assert any(s > 0 for s in sub.live_seqs), "nothing arrived live"
+        assert sub.dp_ranks == {0}
+        assert sub.request_replay(0) == sorted(sub.payloads.items())  # live and replayed are the same bytes
+        assert publisher.dropped == 0
+    finally:
+        sub.close()
+        scheduler.close()
+        engine.shutdown()
+
+
+def test_an_engine_shut_down_gives_its_ports_back():
+    config, _, _ = events_config()
+    for _ in range(2):  # the second binds the same ports: the first's scheduler closed them when dropped
+        engine = radixserve.Engine(model_path="tiny-llama", load_format="dummy", device="cpu",
+                                   kv_events_config=config, max_total_tokens=128, disable_tqdm=True)
+        engine.generate(input_ids=list(range(1, 40)), sampling_params={"max_new_tokens": 2})
+        publisher = engine.scheduler.kv_event_publisher
+        engine.shutdown()
+        assert not publisher._thread.is_alive()
+
+
+def run_to_idle(scheduler, prompts: list[list[int]], rid_prefix: str) -> None:
+    for i, ids in enumerate(prompts):
+        params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+        scheduler.add_request(scheduler.new_req(f"{rid_prefix}{i}", ids, params))
+    for _ in range(1000):
+        if scheduler.is_idle():
+            return
+        scheduler.step()
+    raise AssertionError("the scheduler did not become idle")
+
+
+def test_each_replica_publishes_its_own_cache_on_its_own_ports(ctx):
+    """dp_size 2: replica r binds the endpoint's port + r and the replay
+    port + r, and stamps r on its batches; a router rebuilds each replica's
+    cache from its own stream."""
+    config, pub_port, replay_port = events_config(dp_size=2)
+    args = ServerArgs.from_kwargs(model_path="tiny-llama", load_format="dummy", device="cpu", dp_size=2,
+                                  kv_events_config=config, max_total_tokens=128, max_running_requests=4,
+                                  check_invariants=True, disable_tqdm=True)
+    threads = torch.get_num_threads()
+    schedulers, subs = [], []
+    try:
+        for rank in range(2):
+            schedulers.append(build_scheduler(args, dp_rank=rank))
+            subs.append(Subscriber(ctx, pub_port + rank, replay_port + rank, b"kv"))
+        assert [s.kv_event_publisher.endpoint for s in schedulers] == [f"tcp://*:{pub_port}", f"tcp://*:{pub_port + 1}"]
+        for round_ in range(3):
+            for rank, (scheduler, sub) in enumerate(zip(schedulers, subs)):
+                run_to_idle(scheduler, random_prompts(5, seed=100 * rank + round_, stems=2), f"dp{rank}-{round_}-")
+                sub.sync(scheduler.kv_event_publisher)
+                assert_mirrors(sub.mirror, scheduler.tree_cache, 16)
+        assert [sub.dp_ranks for sub in subs] == [{0}, {1}]
+        assert subs[0].mirror.prefixes().isdisjoint(subs[1].mirror.prefixes())  # different prompts
+        assert all(sub.mirror.removed for sub in subs)
+    finally:
+        for sub in subs:
+            sub.close()
+        for scheduler in schedulers:
+            scheduler.close()
+        torch.set_num_threads(threads)
+
+
+def test_tp_followers_and_disabled_cache_publish_nothing():
+    from radixserve.managers.scheduler_factory import kv_event_publisher
+
+    config, _, _ = events_config()
+    args = ServerArgs.from_kwargs(model_path="tiny-llama", load_format="dummy", device="cpu", kv_events_config=config)
+    assert kv_event_publisher(args, tp_rank=1) is None
+    assert kv_event_publisher(ServerArgs.from_kwargs(model_path="tiny-llama", load_format="dummy")) is None
+    engine = radixserve.Engine(model_path="tiny-llama", load_format="dummy", device="cpu", kv_events_config=config,
+                               disable_radix_cache=True, max_total_tokens=128, disable_tqdm=True)
+    try:
+        engine.generate(input_ids=[1, 2, 3, 4], sampling_params={"max_new_tokens": 2})
+        assert engine.scheduler.kv_event_publisher.next_seq == 0
+    finally:
+        engine.scheduler.close()
+        engine.shutdown()
+
+
+@pytest.mark.slow
+def test_a_server_of_two_replicas_publishes_each_on_its_port(ctx):
+    """launch_server --dp-size 2: each replica's stream holds the blocks of
+    the prompts it served, and a flush clears both."""
+    import httpx
+    from server_harness import ServerProcess
+
+    config, pub_port, replay_port = events_config(dp_size=2)
+    srv = ServerProcess("--model-path", "tiny-llama", "--load-format", "dummy", "--device", "cpu",
+                        "--max-total-tokens", "4096", "--dp-size", "2", "--kv-events-config", config)
+    subs = [Subscriber(ctx, pub_port + r, replay_port + r, b"kv") for r in range(2)]
+
+    def read_streams() -> None:
+        for sub in subs:
+            sub.poll(100) or sub.catch_up()
+
+    try:
+        prompts = random_prompts(8, seed=7, stems=2)
+        greedy = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+        for prompt in prompts:
+            assert httpx.post(srv.url + "/generate", json={"input_ids": prompt, "sampling_params": greedy},
+                              timeout=60).status_code == 200
+
+        def every_prompt_on_a_replica() -> bool:
+            read_streams()
+            return all(any(full_blocks(p) <= sub.mirror.prefixes() for sub in subs) for p in prompts)
+
+        wait_until(every_prompt_on_a_replica, "the prompts' blocks never arrived")
+        assert [sub.dp_ranks for sub in subs] == [{0}, {1}]
+        assert all(sub.mirror.blocks for sub in subs), "round robin served prompts on both replicas"
+        assert httpx.post(srv.url + "/flush_cache", timeout=30).status_code == 200
+
+        def both_cleared() -> bool:
+            read_streams()
+            return all(not sub.mirror.blocks and sub.mirror.cleared == 2 for sub in subs)  # at start, and now
+
+        wait_until(both_cleared, "no AllBlocksCleared after the flush")
+    finally:
+        for sub in subs:
+            sub.close()
+        assert srv.stop() == 0
