@@ -78,7 +78,7 @@ def test_one_batch_at_tp2_runs_every_rank_and_times_the_all_reduces():
     reports per-rank shapes and what a step's all-reduces cost."""
     records = main(["--workload", "W2", "--model-path", "tiny-llama", "--load-format", "dummy", "--device", "cpu",
                     "--dtype", "float32", "--batch-sizes", "1", "3", "--input-len", "16", "--output-len", "4",
-                    "--tp-size", "2"])
+                    "--tp-size", "2", "--dist-timeout", "120"])
     ours = [r for r in records if r.get("backend") == "radixserve"]
     assert [r["batch_size"] for r in ours] == [1, 3]
     assert all(r["tp_size"] == 2 and r["allreduce_ms_per_step"] > 0 and r["decode_steps"] == 3 for r in ours)

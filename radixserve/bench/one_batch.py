@@ -321,7 +321,7 @@ def _timed(fn, device: torch.device) -> float:
 _ENGINE_OPTIONS = {
     "model_path": str, "load_format": str, "dtype": str, "device": str, "attention_backend": str,
     "page_size": int, "max_total_tokens": int, "mem_fraction_static": float, "random_seed": int,
-    "disable_cuda_graph": bool, "tp_size": int,
+    "disable_cuda_graph": bool, "tp_size": int, "dist_timeout": float,
 }
 
 
