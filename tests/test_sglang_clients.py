@@ -10,7 +10,6 @@ import importlib.util
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -19,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_harness import ServerProcess, free_port, wait_for
+from router_harness import RouterProcess
+from server_harness import ServerProcess, wait_for
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
@@ -130,33 +130,9 @@ def test_fork_branches_each_generate(frontend, client):
 def router(server, tmp_path_factory):
     """``sglang_router.launch_router`` in front of the server; its URL once it routes to it."""
     needs("sglang_router")
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("router") / "router.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", server.url, "--policy", "cache_aware",
-         "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-         "--prometheus-port", str(free_port()), "--log-level", "warn"],
-        stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def models():
-        assert proc.poll() is None, f"the router exited with {proc.returncode}"
-        try:
-            return httpx.get(url + "/v1/models", timeout=2).json()["data"]
-        except (httpx.HTTPError, ValueError, KeyError):
-            return None
-
-    try:
-        wait_for(models, 60, "the router listing the server's model")
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    rt = RouterProcess([server.url], policy="cache_aware", log_path=tmp_path_factory.mktemp("router") / "router.log")
+    yield rt.url
+    rt.stop()
 
 
 @pytest.fixture(scope="module")

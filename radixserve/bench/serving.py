@@ -8,6 +8,10 @@ hit rate and peak batch size (SGLang's ``bench_serving``, for radixserve).
     python -m radixserve.bench.serving --dataset-name generated-shared-prefix \\
         --gsp-num-groups 8 --gsp-prompts-per-group 8 --request-rate 1 2 inf --plot
 
+Against sglang-router (docs/router.md), ``--worker-urls`` names the workers
+behind it: their own counters, read before and after each rate, give the
+requests and hit rate of each replica (``serving_workers.py``).
+
 Requests arrive as a Poisson process at ``--request-rate`` per second (``inf``:
 all at once; several rates run one after another over the same prompts). The
 table goes to stderr, one JSON line per rate to stdout, everything to
@@ -40,6 +44,7 @@ from radixserve.bench.serving_metrics import (RequestRecord, compute_metrics, co
                                               ttft)
 from radixserve.bench.serving_plots import plot_compare, plot_latencies, plot_rates
 from radixserve.bench.serving_report import format_table, write_json
+from radixserve.bench.serving_workers import combine_states, read_workers, total_counters, worker_breakdown
 from radixserve.bench.datasets import (Conversation, Dataset, TokenSampler, generated_shared_prefix_dataset,
                                        jsonl_dataset, multi_turn_dataset, random_dataset)
 
@@ -281,16 +286,18 @@ def arrival_offsets(n: int, rate: float, rng: np.random.Generator) -> np.ndarray
     return np.cumsum(gaps)
 
 
-async def read_server_state(client, cfg: ClientConfig) -> dict | None:
+async def read_server_state(client, cfg: ClientConfig, url: str | None = None) -> dict | None:
     """The scheduler's counters from /get_server_info, or the running / waiting
-    gauges from /metrics for servers without it; None if neither answers."""
+    gauges from /metrics for servers without it; None if neither answers.
+    ``url``: another server than the one benchmarked (a worker behind it)."""
+    url = url or cfg.base_url
     try:
-        resp = await client.get(cfg.base_url + "/get_server_info", headers=cfg.headers(), timeout=10)
+        resp = await client.get(url + "/get_server_info", headers=cfg.headers(), timeout=10)
         if resp.status_code == 200:
-            states = resp.json().get("internal_states") or [{}]
-            if "running" in states[0]:
-                return states[0]
-        resp = await client.get(cfg.base_url + "/metrics", headers=cfg.headers(), timeout=10)
+            state = combine_states(resp.json().get("internal_states") or [{}])  # --dp-size: one per replica
+            if "running" in state:
+                return state
+        resp = await client.get(url + "/metrics", headers=cfg.headers(), timeout=10)
         if resp.status_code == 200:
             return parse_prometheus_gauges(resp.text)
     except Exception:  # noqa: BLE001 - server statistics are optional
@@ -298,9 +305,16 @@ async def read_server_state(client, cfg: ClientConfig) -> dict | None:
     return None
 
 
-async def poll_server(client, cfg: ClientConfig, state: RunState, interval: float) -> None:
+async def poll_server(client, cfg: ClientConfig, state: RunState, interval: float,
+                      worker_urls: list[str] | None = None) -> None:
+    """Peak running / waiting requests and KV usage; behind a router, the
+    workers' running and waiting summed (the router reports neither)."""
     while True:
-        s = await read_server_state(client, cfg)
+        if worker_urls:
+            states = await asyncio.gather(*(read_server_state(client, cfg, url) for url in worker_urls))
+            s = _sum_gauges([x for x in states if x])
+        else:
+            s = await read_server_state(client, cfg)
         if s:
             if "running" in s:
                 state.peak_running = max(state.peak_running or 0, int(s["running"]))
@@ -311,9 +325,21 @@ async def poll_server(client, cfg: ClientConfig, state: RunState, interval: floa
         await asyncio.sleep(interval)
 
 
+def _sum_gauges(states: list[dict]) -> dict | None:
+    """Running and waiting requests summed over servers, the highest KV usage."""
+    out: dict = {}
+    for s in states:
+        for key in ("running", "waiting"):
+            if key in s:
+                out[key] = out.get(key, 0) + int(s[key])
+        if "kv_usage" in s:
+            out["kv_usage"] = max(out.get("kv_usage", 0.0), float(s["kv_usage"]))
+    return out or None
+
+
 async def run_at_rate(client, cfg: ClientConfig, dataset: Dataset, rate: float, seed: int, tokenizer,
                       max_concurrency: int | None, state: RunState, poll_interval: float = 0.25,
-                      progress: bool = True) -> None:
+                      progress: bool = True, worker_urls: list[str] | None = None) -> None:
     """Send every conversation, Poisson-spaced at ``rate``, and wait for all replies."""
     from tqdm import tqdm
 
@@ -321,7 +347,8 @@ async def run_at_rate(client, cfg: ClientConfig, dataset: Dataset, rate: float, 
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     offsets = arrival_offsets(len(dataset.conversations), rate, np.random.default_rng(seed))
     bar = tqdm(total=dataset.num_requests, desc=f"rate {rate:g}", disable=not progress, file=sys.stderr)
-    poller = asyncio.create_task(poll_server(client, cfg, state, poll_interval)) if poll_interval > 0 else None
+    poller = (asyncio.create_task(poll_server(client, cfg, state, poll_interval, worker_urls))
+              if poll_interval > 0 else None)
     state.start = time.perf_counter()
     tasks = []
     try:
@@ -403,8 +430,13 @@ async def _warmup(client, cfg: ClientConfig, n: int, sampler: TokenSampler) -> N
 
 
 def run_result(args, rate: float, state: RunState, dataset: Dataset, before: dict | None, after: dict | None,
-               interrupted: bool = False) -> dict:
+               interrupted: bool = False, workers: tuple[dict, dict] | None = None) -> dict:
+    """One rate's figures; ``workers``: the counters of the workers behind a
+    router (``--worker-urls``) before and after, for the per-replica breakdown
+    (the hit rate is then theirs summed, unless the server itself counts)."""
     metrics = compute_metrics(state.records, state.duration(), args.slo_ttft, args.slo_tpot)
+    if workers and counters_hit_rate(before, after) is None:
+        before, after = total_counters(workers[0]), total_counters(workers[1])
     return {"label": args.label, "backend": args.backend, "dataset": dataset.name,
             "request_rate": "inf" if math.isinf(rate) else rate,  # strict JSON has no Infinity
             "max_concurrency": args.max_concurrency, "interrupted": interrupted,
@@ -414,6 +446,7 @@ def run_result(args, rate: float, state: RunState, dataset: Dataset, before: dic
             "ideal_cache_hit_rate": dataset.summary()["ideal_cache_hit_rate"],
             "peak_running_requests": state.peak_running, "peak_waiting_requests": state.peak_waiting,
             "peak_kv_usage": state.peak_kv_usage, "host_load_1min": [state.load_start, _loadavg()],
+            **({"workers": worker_breakdown(*workers)} if workers else {}),
             **({"requests": [record_to_json(r, state.start) for r in state.records]} if args.save_requests else {})}
 
 
@@ -458,13 +491,16 @@ async def _benchmark(args, cfg: ClientConfig, output: dict, live: dict,
                 print("warning: /flush_cache refused or missing; earlier runs may warm the cache", file=sys.stderr)
             state = RunState()
             before = await read_server_state(client, cfg)
+            workers_before = await read_workers(client, args.worker_urls, cfg.headers()) if args.worker_urls else None
             live.update(rate=rate, state=state, dataset=dataset, before=before)
             await run_at_rate(client, cfg, dataset, rate, args.seed, tokenizer, args.max_concurrency, state,
-                              args.poll_interval, not args.disable_tqdm)
+                              args.poll_interval, not args.disable_tqdm, args.worker_urls)
             after = await read_server_state(client, cfg)
+            workers = ((workers_before, await read_workers(client, args.worker_urls, cfg.headers()))
+                       if args.worker_urls else None)
             live.clear()
             kept.append((f"rate {rate:g}", state.records))
-            _report(args, output, run_result(args, rate, state, dataset, before, after))
+            _report(args, output, run_result(args, rate, state, dataset, before, after, workers=workers))
 
 
 # --------------------------------------------------------------------------- CLI
@@ -486,6 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--host", default="127.0.0.1")
     a("--port", type=int, default=30000)
     a("--api-key")
+    a("--worker-urls", nargs="+", metavar="URL",
+      help="the workers behind a router at --base-url: read their counters before and after each rate and "
+           "report requests and hit rate per worker")
     a("--model", default="", help="model name for the OpenAI routes (default: the server's first)")
     a("--tokenizer", help="tokenizer folder (default: the server's tokenizer_path)")
     a("--no-tokenizer", action="store_true", help="never load a tokenizer (token-id prompts only)")

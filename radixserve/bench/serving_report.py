@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import re
 
+from radixserve.bench.serving_workers import format_breakdown
+
 
 def format_table(res: dict) -> str:
     def f(v, fmt="{:.2f}"):
@@ -28,7 +30,8 @@ def format_table(res: dict) -> str:
         for stat in ("mean", "median", "p90", "p99"):
             rows.append((f"{stat.capitalize()} {name} (ms)", f(res[key][stat])))
     title = " Serving Benchmark Result " + ("(interrupted) " if res["interrupted"] else "")
-    lines = [f"{title:=^56}"] + [f"{k:<38}{v!s:>18}" for k, v in rows] + ["=" * 56]
+    lines = [f"{title:=^56}"] + [f"{k:<38}{v!s:>18}" for k, v in rows]
+    lines += (format_breakdown(res["workers"]) if res.get("workers") else []) + ["=" * 56]
     if res["interrupted"]:
         lines.insert(1, f"{'Unfinished requests (cut off)':<38}{res['unfinished']:>18}")
     server, per_request = res["cache_hit_rate"], res["cache_hit_rate_requests"]

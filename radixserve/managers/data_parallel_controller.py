@@ -8,7 +8,7 @@ exact and no message takes an extra hop.
 
 - ``round_robin``: replicas in turn.
 - ``shortest_queue``: the replica with the fewest requests in flight.
-- ``cache_aware`` (sglang-router's policy, over token ids): each replica has
+- ``cache_aware`` (modelled on sglang-router's policy, over token ids): each replica has
   an approximate prefix index (``ApproxPrefixIndex``) of the prompts sent to
   it. A request goes to the replica whose index matches the longest share of
   its prompt when that share is at least ``CACHE_THRESHOLD``, otherwise to
