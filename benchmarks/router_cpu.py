@@ -1,7 +1,9 @@
 """Two radixserve replicas behind sglang-router on the CPU: the scaled-down W4
 (generated shared prefix, more group prompts than one replica's KV pool holds)
 through ``--policy cache_aware``, then ``round_robin``, then against one replica
-alone. Prints one JSON line per configuration: hit rate (and the dataset's
+alone; and one server of two replicas (``--dp-size 2``) with
+``--load-balance-method cache_aware`` and ``round_robin`` (configs
+``dp_cache_aware``, ``dp_round_robin``). Prints one JSON line per configuration: hit rate (and the dataset's
 ideal), output throughput, TTFT p50/p99, and the per-replica breakdown that
 ``bench.serving --worker-urls`` reads from the workers.
 
@@ -81,6 +83,25 @@ def start_replica(args, i: int) -> tuple[Proc, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
+def dp_run(args, label: str, method: str) -> tuple[dict, list[dict]]:
+    """One server of two replicas (--dp-size 2) with ``method``: its bench
+    run and each replica's requests and hit rate, from its internal states."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "radixserve.launch_server", "--port", str(port), "--max-total-tokens", str(args.pool),
+           "--dp-size", "2", "--load-balance-method", method, *args.server_args.split()]
+    proc = Proc(cmd, args.out_dir / f"{label}-server.log", env={"OMP_NUM_THREADS": str(args.threads)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc.wait_until(lambda: httpx.get(url + "/health", timeout=2).status_code == 200, 300, url)
+        run = bench(args, label, url, [url])
+        states = httpx.get(url + "/get_server_info", timeout=30).json()["internal_states"]
+    finally:
+        proc.stop()
+    replicas = [{"dp_rank": st["dp_rank"], "prompt_tokens": st["prompt_tokens"],
+                 "hit_rate": r3(st["cached_tokens"] / max(st["prompt_tokens"], 1))} for st in states]
+    return run, replicas
+
+
 def start_router(args, urls: list[str], policy: str) -> tuple[Proc, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--policy", policy,
@@ -130,7 +151,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out-dir", type=Path, required=True, help="bench JSON files and process logs")
     p.add_argument("--configs", nargs="+", default=["cache_aware", "round_robin", "single"],
-                   choices=["cache_aware", "round_robin", "single"])
+                   choices=["cache_aware", "round_robin", "single", "dp_cache_aware", "dp_round_robin"])
     p.add_argument("--rounds", type=int, default=1, help="repeat, every other round in reverse order")
     p.add_argument("--pool", type=int, default=1536, help="--max-total-tokens of each replica")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each replica")
@@ -164,6 +185,12 @@ def main() -> int:
         for rnd in range(args.rounds):
             for name in (args.configs if rnd % 2 == 0 else args.configs[::-1]):
                 label = name if args.rounds == 1 else f"{name}-r{rnd + 1}"
+                if name.startswith("dp_"):
+                    run, per_replica = dp_run(args, label, name.removeprefix("dp_"))
+                    line = summary(label, 2, run, os.getloadavg()[0])
+                    line["workers"] = per_replica  # the replicas inside the one server
+                    print(json.dumps(line), flush=True)
+                    continue
                 if name == "single":
                     run = bench(args, label, urls[0], urls[:1])
                     print(json.dumps(summary(label, 1, run, os.getloadavg()[0])), flush=True)
