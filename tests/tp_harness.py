@@ -47,6 +47,7 @@ def _rank_main(fn: Callable, rank: int, tp_size: int, init_method: str, out_dir:
             f.write(traceback.format_exc())
         raise SystemExit(1)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    os._exit(0)  # done: skip the interpreter's teardown, where a gloo group a peer has left may abort
 
 
 def run_ranks(fn: Callable, tp_size: int, *args: Any, ranks: list[int] | None = None, timeout_s: float = 50.0) -> list:
@@ -190,6 +191,7 @@ def model_rank(
         out["max_total_tokens"] = runner.max_total_tokens
         out["weight_numel"] = sum(p.numel() for p in runner.model.parameters())
         out["prepacked"] = runner.model.model.layers[0].mlp.down_proj.weight.is_mkldnn
+        runner.tp_group.barrier()  # no rank leaves the group while another still talks to it
         return out
     finally:
         runner.shutdown()
