@@ -98,3 +98,26 @@ def test_tp_flags_are_checked():
         radixserve.Engine(**TINY, tp_size=2, dist_init_addr="nowhere")
     with pytest.raises(ValueError, match="tp_size must be >= 1"):
         radixserve.Engine(**TINY, tp_size=0)
+
+
+@pytest.mark.slow
+def test_a_stop_regex_timeout_on_rank_0_ends_the_request_on_every_rank(monkeypatch):
+    """The stop_regex time limit is measured on each rank; rank 0's verdict
+    holds everywhere. Here every search on rank 0 (this process) runs out of
+    time and none on the other ranks: the request ends after its first token
+    on every rank, and the next request runs as at tp 1."""
+    from radixserve.sampling import stop_regex
+
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    greedy = {"temperature": 0, "max_new_tokens": 12}
+    with radixserve.Engine(device="cpu", max_total_tokens=2048, max_running_requests=4, disable_tqdm=True) as eng:
+        reference = eng.generate(eng.apply_chat_template(chat), greedy)["output_ids"]
+    with radixserve.Engine(device="cpu", tp_size=3, max_total_tokens=2048, max_running_requests=4,
+                           check_invariants=True, disable_tqdm=True, dist_timeout=60) as eng:
+        prompt = eng.apply_chat_template(chat)
+        monkeypatch.setattr(stop_regex, "MATCH_TIMEOUT_S", 1e-9)  # rank 0 only: the others are processes of their own
+        out = eng.generate(prompt, {**greedy, "stop_regex": [r"\d+"]})
+        monkeypatch.undo()
+        assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) == 1
+        assert "stop_regex" in out["meta_info"]["finish_reason"]["message"]
+        assert eng.generate(prompt, greedy)["output_ids"] == reference

@@ -142,9 +142,12 @@ def init_tp_group(
         torch.cuda.set_device(device)
         extra["device_id"] = device  # creates the NCCL communicator now, not at the first (captured) collective
     try:
+        # The ranks meet in a store made first: if that fails, init_process_group
+        # has not run, and a later group in this process is named as in a fresh one.
+        store = _rendezvous_store(init_method, tp_rank, tp_size, timeout)
         dist.init_process_group(
-            "nccl" if cuda else "gloo", init_method=init_method, world_size=tp_size, rank=tp_rank,
-            timeout=timeout, **extra,
+            "nccl" if cuda else "gloo", world_size=tp_size, rank=tp_rank, timeout=timeout,
+            **({"store": store} if store is not None else {"init_method": init_method}), **extra,
         )
         cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     except RuntimeError as e:  # torch's DistError family: a missing rank, an unreachable address
@@ -156,3 +159,12 @@ def init_tp_group(
         ) from e
     logger.info("TP rank %d of %d joined at %s (%s)", tp_rank, tp_size, init_method, dist.get_backend())
     return TPGroup(tp_rank, tp_size, dist.group.WORLD, cpu_group)
+
+
+def _rendezvous_store(init_method: str, tp_rank: int, tp_size: int, timeout: timedelta) -> dist.Store | None:
+    """A TCP store at ``tcp://HOST:PORT`` that every rank has joined (rank 0
+    hosts it); None for another kind of init method."""
+    if not init_method.startswith("tcp://"):
+        return None
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    return dist.TCPStore(host, int(port), tp_size, is_master=tp_rank == 0, timeout=timeout, wait_for_workers=True)

@@ -114,6 +114,7 @@ class Req:
         self.is_chunked = False
         self.stop_window = 0  # output tokens re-decoded to find stop strings and regexes (0: none)
         self.stop_patterns: list = []  # compiled stop_regex
+        self.stop_regex_timed_out = False  # its last search ran out of time (the request is aborted)
         # structured output: the compilation in progress, then the matcher of the output so far
         self.grammar_future = None
         self.grammar = None
@@ -159,7 +160,7 @@ class Req:
         self.stop_window = max(sp.stop_str_max_len(tokenizer), regex_chars) + 2
         self.stop_patterns = stop_regex.compile_all(sp.stop_regex)
 
-    def check_finished(self, tokenizer, context_len: int) -> None:
+    def check_finished(self, tokenizer, context_len: int, regex_timeout_s: float | None = None) -> None:
         """Set ``finished_reason`` if the last output token ends the request:
         a stop token, a stop string or regex in the output's tail, or the
         length limit."""
@@ -168,17 +169,18 @@ class Req:
             self.finished_reason = FinishReason.stopped(last)
         elif self.stop_window and len(self.output_ids) >= sp.min_new_tokens:
             tail = tokenizer.decode(self.output_ids[-self.stop_window :], skip_special_tokens=sp.skip_special_tokens)
-            self.finished_reason = self._match_stop(tail)
+            self.finished_reason = self._match_stop(tail, regex_timeout_s)
         if self.finished_reason is None and (len(self.output_ids) >= sp.max_new_tokens or self.seqlen >= context_len):
             self.finished_reason = FinishReason.at_length(len(self.output_ids))
 
-    def _match_stop(self, tail: str) -> FinishReason | None:
+    def _match_stop(self, tail: str, regex_timeout_s: float | None = None) -> FinishReason | None:
         matched = next((s for s in self.sampling_params.stop if s in tail), None)
         if matched is not None:
             return FinishReason.stopped(matched)
         try:
-            found = stop_regex.first_match(self.stop_patterns, tail)
+            found = stop_regex.first_match(self.stop_patterns, tail, regex_timeout_s)
         except stop_regex.StopRegexTimeout as exc:
+            self.stop_regex_timed_out = True
             return FinishReason.aborted(str(exc))
         return None if found is None else FinishReason.stopped(found[0])
 

@@ -16,6 +16,7 @@ from radixserve.model_executor.forward_batch_info import ForwardMode
 logger = logging.getLogger(__name__)
 
 MIN_NEW_TOKEN_RATIO = 0.1
+RECHECK_REGEX_TIMEOUT_S = 2.0  # a stop_regex search rank 0 finished in time, run again on a slower rank
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
@@ -70,9 +71,29 @@ class SchedulerOutputProcessorMixin:
                 updated.append(req)
         if constrained:
             self.grammar_queue.advance(constrained)
+        self._agree_on_stop_regex(updated)
         prefilled = [r for r, p in zip(reqs, partial) if not p and id(r) not in launched.decoding]
         self._update_running(mode, updated, prefilled)
         return updated
+
+    def _agree_on_stop_regex(self, reqs: list[Req]) -> None:
+        """Under TP: a stop_regex search runs against a clock on every rank,
+        so whether it ran out of time is rank 0's call. A request it timed
+        out on rank 0 ends on every rank; one it timed out only here is
+        checked again with a longer limit (rank 0 found its answer in time)."""
+        if self.tp_group.size == 1:
+            return
+        watched = [r for r in reqs if r.stop_patterns and r.output_ids]
+        if not watched:  # the same on every rank: then no rank waits for the others
+            return
+        timed_out = set(self._agree_on_rids([r.rid for r in watched if r.stop_regex_timed_out]))
+        for req in watched:
+            if req.rid in timed_out and not req.stop_regex_timed_out:
+                req.finished_reason = FinishReason.aborted("sampling_params.stop_regex: the search ran out of time")
+                req.stop_regex_timed_out = True
+            elif req.stop_regex_timed_out and req.rid not in timed_out:
+                req.finished_reason, req.stop_regex_timed_out = None, False
+                req.check_finished(self.tokenizer, self.context_len, regex_timeout_s=RECHECK_REGEX_TIMEOUT_S)
 
     def _release_deferred(self, req: Req) -> None:
         if req.kv_inflight == 0:

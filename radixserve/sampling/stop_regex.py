@@ -77,16 +77,18 @@ def compile_all(patterns: list[str]) -> list[regex.Pattern]:
     return [regex.compile(p) for p in patterns]
 
 
-def first_match(patterns: list[regex.Pattern], text: str) -> tuple[str, int] | None:
+def first_match(patterns: list[regex.Pattern], text: str, timeout_s: float | None = None) -> tuple[str, int] | None:
     """The first pattern that matches ``text`` and where its match starts, or
-    None; raises ``StopRegexTimeout`` naming a pattern too slow to search."""
+    None; raises ``StopRegexTimeout`` naming a pattern too slow to search
+    (within ``timeout_s``, by default ``MATCH_TIMEOUT_S``)."""
+    timeout_s = MATCH_TIMEOUT_S if timeout_s is None else timeout_s
     for pattern in patterns:
         try:
-            found = pattern.search(text, timeout=MATCH_TIMEOUT_S)
+            found = pattern.search(text, timeout=timeout_s)
         except TimeoutError:
             raise StopRegexTimeout(
                 f"sampling_params.stop_regex: searching the output for {pattern.pattern!r} "
-                f"took over {MATCH_TIMEOUT_S}s; the request was stopped"
+                f"took over {timeout_s}s; the request was stopped"
             ) from None
         if found is not None:
             return pattern.pattern, found.start()
