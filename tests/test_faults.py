@@ -127,7 +127,8 @@ def test_sigterm_with_requests_in_flight_ends_them_and_exits_0(tmp_path):
         # finished in the grace period, or ended with a 503
         _assert_answered(results, 15, lambda error: error is None or error["code"] == 503)
         assert _wait_exit(srv.proc, 30) == 0
-        assert not any(alive(p) for p in kids.values()) and ipc_dirs(tmp_path) == []
+        wait_for(lambda: not any(alive(p) for p in kids.values()), 10, "every child's exit after the server's")
+        assert ipc_dirs(tmp_path) == []
     finally:
         srv.stop()
 
