@@ -44,7 +44,7 @@ from radixserve.bench.serving_metrics import (RequestRecord, compute_metrics, co
                                               ttft)
 from radixserve.bench.serving_plots import plot_compare, plot_latencies, plot_rates
 from radixserve.bench.serving_report import format_table, write_json
-from radixserve.bench.serving_workers import combine_states, read_workers, total_counters, worker_breakdown
+from radixserve.bench.serving_workers import poll_server, read_server_state, read_workers, total_counters, worker_breakdown
 from radixserve.bench.datasets import (Conversation, Dataset, TokenSampler, generated_shared_prefix_dataset,
                                        jsonl_dataset, multi_turn_dataset, random_dataset)
 
@@ -284,57 +284,6 @@ def arrival_offsets(n: int, rate: float, rng: np.random.Generator) -> np.ndarray
     gaps = rng.exponential(1.0 / rate, size=n)
     gaps[0] = 0.0
     return np.cumsum(gaps)
-
-
-async def read_server_state(client, cfg: ClientConfig, url: str | None = None) -> dict | None:
-    """The scheduler's counters from /get_server_info, or the running / waiting
-    gauges from /metrics for servers without it; None if neither answers.
-    ``url``: another server than the one benchmarked (a worker behind it)."""
-    url = url or cfg.base_url
-    try:
-        resp = await client.get(url + "/get_server_info", headers=cfg.headers(), timeout=10)
-        if resp.status_code == 200:
-            state = combine_states(resp.json().get("internal_states") or [{}])  # --dp-size: one per replica
-            if "running" in state:
-                return state
-        resp = await client.get(url + "/metrics", headers=cfg.headers(), timeout=10)
-        if resp.status_code == 200:
-            return parse_prometheus_gauges(resp.text)
-    except Exception:  # noqa: BLE001 - server statistics are optional
-        pass
-    return None
-
-
-async def poll_server(client, cfg: ClientConfig, state: RunState, interval: float,
-                      worker_urls: list[str] | None = None) -> None:
-    """Peak running / waiting requests and KV usage; behind a router, the
-    workers' running and waiting summed (the router reports neither)."""
-    while True:
-        if worker_urls:
-            states = await asyncio.gather(*(read_server_state(client, cfg, url) for url in worker_urls))
-            s = _sum_gauges([x for x in states if x])
-        else:
-            s = await read_server_state(client, cfg)
-        if s:
-            if "running" in s:
-                state.peak_running = max(state.peak_running or 0, int(s["running"]))
-            if "waiting" in s:
-                state.peak_waiting = max(state.peak_waiting or 0, int(s["waiting"]))
-            if "kv_usage" in s:
-                state.peak_kv_usage = max(state.peak_kv_usage or 0.0, float(s["kv_usage"]))
-        await asyncio.sleep(interval)
-
-
-def _sum_gauges(states: list[dict]) -> dict | None:
-    """Running and waiting requests summed over servers, the highest KV usage."""
-    out: dict = {}
-    for s in states:
-        for key in ("running", "waiting"):
-            if key in s:
-                out[key] = out.get(key, 0) + int(s[key])
-        if "kv_usage" in s:
-            out["kv_usage"] = max(out.get("kv_usage", 0.0), float(s["kv_usage"]))
-    return out or None
 
 
 async def run_at_rate(client, cfg: ClientConfig, dataset: Dataset, rate: float, seed: int, tokenizer,

@@ -1,5 +1,6 @@
-"""bench-serving against a router: the workers behind it (``--worker-urls``)
-are read before and after each rate, and their counters give a per-replica
+"""What bench-serving reads from servers: the benchmarked server's load
+while a rate runs (``read_server_state``, ``poll_server``), and, against a
+router, the workers behind it (``--worker-urls``), read before and after each rate, and their counters give a per-replica
 breakdown: requests served, prompt tokens, prefix-cache hit rate.
 
 The router's own figures cannot say this: sglang-router counts requests per
@@ -17,6 +18,8 @@ worker but knows nothing of the workers' caches. Each worker counts
 from __future__ import annotations
 
 import asyncio
+
+from radixserve.bench.serving_metrics import parse_prometheus_gauges
 
 COUNTERS = ("requests", "prompt_tokens", "cached_tokens")
 # what a --dp-size server reports per replica, and its whole is the sum of
@@ -121,3 +124,55 @@ def format_breakdown(rows: list[dict]) -> list[str]:
         lines.append(f"{url[-30:]:<30}{f(r['requests'], '{}'):>9}{f(r['request_share'], '{:.0%}'):>8}"
                      f"{f(r['cache_hit_rate'], '{:.1%}'):>9}")
     return lines
+
+
+# -- the benchmarked server's load while a rate runs ----------------------------------------
+async def read_server_state(client, cfg, url: str | None = None) -> dict | None:
+    """The scheduler's counters from /get_server_info, or the running / waiting
+    gauges from /metrics for servers without it; None if neither answers.
+    ``url``: another server than the one benchmarked (a worker behind it)."""
+    url = url or cfg.base_url
+    try:
+        resp = await client.get(url + "/get_server_info", headers=cfg.headers(), timeout=10)
+        if resp.status_code == 200:
+            state = combine_states(resp.json().get("internal_states") or [{}])  # --dp-size: one per replica
+            if "running" in state:
+                return state
+        resp = await client.get(url + "/metrics", headers=cfg.headers(), timeout=10)
+        if resp.status_code == 200:
+            return parse_prometheus_gauges(resp.text)
+    except Exception:  # noqa: BLE001 - server statistics are optional
+        pass
+    return None
+
+
+async def poll_server(client, cfg, state, interval: float,
+                      worker_urls: list[str] | None = None) -> None:
+    """Peak running / waiting requests and KV usage; behind a router, the
+    workers' running and waiting summed (the router reports neither)."""
+    while True:
+        if worker_urls:
+            states = await asyncio.gather(*(read_server_state(client, cfg, url) for url in worker_urls))
+            s = _sum_gauges([x for x in states if x])
+        else:
+            s = await read_server_state(client, cfg)
+        if s:
+            if "running" in s:
+                state.peak_running = max(state.peak_running or 0, int(s["running"]))
+            if "waiting" in s:
+                state.peak_waiting = max(state.peak_waiting or 0, int(s["waiting"]))
+            if "kv_usage" in s:
+                state.peak_kv_usage = max(state.peak_kv_usage or 0.0, float(s["kv_usage"]))
+        await asyncio.sleep(interval)
+
+
+def _sum_gauges(states: list[dict]) -> dict | None:
+    """Running and waiting requests summed over servers, the highest KV usage."""
+    out: dict = {}
+    for s in states:
+        for key in ("running", "waiting"):
+            if key in s:
+                out[key] = out.get(key, 0) + int(s[key])
+        if "kv_usage" in s:
+            out["kv_usage"] = max(out.get("kv_usage", 0.0), float(s["kv_usage"]))
+    return out or None
