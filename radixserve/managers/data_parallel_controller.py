@@ -19,8 +19,9 @@ exact and no message takes an extra hop.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
+
+from radixserve.mem_cache.kv_events.events import chain_digests
 
 BLOCK_TOKENS = 16  # the prefix index's unit: a prompt's first k * 16 tokens
 CACHE_THRESHOLD = 0.5  # least matched share of a prompt that routes by cache
@@ -31,13 +32,8 @@ INDEX_MAX_BLOCKS = 1 << 16  # per replica (about a million tokens); the least re
 
 def block_keys(token_ids: list[int], block: int = BLOCK_TOKENS) -> list[bytes]:
     """One key per whole block of the prompt, each naming the whole prefix
-    up to it (a hash chained with the previous block's key)."""
-    keys, parent = [], b""
-    for start in range(0, len(token_ids) - block + 1, block):
-        chunk = b"".join(t.to_bytes(4, "little") for t in token_ids[start : start + block])
-        parent = hashlib.blake2b(parent + chunk, digest_size=8).digest()
-        keys.append(parent)
-    return keys
+    up to it: the chained block digests of the KV events."""
+    return chain_digests(token_ids, block)
 
 
 class ApproxPrefixIndex:
