@@ -128,7 +128,12 @@ def bench(args, name: str, base_url: str, worker_urls: list[str]) -> dict:
            "--gsp-question-len", str(args.question_len), "--gsp-output-len", str(args.output_len),
            "--max-concurrency", str(args.max_concurrency), "--seed", str(args.seed)]
     with open(args.out_dir / f"{name}.log", "w") as log:
-        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=HERE, timeout=args.bench_timeout)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=HERE)
+        try:
+            proc.wait(args.bench_timeout)
+        except subprocess.TimeoutExpired:  # Ctrl-C: it reports the requests that finished ("interrupted")
+            proc.send_signal(signal.SIGINT)
+            proc.wait(60)
     return json.loads(out.read_text())["runs"][0]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field, fields
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
@@ -14,6 +15,8 @@ CHARS_PER_TOKEN_LIMIT = 32  # default --max-prompt-chars per token of context
 TOOL_CALL_PARSER_NAMES = ("llama3", "qwen", "qwen25")
 REASONING_PARSER_NAMES = ("deepseek-r1", "qwen3")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HICACHE_STORAGE_BACKENDS = ("file",)
 
 
 @dataclass
@@ -45,6 +48,18 @@ class ServerArgs:
     schedule_conservativeness: float = field(default=1.0, metadata={"help": "scales the output-length estimate"})
     disable_radix_cache: bool = field(default=False, metadata={"help": "no prefix reuse (ablation)"})
     eviction_policy: str = field(default="lru", metadata={"help": "lru or lfu"})
+    # The hierarchical cache (docs/hicache.md): host memory, then files, under the device's radix tree.
+    enable_hierarchical_cache: bool = field(default=False, metadata={
+        "help": "keep KV evicted from the device in a host-memory pool and load it back on a prefix match"})
+    hicache_ratio: float = field(default=2.0, metadata={"help": "host pool tokens per device pool token"})
+    hicache_size: float = field(default=0, metadata={"help": "host pool size in GB (overrides --hicache-ratio)"})
+    hicache_write_policy: str = field(default="write_through", metadata={
+        "help": "when KV is copied to the host", "choices": HICACHE_WRITE_POLICIES})
+    hicache_storage_backend: str | None = field(default=None, metadata={
+        "help": "a tier below host memory that survives restarts", "choices": HICACHE_STORAGE_BACKENDS})
+    hicache_storage_dir: str | None = field(default=None, metadata={
+        "help": "the file tier's directory (default $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, "
+                "else hicache/ in radixserve's cache directory)"})
     attention_backend: str = field(default="auto", metadata={
         "help": "attention kernels: triton (GPU), torch_native (CPU and GPU) or auto (triton on CUDA)"})
     disable_cuda_graph: bool = field(default=False, metadata={"help": "run decodes eagerly (no CUDA graphs)"})
@@ -122,6 +137,7 @@ class ServerArgs:
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
         self._check_distributed()
+        self._check_hicache()
         self.model_overrides()  # fail at start-up, naming the flag
         if self.kv_events_config:
             from radixserve.mem_cache.kv_events.publisher import KVEventsConfig
@@ -133,6 +149,29 @@ class ServerArgs:
                 raise ValueError(str(exc) if "kv-events-config" in str(exc) else f"kv_events_config: {exc}") from None
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+
+    def _check_hicache(self) -> None:
+        _one_of("hicache_write_policy", self.hicache_write_policy, HICACHE_WRITE_POLICIES)
+        if self.hicache_storage_backend is not None:
+            _one_of("hicache_storage_backend", self.hicache_storage_backend, HICACHE_STORAGE_BACKENDS)
+        if not self.enable_hierarchical_cache:
+            if self.hicache_storage_backend is not None:
+                raise ValueError("hicache_storage_backend: the file tier sits under the host tier; "
+                                 "add --enable-hierarchical-cache")
+            return
+        if self.disable_radix_cache:
+            raise ValueError("enable_hierarchical_cache: the hierarchical cache is a radix cache; "
+                             "drop --disable-radix-cache")
+        if self.tp_size > 1:
+            raise ValueError("enable_hierarchical_cache: not supported with --tp-size > 1 yet")
+        if self.hicache_size < 0 or (self.hicache_size == 0 and not self.hicache_ratio > 1):
+            raise ValueError(f"hicache_ratio must be > 1 (or --hicache-size > 0 GB), got {self.hicache_ratio}")
+
+    def resolved_hicache_storage_dir(self) -> str:
+        from radixserve.cache_dir import cache_root
+
+        return (self.hicache_storage_dir or os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR")
+                or os.path.join(cache_root(), "hicache"))
 
     def _check_distributed(self) -> None:
         if self.base_gpu_id < 0:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from radixserve.mem_cache import (
     ChunkCache,
@@ -88,3 +90,39 @@ class Harness:
         self.alloc.free(own)
         self.req_pool.free(req.req_pool_idx)
         self.cache.dec_lock_ref(req.last_node)
+
+
+# Keys from a tiny alphabet, so that random requests share prefixes often.
+request_tokens = st.lists(st.integers(0, 2), min_size=1, max_size=24)
+
+
+class RequestRules(RuleBasedStateMachine):
+    """Hypothesis rules for the request life cycle over ``self.h`` (a
+    ``Harness``, made by the subclass's ``@initialize`` rule): requests start,
+    decode, finish and abort, and keys are matched."""
+
+    @precondition(lambda self: len(self.h.live) < 5)
+    @rule(key=request_tokens)
+    def start(self, key):
+        self.h.start(key)
+
+    @precondition(lambda self: self.h.live)
+    @rule(data=st.data(), token=st.integers(0, 2))
+    def decode(self, data, token):
+        req = data.draw(st.sampled_from(self.h.live))
+        if not self.h.decode(req, token):
+            req.output_ids.pop()
+
+    @precondition(lambda self: self.h.live)
+    @rule(data=st.data())
+    def finish(self, data):
+        self.h.finish(data.draw(st.sampled_from(self.h.live)))
+
+    @precondition(lambda self: self.h.live)
+    @rule(data=st.data())
+    def abort(self, data):
+        self.h.abort(data.draw(st.sampled_from(self.h.live)))
+
+    @rule(key=request_tokens)
+    def match(self, key):
+        self.h.cache.match_prefix(key)  # splits, hit counts (and the hierarchical cache's selective backups)

@@ -19,10 +19,10 @@ import torch
 import zmq
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 import radixserve
-from mem_harness import Harness
+from mem_harness import Harness, RequestRules
 from radixserve.managers.scheduler_factory import build_scheduler
 from radixserve.mem_cache import RadixCache
 from radixserve.mem_cache.kv_events import (
@@ -193,8 +193,8 @@ def test_eviction_under_pressure_from_a_tiny_pool():
 tokens = st.lists(st.integers(0, 1), min_size=0, max_size=20)
 
 
-class RecordedCacheMachine(RuleBasedStateMachine):
-    """Random request life cycles, lookups, locks, evictions and resets on a
+class RecordedCacheMachine(RequestRules):
+    """Random request life cycles (``RequestRules``), lookups, locks, evictions and resets on a
     RadixCache with a recorder: after every step, the blocks a router rebuilds
     from the events are exactly the tree's."""
 
@@ -205,36 +205,10 @@ class RecordedCacheMachine(RuleBasedStateMachine):
         self.mirror = Mirror()
         self.locks = []
 
-    @rule(key=tokens)
-    def match(self, key):
-        self.h.cache.match_prefix(key)
-
-    @precondition(lambda self: len(self.h.live) < 5)
-    @rule(key=tokens.filter(len))
-    def start(self, key):
-        self.h.start(key)
-
-    @precondition(lambda self: self.h.live)
-    @rule(data=st.data(), tok=st.integers(0, 2))
-    def decode(self, data, tok):
-        req = data.draw(st.sampled_from(self.h.live))
-        if not self.h.decode(req, tok):
-            req.output_ids.pop()
-
-    @precondition(lambda self: self.h.live)
-    @rule(data=st.data())
-    def finish(self, data):
-        self.h.finish(data.draw(st.sampled_from(self.h.live)))
-
     @precondition(lambda self: self.h.live)
     @rule(data=st.data())
     def chunk(self, data):
         self.h.cache.cache_unfinished_req(data.draw(st.sampled_from(self.h.live)))
-
-    @precondition(lambda self: self.h.live)
-    @rule(data=st.data())
-    def abort(self, data):
-        self.h.abort(data.draw(st.sampled_from(self.h.live)))
 
     @rule(key=tokens)
     def lock(self, key):

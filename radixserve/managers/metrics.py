@@ -5,6 +5,17 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+HICACHE_GAUGES = (
+    ("hicache_host_used", "hicache_host_used_tokens", "Host tier slots holding KV"),
+    ("hicache_host_size", "hicache_host_size_tokens", "Host tier size in tokens"),
+    ("hicache_backed_up", "hicache_backed_up_tokens", "Tokens copied device to host since start"),
+    ("hicache_loaded_back", "hicache_loaded_back_tokens", "Tokens loaded back host to device since start (host hits)"),
+    ("hicache_host_evicted", "hicache_host_evicted_tokens", "Tokens evicted from the host tier since start"),
+    ("hicache_storage_prefetched", "hicache_storage_prefetched_tokens",
+     "Tokens read from the file tier into the host since start (file hits)"),
+    ("hicache_storage_writes", "hicache_storage_written_blocks", "Blocks written to the file tier since start"),
+    ("hicache_storage_corrupt", "hicache_storage_corrupt_blocks", "Corrupt or stale files dropped since start"),
+)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -22,6 +33,8 @@ class ServerMetrics:
         self.queued = Gauge(p + "num_queue_reqs", "Requests waiting", registry=r)
         self.token_usage = Gauge(p + "token_usage", "Share of the KV pool in use (not free, not evictable)", registry=r)
         self.cache_hit_rate = Gauge(p + "cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens", registry=r)
+        # The hierarchical cache's tiers (docs/hicache.md); present with --enable-hierarchical-cache.
+        self.hicache = {key: Gauge(p + name, text, registry=r) for key, name, text in HICACHE_GAUGES}
 
     def on_request(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
@@ -47,6 +60,9 @@ class ServerMetrics:
         self.queued.set(state.get("waiting", 0))
         self.token_usage.set(state.get("kv_usage", 0.0))
         self.cache_hit_rate.set(state.get("cache_hit_rate", 0.0))
+        for key, gauge in self.hicache.items():
+            if key in state:
+                gauge.set(state[key])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import enum
+import time
 from collections import defaultdict
 
 import torch
 
 from radixserve.managers.schedule_batch import Req
 from radixserve.mem_cache.allocator import page_aligned
-from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
+from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
 from radixserve.mem_cache.radix_cache import RadixCache
 
 # Cache-aware ordering matches every waiting request; past this queue length
@@ -25,15 +26,22 @@ IN_BATCH_PREFIX_DEPRIORITIZE = 32
 CLIP_MAX_NEW_TOKENS = 4096
 
 
-def match_prefix(req: Req, tree_cache: BasePrefixCache) -> None:
-    """Set ``req.prefix_indices`` / ``last_node`` from the cache. At least one
-    input token is left to compute (it yields the next-token logits), and for
-    input logprobs the positions that need logits are not taken from cache."""
+def prefix_key(req: Req) -> list[int]:
+    """The tokens of ``req`` that may come from the cache. At least one input
+    token is left to compute (it yields the next-token logits), and for input
+    logprobs the positions that need logits are not taken from cache."""
     limit = len(req.fill_ids) - 1
     if req.return_logprob and req.logprob_start_len >= 0:
         limit = min(limit, max(req.logprob_start_len - 1, 0))
-    m = tree_cache.match_prefix(req.fill_ids[: max(limit, 0)])
+    return req.fill_ids[: max(limit, 0)]
+
+
+def match_prefix(req: Req, tree_cache: BasePrefixCache, key: list[int] | None = None) -> MatchResult:
+    """Set ``req.prefix_indices`` / ``last_node`` from the cache's match of
+    ``key`` (``prefix_key(req)`` unless given), which is returned."""
+    m = tree_cache.match_prefix(prefix_key(req) if key is None else key)
     req.prefix_indices, req.last_node = m.device_indices, m.last_node
+    return m
 
 
 class SchedulePolicy:
@@ -101,6 +109,7 @@ class AddResult(enum.Enum):
     CONTINUE = 1  # admitted; try the next one
     NO_TOKEN = 2  # out of KV budget
     OTHER = 3  # another limit (prefill tokens, running requests)
+    WAIT = 4  # its prefix is being copied up from a lower cache tier; try the next one
 
 
 class PrefillAdder:
@@ -146,7 +155,11 @@ class PrefillAdder:
     def add_one_req(self, req: Req) -> AddResult:
         if len(self.can_run) >= self.max_new_reqs or self.rem_input <= 0:
             return AddResult.OTHER
-        match_prefix(req, self.tree_cache)
+        key = prefix_key(req)
+        wait, taken = self.tree_cache.fetch(key, match_prefix(req, self.tree_cache, key), self.rem_total)
+        self.rem_total -= taken
+        if wait is not None and not wait.finished and time.monotonic() < wait.deadline:
+            return AddResult.WAIT
         extend = len(req.fill_ids) - len(req.prefix_indices)
         if self.can_run and extend > self.rem_input and extend <= self.rem_chunk:
             return AddResult.OTHER

@@ -17,7 +17,8 @@ from radixserve.managers.schedule_batch import FinishReason, KVPools, Req, Sched
 from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
 from radixserve.managers.scheduler_output_processor_mixin import Launched, SchedulerOutputProcessorMixin
 from radixserve.managers.tp_worker import TpModelWorker
-from radixserve.mem_cache import ChunkCache, KVEventRecorder, RadixCache, check_memory_invariant, page_aligned
+from radixserve.mem_cache import check_memory_invariant, page_aligned
+from radixserve.mem_cache.factory import build_tree_cache
 from radixserve.mem_cache.kv_events import ZmqEventPublisher
 from radixserve.model_executor.forward_batch_info import ForwardMode
 from radixserve.sampling.grammar import grammar_spec
@@ -89,14 +90,10 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.context_len = model_runner.max_context_len
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.allocator = model_runner.token_to_kv_pool_allocator
-        cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
-        extra = {} if server_args.disable_radix_cache else {"eviction_policy": server_args.eviction_policy}
         self.kv_event_publisher = kv_event_publisher
         if kv_event_publisher is not None:
             weakref.finalize(self, kv_event_publisher.close)  # dropped without close(): its ports still come back
-            if not server_args.disable_radix_cache:
-                extra["kv_events"] = KVEventRecorder(self.page_size, kv_event_publisher.config.block_size)
-        self.tree_cache = cache_cls(self.req_to_token_pool, self.allocator, self.page_size, **extra)
+        self.tree_cache = build_tree_cache(server_args, model_runner, kv_event_publisher, self.worker.forward_stream)
         self.pools = KVPools(self.req_to_token_pool, self.allocator, self.tree_cache, self.page_size, self.device)
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache)
         self.max_running = min(server_args.max_running_requests, self.req_to_token_pool.available_size())
@@ -173,7 +170,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
     def is_idle(self) -> bool:
         # a request aborted while waiting is only handed back by the next step
         return not (self.waiting or self.grammar_queue or self.running_batch.reqs or self.chunked_req
-                    or self._in_flight or self._finished_outside_batch)
+                    or self._in_flight or self._finished_outside_batch or self.tree_cache.busy())
 
     def live_reqs(self) -> list[Req]:
         """Requests holding KV: running, chunked, and finished ones waiting for their last forward."""
@@ -187,14 +184,15 @@ class Scheduler(SchedulerOutputProcessorMixin):
         """Run one batch; returns the requests updated in it (finished ones too).
         With overlap, a batch's results come back in the next step."""
         out = self._drain() if self._in_flight and self._must_drain() else []
+        self.tree_cache.poll()  # copies between cache tiers that have finished
         out += self._process_aborts()
         if self.grammar_queue:
             ready, failed = self.grammar_queue.pop_compiled(self._agree_on_rids)
             self.waiting += ready
             out += failed
         batch = self._next_batch()
-        if batch is None and not self._in_flight and self.grammar_queue:  # only compilations to wait for
-            self.grammar_queue.wait()
+        if batch is None and not self._in_flight:  # only compilations or cache copies to wait for
+            self.grammar_queue.wait() if self.grammar_queue else self.tree_cache.wait()
         out += self._finished_outside_batch
         self._finished_outside_batch = []
         previous, self._in_flight = self._in_flight, None
@@ -278,6 +276,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
             if id(req) in sit_out and adder.can_run:
                 continue
             result = adder.add_one_req(req)
+            if result == AddResult.WAIT:
+                continue
             if result != AddResult.CONTINUE and req not in adder.can_run:
                 break
             admitted.add(id(req))
@@ -372,10 +372,13 @@ class Scheduler(SchedulerOutputProcessorMixin):
         return True
 
     def close(self) -> None:
-        """Stop publishing KV events (sends what is queued, closes the sockets)."""
+        """Stop publishing KV events (sends what is queued, closes the sockets)
+        and finish the cache tiers' copies (the file tier's writes land)."""
+        self.tree_cache.close()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
 
     def get_stats(self) -> dict[str, Any]:
         return dict(dataclasses.asdict(self.stats), running=len(self.running_batch), waiting=len(self.waiting) + len(self.grammar_queue),
-                    kv_free=self.allocator.available_size(), kv_cached=self.tree_cache.total_size())
+                    kv_free=self.allocator.available_size(), kv_cached=self.tree_cache.total_size(),
+                    **self.tree_cache.tier_stats())

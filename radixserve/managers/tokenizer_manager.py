@@ -439,7 +439,8 @@ def sum_replica_stats(states: list[dict]) -> dict:
     rate over the sums)."""
     if len(states) <= 1:
         return dict(states[0]) if states else {}
-    total = {key: sum(s.get(key, 0) for s in states) for key in _SUMMED}
+    tiers = {key for s in states for key in s if key.startswith("hicache_")}  # docs/hicache.md
+    total = {key: sum(s.get(key, 0) for s in states) for key in (*_SUMMED, *sorted(tiers))}
     total["kv_usage"] = total["kv_used"] / max(total["max_total_tokens"], 1)
     total["cache_hit_rate"] = total["cached_tokens"] / max(total["prompt_tokens"], 1)
     return total

@@ -35,6 +35,10 @@ class CachedReq(Protocol):
 class MatchResult:
     device_indices: torch.Tensor  # int64 KV slots of the matched prefix
     last_node: Any  # the deepest matched node; lock it to keep the slots
+    # The hierarchical cache's: tokens after the device prefix that a lower
+    # tier holds, and the deepest node of them (``fetch`` loads them back).
+    host_hit_length: int = 0
+    last_host_node: Any = None
 
 
 class BasePrefixCache(ABC):
@@ -69,6 +73,31 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def reset(self) -> None: ...
+
+    def fetch(self, key: list[int], match: MatchResult, budget: int) -> tuple[Any, int]:
+        """Start bringing the part of ``key`` that a lower tier holds onto the
+        device, taking at most ``budget`` device slots. Returns what the
+        request waits for in the queue (something with ``finished`` and
+        ``deadline``; None for nothing) and the device slots taken now. A
+        one-tier cache has nothing to fetch."""
+        return None, 0
+
+    def poll(self) -> None:
+        """Complete the copies between tiers that have finished (every step)."""
+
+    def busy(self) -> bool:
+        """Whether copies between tiers are still in flight."""
+        return False
+
+    def wait(self) -> None:
+        """Block briefly until some copy between tiers may have finished."""
+
+    def close(self) -> None:
+        """Finish what the lower tiers have in flight and stop their threads."""
+
+    def tier_stats(self) -> dict[str, int]:
+        """Usage and hit counters of the lower tiers (none here)."""
+        return {}
 
     def total_size(self) -> int:
         return self.evictable_size() + self.protected_size()

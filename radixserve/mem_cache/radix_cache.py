@@ -24,13 +24,17 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "hit_count", "id", "kv_blocks")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "hit_count", "id", "kv_blocks",
+                 "host_value", "transfer", "host_ref")
 
-    def __init__(self, node_id: int, key: list[int], value: torch.Tensor, parent: "TreeNode | None"):
+    def __init__(self, node_id: int, key: list[int], value: torch.Tensor | None, parent: "TreeNode | None"):
         self.children: dict = {}
         self.parent = parent
         self.key = key
-        self.value = value
+        self.value = value  # device KV slots; None while only the host tier holds the node (hiradix_cache.py)
+        self.host_value = None  # the host tier's slots, with --enable-hierarchical-cache
+        self.transfer = None  # the copy between tiers in flight, if any
+        self.host_ref = 0  # readers of the host copy (file-tier backups)
         self.lock_ref = 0
         self.last_access = 0
         self.hit_count = 0
@@ -163,11 +167,15 @@ class RadixCache(BasePrefixCache):
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut ``child``'s edge after ``n`` tokens; returns the new upper node."""
-        upper = self._new_node(child.key[:n], child.value[:n], child.parent)
+        value = child.value
+        upper = self._new_node(child.key[:n], None if value is None else value[:n], child.parent)
         upper.lock_ref, upper.last_access, upper.hit_count = child.lock_ref, child.last_access, child.hit_count
+        upper.transfer, upper.host_ref = child.transfer, child.host_ref
+        if child.host_value is not None:
+            upper.host_value, child.host_value = child.host_value[:n], child.host_value[n:]
         upper.children[self._child_key(child.key[n:])] = child
         child.parent.children[self._child_key(upper.key)] = upper
-        child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
+        child.key, child.value, child.parent = child.key[n:], None if value is None else value[n:], upper
         if self.kv_events is not None:
             self.kv_events.on_split(upper, child)
         return upper
@@ -181,13 +189,20 @@ class RadixCache(BasePrefixCache):
         node, present, _ = self._descend(key)
         end = self._aligned(len(key))
         if present < end:
-            leaf = self._new_node(list(key[present:end]), value[present:end].to(torch.int64).clone(), node)
-            self._touch(leaf)
-            node.children[self._child_key(leaf.key)] = leaf
-            self._evictable += len(leaf.key)
-            if self.kv_events is not None:
-                self.kv_events.on_insert(leaf, present)
+            self._add_leaf(node, key[present:end], value[present:end], present)
         return present
+
+    def _add_leaf(self, parent: TreeNode, key: list[int], value: torch.Tensor | None, start: int) -> TreeNode:
+        """A new leaf under ``parent`` at depth ``start``, on the device when
+        ``value`` (its slots) is given."""
+        leaf = self._new_node(list(key), None if value is None else value.to(torch.int64).clone(), parent)
+        self._touch(leaf)
+        parent.children[self._child_key(leaf.key)] = leaf
+        if value is not None:
+            self._evictable += len(leaf.key)
+        if self.kv_events is not None:
+            self.kv_events.on_insert(leaf, start)
+        return leaf
 
     # -- locks -------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode) -> None:
@@ -231,7 +246,8 @@ class RadixCache(BasePrefixCache):
     def _delete_leaf(self, leaf: TreeNode) -> TreeNode:
         parent = leaf.parent
         del parent.children[self._child_key(leaf.key)]
-        self._evictable -= len(leaf.key)
+        if leaf.value is not None:
+            self._evictable -= len(leaf.key)
         if self.kv_events is not None:
             self.kv_events.on_evict(leaf)
         return parent
@@ -290,14 +306,15 @@ class RadixCache(BasePrefixCache):
         for node in self._nodes():
             if node is self.root:
                 continue
-            if len(node.value) != len(node.key):
-                problems.append(f"{node}: value length {len(node.value)} != key length {len(node.key)}")
+            self._check_node(node, problems)
             if len(node.key) == 0 or len(node.key) % self.page_size:
                 problems.append(f"{node}: key length {len(node.key)} is not a positive multiple of {self.page_size}")
             if node.parent.children.get(self._child_key(node.key)) is not node:
                 problems.append(f"{node}: not indexed under its first page in its parent")
             if node.lock_ref < 0 or (node.parent is not self.root and node.parent.lock_ref < node.lock_ref):
                 problems.append(f"{node}: lock_ref {node.lock_ref} exceeds its parent's {node.parent.lock_ref}")
+            if node.value is None:  # not on the device: not in the device counters
+                continue
             if node.lock_ref > 0:
                 protected += len(node.key)
             else:
@@ -310,8 +327,14 @@ class RadixCache(BasePrefixCache):
         if problems:
             raise AssertionError("RadixCache invariant violated: " + "; ".join(problems[:5]))
 
+    def _check_node(self, node: TreeNode, problems: list[str]) -> None:
+        """Append what is wrong with ``node``'s slots to ``problems``."""
+        if node.value is None or len(node.value) != len(node.key):
+            problems.append(f"{node}: value {None if node.value is None else len(node.value)} "
+                            f"!= key length {len(node.key)}")
+
     def all_values(self) -> torch.Tensor:
-        values = [n.value for n in self._nodes() if n is not self.root]
+        values = [n.value for n in self._nodes() if n is not self.root and n.value is not None]
         return torch.cat(values) if values else _EMPTY
 
     def pretty_print(self) -> str:

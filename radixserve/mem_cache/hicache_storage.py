@@ -1,0 +1,219 @@
+"""The file tier under the host pool (``--hicache-storage-backend file``).
+
+Blocks of ``block_tokens`` consecutive tokens, counted from a sequence's
+first token, are stored under the chained SHA-256 digest of the tokens up to
+the block's end (the KV events' block digests, ``kv_events.chain_digests``),
+so a block's key names its whole prefix and a server restarted on the same
+directory finds what an earlier one stored.
+
+- **Backups**: when a node's host copy is complete, the blocks that end in
+  it go to files. The node is pinned (``host_ref``) until this tier's
+  thread has read its host slots; the backend writes on a thread of its own.
+- **Prefetch**: a request whose match stops short of blocks that are on
+  file gets host slots for them, and this tier's thread reads the files into
+  those slots. The request waits in the queue until ``poll`` puts the blocks
+  into the tree as host-only nodes (the load-back then moves them to the
+  device), or until ``PREFETCH_TIMEOUT_S`` has passed: it then runs with
+  what is cached, and the prefetch still lands for later requests.
+
+Corrupt or partial files are the backend's to detect (``storage/file_backend.py``):
+they read as misses, and a prefetch stops at the first one.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from radixserve.mem_cache.host_pool import HostKVPool
+from radixserve.mem_cache.kv_events.events import chain_digests
+from radixserve.mem_cache.storage import HiCacheFile
+
+logger = logging.getLogger(__name__)
+
+PREFETCH_TIMEOUT_S = 5.0
+PREFETCH_THRESHOLD = 64  # tokens on file worth waiting for
+STORAGE_BLOCK_TOKENS = 64  # rounded up to whole pages
+
+
+def storage_block_tokens(page_size: int) -> int:
+    return -(-STORAGE_BLOCK_TOKENS // page_size) * page_size
+
+
+@dataclass(eq=False)
+class Prefetch:
+    """Blocks being read from file into host slots for ``tokens[start:]``."""
+
+    tokens: list[int]
+    start: int  # the first token to fetch (the match's end)
+    host_slots: torch.Tensor  # for tokens[start:]
+    blocks: list[tuple[bytes, int]]  # (key, the block's first token), in order
+    deadline: float
+    generation: int
+    fetched: int = 0  # tokens read so far, from start
+    finished: bool = False
+
+
+@dataclass(eq=False)
+class _Backup:
+    node: object  # pinned until done
+    blocks: list[tuple[bytes, list[int], torch.Tensor]] = field(default_factory=list)  # key, tokens, host slots
+    generation: int = 0
+
+
+class FileTier:
+    def __init__(self, backend: HiCacheFile, host: HostKVPool, page_size: int):
+        self.backend = backend
+        self.host = host
+        self.block = storage_block_tokens(page_size)
+        self._generation = 0  # a reset drops what is in flight
+        self._tasks: queue.Queue = queue.Queue()
+        self._done: queue.Queue = queue.Queue()
+        self._in_flight = 0  # tasks handed to the thread and not yet polled back
+        self._prefetches: dict[bytes, Prefetch] = {}  # by their first block's key
+        self._held = 0  # host slots of prefetches not yet in the tree
+        self.prefetched_tokens = 0
+        self._thread = threading.Thread(target=self._run, name="hicache-file-tier", daemon=True)
+        self._thread.start()
+
+    # -- the scheduler's side --------------------------------------------------------
+    def backup(self, cache, node) -> None:
+        """Queue the blocks that end in ``node`` (its host copy complete) for files."""
+        path = cache.host_path(node)
+        if path is None:
+            return
+        tokens, slots = path
+        b, end = self.block, len(tokens)
+        first, last = (end - len(node.key)) // b, end // b  # blocks [first, last) end in the node
+        if last <= first:
+            return
+        digests = chain_digests(tokens[: last * b], b)
+        blocks = [(digests[k], tokens[k * b : (k + 1) * b], slots[k * b : (k + 1) * b]) for k in range(first, last)]
+        task = _Backup(node, blocks, self._generation)
+        node.host_ref += 1
+        self._submit(task)
+
+    def prefetch(self, cache, key: list[int], matched: int) -> Prefetch | None:
+        """Start reading the file blocks that continue a match of ``matched``
+        tokens of ``key``, if enough are on file and the host has room."""
+        b = self.block
+        first = matched // b
+        if (len(key) // b) * b - matched < PREFETCH_THRESHOLD:
+            return None
+        digests = chain_digests(key[: len(key) // b * b], b)
+        running = self._prefetches.get(digests[first])
+        if running is not None:
+            return running
+        on_file = self.backend.exists_prefix(digests[first:])
+        end = (first + on_file) * b
+        if end - matched < PREFETCH_THRESHOLD:
+            return None
+        host_slots = cache._host_alloc(end - matched)
+        if host_slots is None:
+            return None
+        p = Prefetch(list(key[:end]), matched, host_slots, [(digests[k], k * b) for k in range(first, first + on_file)],
+                     time.monotonic() + PREFETCH_TIMEOUT_S, self._generation)
+        self._prefetches[digests[first]] = p
+        self._held += len(host_slots)
+        self._submit(p)
+        return p
+
+    def _submit(self, task) -> None:
+        self._in_flight += 1
+        self._tasks.put(task)
+
+    def poll(self, cache) -> None:
+        """Take back what the thread finished: unpin backed-up nodes, put
+        prefetched blocks into the tree."""
+        while True:
+            try:
+                task = self._done.get_nowait()
+            except queue.Empty:
+                return
+            self._in_flight -= 1
+            if isinstance(task, _Backup):
+                task.node.host_ref -= 1
+                continue
+            task.finished = True
+            if task.generation != self._generation:
+                continue  # its host slots went with the reset
+            self._prefetches.pop(task.blocks[0][0], None)
+            self._held -= len(task.host_slots)
+            cache.host.allocator.free(task.host_slots[task.fetched :])
+            if task.fetched:
+                got = cache.attach_host(task.tokens[: task.start + task.fetched], task.host_slots[: task.fetched],
+                                        task.start)
+                self.prefetched_tokens += got
+                cache.stats.hicache_storage_prefetched += got
+
+    def busy(self) -> bool:
+        return self._in_flight > 0
+
+    def wait(self, timeout: float) -> None:
+        """Block until the thread finishes a task, for at most ``timeout`` s."""
+        try:
+            task = self._done.get(timeout=timeout)
+        except queue.Empty:
+            return
+        self._done.put(task)  # ``poll`` takes it
+
+    def host_slots_held(self) -> int:
+        return self._held
+
+    def drain(self) -> None:
+        """Wait until the thread has finished every task handed to it."""
+        self._tasks.join()
+
+    def reset(self) -> None:
+        """Drop what is in flight (the host pool is being cleared)."""
+        self.drain()
+        self._generation += 1
+        self._prefetches.clear()
+        self._held = 0
+
+    def stats(self) -> dict[str, int]:
+        return {f"hicache_storage_{k}": v for k, v in self.backend.stats().items()}
+
+    def close(self) -> None:
+        self._tasks.put(None)
+        self._thread.join(timeout=30)
+        self.backend.close()
+
+    # -- the thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            task = self._tasks.get()
+            try:
+                if task is None:
+                    return
+                if isinstance(task, _Backup):
+                    self._write(task)
+                else:
+                    self._read(task)
+            except Exception:  # a failing disk costs hits, never the scheduler
+                logger.exception("hicache file tier: %s failed", type(task).__name__)
+            finally:
+                if task is not None:
+                    self._done.put(task)
+                self._tasks.task_done()
+
+    def _write(self, task: _Backup) -> None:
+        for key, tokens, slots in task.blocks:
+            if self.backend.exists_prefix([key]) == 0:
+                self.backend.put_async(key, tokens, self.host.read(slots))
+
+    def _read(self, p: Prefetch) -> None:
+        b, shape = self.block, (self.block, *self.host.token_shape)
+        for key, block_start in p.blocks:
+            kv = self.backend.get(key, p.tokens[block_start : block_start + b])
+            if kv is None or tuple(kv.shape) != shape or kv.dtype != self.host.dtype:
+                return
+            skip = max(p.start - block_start, 0)  # tokens of the first block already cached
+            n = b - skip
+            self.host.write(p.host_slots[p.fetched : p.fetched + n], kv[skip:])
+            p.fetched += n

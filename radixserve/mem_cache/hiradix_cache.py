@@ -1,0 +1,456 @@
+"""HiRadixCache: the radix tree over two tiers of KV, the device pool and a
+host pool (``host_pool.py``), with an optional file tier below the host
+(``hicache_storage.py``). SGLang's HiCache, in our own terms.
+
+Where a node's KV lives (``value`` device slots, ``host_value`` host slots):
+
+    value   host_value
+    slots   None         device only (not backed up)
+    slots   slots        both: evicting it from the device only frees its device slots
+    None    slots        host only: demoted; a match that reaches it loads it back
+
+- **Backups** (device → host) follow ``--hicache-write-policy``: on insert
+  (``write_through``), once a node has been hit twice (``write_through_selective``),
+  or when the device evicts it (``write_back``).
+- **Load-back** (host → device): ``fetch`` gives the host-only nodes a match
+  ends in fresh device slots and queues the copy; the request waits in the
+  queue, other requests keep running, and the next match after the copy
+  finishes finds them on the device.
+- **Host eviction**: host-only leaves, least recently used first, when a
+  backup or a prefetch needs host slots.
+
+A copy in flight is a ``_Transfer`` on its nodes (``node.transfer``) until
+``poll`` sees it done. A load-back locks its nodes (lock references, so
+they are protected and the request waiting for them finds them). A backup
+locks nothing: its nodes stay evictable, and evicting one while its copy
+runs makes the forward stream wait for the write stream, so that no forward
+writes the freed slots before the copy has read them (and a load-back
+reads the host copy only after the write stream, too). So a backup never
+holds device memory that running requests need. On CUDA, backups and loads
+run on streams of their own, ordered by stream waits and completed by
+events (no host syncs); off CUDA the copies are done when issued and the
+same code runs.
+
+Invariants (``check_invariants``): every node has a copy in some tier; the
+device nodes form the top of the tree (a device node's parent is on the
+device); the device counters (evictable, protected) count device nodes
+only; and host slots held by nodes + host slots being prefetched + free
+host slots == the host pool's size. KV events (``kv_events``) count a block
+as stored while its node is in the tree, in any tier.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixserve.mem_cache.base_prefix_cache import MatchResult
+from radixserve.mem_cache.host_pool import HostKVPool
+from radixserve.mem_cache.radix_cache import _EMPTY, RadixCache, TreeNode, _common_len
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+SELECTIVE_HITS = 2  # write_through_selective backs a node up at its second hit
+LOAD_BACK_THRESHOLD = 16  # host tokens worth a load-back (fewer are recomputed)
+WAIT_S = 0.002  # an idle scheduler's wait for the file tier's thread
+
+
+class _Transfer:
+    """A copy between tiers in flight: a backup (``write``) or a load-back
+    (``load``) of ``nodes`` (top-down), done once ``event`` has passed."""
+
+    __slots__ = ("kind", "nodes", "event", "keep", "finished", "deadline")
+
+    def __init__(self, kind: str, nodes: list[TreeNode], keep: tuple):
+        self.kind, self.nodes, self.keep = kind, nodes, keep  # keep: its index tensors, alive until done
+        self.event = None
+        self.finished = False
+        self.deadline = math.inf  # a load-back is always waited for
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+@dataclass
+class HiCacheStats:
+    """Token counters of the tiers since start (``/metrics``, ``/get_server_info``)."""
+
+    hicache_backed_up: int = 0  # device → host
+    hicache_backup_skipped: int = 0  # no host room
+    hicache_loaded_back: int = 0  # host → device
+    hicache_host_evicted: int = 0
+    hicache_storage_prefetched: int = 0  # file tier → host
+
+
+class HiRadixCache(RadixCache):
+    def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, page_size: int, host_pool: HostKVPool,
+                 write_policy: str = "write_through", eviction_policy: str = "lru", kv_events=None,
+                 storage=None, forward_stream=None):
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"hicache_write_policy must be one of {list(WRITE_POLICIES)}, got {write_policy!r}")
+        self.host = host_pool
+        self.write_policy = write_policy
+        self.storage = storage  # hicache_storage.FileTier, or None
+        self.stats = HiCacheStats()
+        device = host_pool.device_pool.device
+        cuda = device.type == "cuda"
+        # The stream forwards run on (their KV writes and reads order the copies).
+        self._forward_stream = forward_stream or (torch.cuda.current_stream(device) if cuda else None)
+        self._write_stream = torch.cuda.Stream(device) if cuda else None
+        self._load_stream = torch.cuda.Stream(device) if cuda else None
+        self._writes: deque[_Transfer] = deque()
+        self._loads: deque[_Transfer] = deque()
+        super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, eviction_policy, kv_events)
+
+    def reset(self) -> None:
+        """Forget every cached sequence in both tiers (the file tier keeps its
+        files: they are keyed by content and stay valid)."""
+        self.synchronize()
+        super().reset()
+        self.host.allocator.clear()
+        if self.storage is not None:
+            self.storage.reset()
+
+    # -- match / insert ------------------------------------------------------------
+    def _walk(self, key: list[int]):
+        """Walk down along ``key`` in whole pages, splitting the node the match
+        ends inside. Returns the deepest device node, the device nodes' slot
+        tensors, the device match length, and the deepest node of the lower
+        tiers' continuation with its length (or None, 0)."""
+        p = self.page_size
+        node, pos, end = self.root, 0, self._aligned(len(key))
+        device_node, device_len, values = self.root, 0, []
+        while pos < end:
+            child = node.children.get(key[pos] if p == 1 else tuple(key[pos : pos + p]))
+            if child is None:
+                break
+            self._touch(child)
+            klen = len(child.key)
+            segment = key[pos : pos + klen]
+            n = klen if segment == child.key else _common_len(child.key, segment, p)
+            if n < klen:
+                child = self._split(child, n)
+            ready = child.value is not None and (child.transfer is None or child.transfer.kind == "write")
+            if ready and node is device_node:
+                device_node, device_len = child, pos + n
+                values.append(child.value)
+            node, pos = child, pos + n
+        host_node = node if node is not device_node else None
+        return device_node, values, device_len, host_node, pos - device_len
+
+    def match_prefix(self, key: list[int]) -> MatchResult:
+        node, values, _, host_node, host_len = self._walk(key)
+        if self.write_policy == "write_through_selective":
+            self._backup(self._chain(node, self.root, lambda n: n.hit_count >= SELECTIVE_HITS))
+        indices = torch.cat(values) if values else _EMPTY
+        return MatchResult(indices, node, host_len, host_node)
+
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        """As ``RadixCache.insert``; host-only nodes on the way take the
+        caller's slots for their tokens (they come back to the device)."""
+        node, _, present, host_node, host_len = self._walk(key)
+        if host_node is not None and any(n.transfer is not None and n.transfer.kind == "load"
+                                         for n in self._chain(host_node, node)):
+            self._settle()  # a load-back of these tokens is in flight: let it finish, then look again
+            return self.insert(key, value)
+        pos = present
+        for n in self._chain(host_node, node) if host_node is not None else []:
+            n.value = value[pos : pos + len(n.key)].to(torch.int64).clone()
+            self._evictable += len(n.key)
+            pos += len(n.key)
+        end = self._aligned(len(key))
+        if pos < end:
+            leaf = self._add_leaf(host_node or node, key[pos:end], value[pos:end], pos)
+            if self.write_policy == "write_through":
+                self._backup([leaf])
+        return present
+
+    @staticmethod
+    def _chain(bottom: TreeNode, top: TreeNode, keep=lambda n: True) -> list[TreeNode]:
+        """The nodes from below ``top`` down to ``bottom`` that ``keep``, top-down."""
+        out = []
+        while bottom is not top:
+            if keep(bottom):
+                out.append(bottom)
+            bottom = bottom.parent
+        return out[::-1]
+
+    # -- backups (device → host) ---------------------------------------------------
+    def _backup(self, nodes: list[TreeNode]) -> bool:
+        """Queue host copies of ``nodes``' device KV; False when the host pool
+        has no room even after evicting from it."""
+        nodes = [n for n in nodes if n.value is not None and n.host_value is None and n.transfer is None]
+        if not nodes:
+            return True
+        n_tokens = sum(len(n.key) for n in nodes)
+        host_slots = self._host_alloc(n_tokens)
+        if host_slots is None:
+            self.stats.hicache_backup_skipped += n_tokens
+            return False
+        device_slots = torch.cat([n.value for n in nodes])
+        t = _Transfer("write", nodes, (device_slots, host_slots))
+        t.event = self._copy(self._write_stream, lambda: self.host.backup_from_device(device_slots, host_slots), [])
+        pos = 0
+        for n in nodes:
+            n.host_value, n.transfer = host_slots[pos : pos + len(n.key)], t
+            pos += len(n.key)
+        self._writes.append(t)
+        self.stats.hicache_backed_up += n_tokens
+        return True
+
+    def _copy(self, stream, issue, after: list) -> Any:
+        """Run ``issue`` (it queues copies) on ``stream`` after the current
+        stream and the streams ``after``; the event that marks it done, or
+        None off CUDA (the copies are done already)."""
+        if stream is None:
+            issue()
+            return None
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        for other in after:
+            if other is not None:
+                stream.wait_stream(other)
+        with torch.cuda.stream(stream):
+            issue()
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def _host_alloc(self, n: int) -> torch.Tensor | None:
+        slots = self.host.allocator.alloc(n)
+        if slots is None:
+            self._evict_host(n - self.host.allocator.available_size())
+            slots = self.host.allocator.alloc(n)
+        return slots
+
+    def _host_evictable(self, node: TreeNode) -> bool:
+        return (node.value is None and not node.children and node.transfer is None and node.host_ref == 0
+                and node is not self.root)
+
+    def _evict_host(self, num_tokens: int) -> None:
+        heap = [(self._priority(n), n.id, n) for n in self._nodes() if self._host_evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            self.host.allocator.free(leaf.host_value)
+            freed += len(leaf.key)
+            parent = self._delete_leaf(leaf)
+            if self._host_evictable(parent):
+                heapq.heappush(heap, (self._priority(parent), parent.id, parent))
+        self.stats.hicache_host_evicted += freed
+
+    # -- device eviction -------------------------------------------------------------
+    def _device_evictable(self, node: TreeNode) -> bool:
+        """An unlocked device node with no device children (a load-back in
+        flight is locked; a backup in flight may be evicted)."""
+        return (node is not self.root and node.value is not None and node.lock_ref == 0
+                and not any(c.value is not None for c in node.children.values()))
+
+    def evict(self, num_tokens: int) -> int:
+        """Free device slots of unlocked device leaves (by policy): a node with
+        a host copy is demoted to the host, one without (``write_back`` backs
+        it up first, when the host has room) leaves the tree with the
+        host-only nodes under it."""
+        heap = [(self._priority(n), n.id, n) for n in self._nodes() if self._device_evictable(n)]
+        heapq.heapify(heap)
+        freed, copying = 0, False
+        self.allocator.free_group_begin()
+        try:
+            while freed < num_tokens and heap:
+                _, _, leaf = heapq.heappop(heap)
+                if leaf.host_value is None and self.write_policy == "write_back":
+                    self._backup([leaf])
+                copying |= leaf.transfer is not None  # a backup still reading these slots
+                self.allocator.free(leaf.value)
+                freed += len(leaf.key)
+                parent = leaf.parent
+                if leaf.host_value is not None:
+                    leaf.value = None
+                    self._evictable -= len(leaf.key)
+                else:
+                    self._delete_subtree(leaf)
+                if self._device_evictable(parent):
+                    heapq.heappush(heap, (self._priority(parent), parent.id, parent))
+        finally:
+            self.allocator.free_group_end()
+        if copying and self._write_stream is not None:
+            self._forward_stream.wait_stream(self._write_stream)  # no forward writes a slot still being copied
+        return freed
+
+    def _delete_subtree(self, node: TreeNode) -> None:
+        """Remove ``node`` (its device slots already freed) and the host-only
+        nodes under it, freeing their host slots."""
+        below = [n for n in self._nodes_under(node)]
+        if any(n.transfer is not None or n.host_ref for n in below):
+            self._settle()  # their host slots are being written or read
+        for n in below:
+            self.host.allocator.free(n.host_value)
+            if self.kv_events is not None:
+                self.kv_events.on_evict(n)
+        self._delete_leaf(node)
+
+    def _nodes_under(self, node: TreeNode):
+        stack = list(node.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    # -- load-back (host → device) ----------------------------------------------------
+    def fetch(self, key: list[int], match: MatchResult, budget: int):
+        """Bring the lower tiers' part of ``key`` to the device: a load-back of
+        the host-only nodes ``match`` ends in, else a prefetch from the file
+        tier of the blocks after the match (see ``BasePrefixCache.fetch``)."""
+        if match.last_host_node is not None:
+            chain = self._chain(match.last_host_node, match.last_node)
+            loading = next((n.transfer for n in chain if n.transfer is not None and n.transfer.kind == "load"), None)
+            if loading is not None:
+                return loading, 0
+            # Locking the load also locks the unlocked device nodes above it: they leave the budget too.
+            unlocked_above = sum(len(n.key) for n in self._chain(match.last_node, self.root) if n.lock_ref == 0)
+            if LOAD_BACK_THRESHOLD <= match.host_hit_length <= budget - unlocked_above:
+                room = self.allocator.available_size() + self._evictable
+                load = self._load_back(chain, match.last_node, match.host_hit_length)
+                if load is not None:
+                    return load, room - self.allocator.available_size() - self._evictable
+            return None, 0
+        if self.storage is not None:
+            return self.storage.prefetch(self, key, len(match.device_indices)), 0
+        return None, 0
+
+    def _load_back(self, chain: list[TreeNode], device_node: TreeNode, n_tokens: int) -> _Transfer | None:
+        self.inc_lock_ref(device_node)  # the load goes under it: keep it while evicting
+        try:
+            short = n_tokens - self.allocator.available_size()
+            if short > 0:
+                self.evict(short)
+            slots = self.allocator.alloc(n_tokens)
+        finally:
+            self.dec_lock_ref(device_node)
+        if slots is None:
+            return None
+        host_slots = torch.cat([n.host_value for n in chain])
+        t = _Transfer("load", chain, (slots, host_slots))
+        t.event = self._copy(self._load_stream, lambda: self.host.load_to_device(host_slots, slots),
+                             [self._forward_stream, self._write_stream])
+        pos = 0
+        for n in chain:
+            n.value, n.transfer = slots[pos : pos + len(n.key)], t
+            pos += len(n.key)
+            self._evictable += len(n.key)
+        self.inc_lock_ref(chain[-1])
+        self._loads.append(t)
+        self.stats.hicache_loaded_back += n_tokens
+        return t
+
+    # -- completion ---------------------------------------------------------------------
+    def poll(self) -> None:
+        """Finish the copies that are done, in order (each step)."""
+        for queue in (self._writes, self._loads):
+            while queue and queue[0].done():
+                self._finish(queue.popleft())
+        if self.storage is not None:
+            self.storage.poll(self)
+
+    def _finish(self, t: _Transfer) -> None:
+        for bottom in t.nodes:  # a split may have put upper parts above it
+            node = bottom
+            while node is not self.root and node.transfer is t:
+                node.transfer = None
+                node = node.parent
+        if t.kind == "load":
+            self.dec_lock_ref(t.nodes[-1])
+        t.finished = True
+        if t.kind == "write" and self.storage is not None:
+            for node in t.nodes:
+                self.storage.backup(self, node)
+
+    def busy(self) -> bool:
+        return bool(self._writes or self._loads) or (self.storage is not None and self.storage.busy())
+
+    def wait(self) -> None:
+        if self._loads and self._loads[0].event is not None:
+            self._loads[0].event.synchronize()  # requests wait for load-backs, which take milliseconds
+        elif self.storage is not None and self.storage.busy():
+            self.storage.wait(WAIT_S)
+        elif self._writes and self._writes[0].event is not None:
+            self._writes[0].event.synchronize()
+
+    def close(self) -> None:
+        self.synchronize()
+        if self.storage is not None:
+            self.storage.close()
+            self.poll()
+
+    def synchronize(self) -> None:
+        """Wait for every copy in flight and finish it."""
+        if hasattr(self, "root"):  # not while the constructor resets
+            self._settle()
+
+    def _settle(self) -> None:
+        for stream in (self._write_stream, self._load_stream):
+            if stream is not None:
+                stream.synchronize()
+        if self.storage is not None:
+            self.storage.drain()
+        self.poll()
+
+    # -- the file tier's hooks ---------------------------------------------------------
+    def host_path(self, node: TreeNode) -> tuple[list[int], torch.Tensor] | None:
+        """The tokens from the root to the end of ``node`` and their host
+        slots, or None if some node on the way has no host copy."""
+        keys, slots = [], []
+        while node is not self.root:
+            if node.host_value is None:
+                return None
+            keys.append(node.key)
+            slots.append(node.host_value)
+            node = node.parent
+        return [t for k in reversed(keys) for t in k], torch.cat(slots[::-1]) if slots else _EMPTY
+
+    def attach_host(self, tokens: list[int], host_slots: torch.Tensor, start: int) -> int:
+        """Put prefetched KV (host slots of ``tokens[start:]``) into the tree
+        as a host-only leaf after what is cached; frees the slots it does not
+        need. Returns the tokens attached."""
+        node, _, device_len, host_node, host_len = self._walk(tokens)
+        have = device_len + host_len
+        if have < start or have >= len(tokens):
+            self.host.allocator.free(host_slots)
+            return 0
+        self.host.allocator.free(host_slots[: have - start])
+        leaf = self._add_leaf(host_node or node, tokens[have:], None, have)
+        leaf.host_value = host_slots[have - start :]
+        return len(leaf.key)
+
+    # -- checks ----------------------------------------------------------------------------
+    def _check_node(self, node: TreeNode, problems: list[str]) -> None:
+        for name, slots in (("value", node.value), ("host_value", node.host_value)):
+            if slots is not None and len(slots) != len(node.key):
+                problems.append(f"{node}: {name} length {len(slots)} != key length {len(node.key)}")
+        if node.value is None and node.host_value is None:
+            problems.append(f"{node}: in no tier")
+        if node.value is not None and node.parent is not self.root and node.parent.value is None:
+            problems.append(f"{node}: on the device under a node that is not")
+        if node.value is None and node.lock_ref:
+            problems.append(f"{node}: locked but not on the device")
+
+    def check_invariants(self) -> None:
+        super().check_invariants()
+        in_nodes = sum(len(n.host_value) for n in self._nodes() if n.host_value is not None)
+        prefetching = self.storage.host_slots_held() if self.storage is not None else 0
+        used = self.host.size - self.host.allocator.available_size()
+        self.host.allocator.check_invariants()
+        if in_nodes + prefetching != used:
+            raise AssertionError(f"host tier leak: {in_nodes} in nodes + {prefetching} being prefetched "
+                                 f"!= {used} host slots in use")
+
+    def tier_stats(self) -> dict[str, int]:
+        out = dict(vars(self.stats), hicache_host_used=self.host.size - self.host.allocator.available_size(),
+                   hicache_host_size=self.host.size)
+        if self.storage is not None:
+            out.update(self.storage.stats())
+        return out

@@ -1,0 +1,311 @@
+"""The hierarchical cache (docs/hicache.md): the host pool's copies, the
+two-tier radix tree's policies on a real KV pool, and the Engine with the
+tiers on against HF transformers and against the tiers off, under a device
+pool too small for the prompts' shared prefixes; the file tier across a
+restart and with corrupt files. The memory invariant (both tiers) is
+checked after every scheduler step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import radixserve
+from radixserve.mem_cache import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixserve.mem_cache.hiradix_cache import HiRadixCache
+from radixserve.mem_cache.host_pool import HostKVPool, host_pool_tokens, runs
+from radixserve.server_args import ServerArgs
+from test_engine import GREEDY, hf_greedy, llama  # noqa: F401  (fixture)
+
+# -- the host pool ------------------------------------------------------------------
+
+
+def make_pools(size=64, page=1, host=128):
+    pool = MHATokenToKVPool(size, page, torch.float32, head_num=2, head_dim=4, layer_num=3)
+    for layer in range(3):  # every slot's K and V say which slot and layer they are
+        slots = torch.arange(size + page, dtype=torch.float32)
+        pool.k_buffer[layer][:] = (slots * 10 + layer)[:, None, None]
+        pool.v_buffer[layer][:] = -(slots * 10 + layer)[:, None, None]
+    return pool, HostKVPool(pool, host)
+
+
+def test_runs_split_consecutive_slots():
+    assert runs(torch.tensor([4, 5, 6, 9, 10, 2])) == [(4, 0, 3), (9, 3, 2), (2, 5, 1)]
+    assert runs(torch.tensor([], dtype=torch.int64)) == []
+
+
+def test_backup_then_load_moves_every_layer():
+    pool, host = make_pools()
+    src = torch.tensor([3, 17, 4, 60])
+    before = [(pool.k_buffer[l][src].clone(), pool.v_buffer[l][src].clone()) for l in range(3)]
+    host_slots = host.allocator.alloc(4)
+    host.backup_from_device(src, host_slots)
+    dst = torch.tensor([30, 31, 8, 9])
+    host.load_to_device(host_slots, dst)
+    for layer, (k, v) in enumerate(before):
+        assert torch.equal(pool.k_buffer[layer][dst], k) and torch.equal(pool.v_buffer[layer][dst], v)
+    assert host.read(host_slots).shape == (4, 3, 2, 2, 4)
+
+
+def test_host_pool_size_flags():
+    assert host_pool_tokens(100, 4, 1024, 2.0, 0) == 200
+    assert host_pool_tokens(100, 4, 1024, 2.0, 1 / 1024) == 1024  # 1 MiB of 1 KiB tokens wins over the ratio
+    with pytest.raises(ValueError, match="at least as large"):
+        host_pool_tokens(100, 1, 1024, 0.5, 0)
+
+
+# -- the two-tier tree ------------------------------------------------------------------
+
+
+def make_cache(policy="write_through", size=64, page=1, host=128):
+    pool, hostpool = make_pools(size, page, host)
+    alloc = TokenToKVPoolAllocator(size, page)
+    cache = HiRadixCache(ReqToTokenPool(8, 256), alloc, page, hostpool, policy)
+    return cache, alloc, pool
+
+
+def put(cache, alloc, tokens):
+    """Insert ``tokens`` on fresh device slots (as a finished request would)."""
+    slots = alloc.alloc(len(tokens))
+    dup = cache.insert(tokens, slots)
+    alloc.free(slots[:dup])
+    cache.poll()
+    return slots
+
+
+def kv_of(pool, slots):
+    return torch.stack([pool.k_buffer[l][slots] for l in range(pool.layer_num)])
+
+
+def test_demote_then_load_back_restores_the_kv():
+    cache, alloc, pool = make_cache()
+    a = list(range(100, 140))
+    slots = put(cache, alloc, a)
+    original = kv_of(pool, slots)
+    assert cache.stats.hicache_backed_up == 40
+    assert cache.evict(40) == 40  # demoted to the host, not dropped
+    cache.check_invariants()
+    assert alloc.available_size() == 64
+    m = cache.match_prefix(a + [1, 2])
+    assert len(m.device_indices) == 0 and m.host_hit_length == 40
+    pool.k_buffer[0][:] = 0  # the device slots get reused for anything
+    wait, taken = cache.fetch(a, m, budget=64)
+    assert taken == 40 and wait is not None
+    cache.check_invariants()
+    assert cache.protected_size() == 40  # locked while loading
+    cache.poll()
+    assert wait.finished and cache.protected_size() == 0
+    m = cache.match_prefix(a)
+    assert len(m.device_indices) == 40 and m.host_hit_length == 0
+    assert torch.equal(kv_of(pool, m.device_indices)[1:], original[1:])
+    cache.check_invariants()
+
+
+def test_write_through_selective_backs_up_at_the_second_hit():
+    cache, alloc, _ = make_cache("write_through_selective")
+    a = list(range(20))
+    put(cache, alloc, a)
+    assert cache.stats.hicache_backed_up == 0
+    cache.match_prefix(a)  # hit 2 (the insert was the first touch)
+    assert cache.stats.hicache_backed_up == 20
+    cache.poll()
+    cache.check_invariants()
+
+
+def test_write_back_copies_on_eviction_only():
+    cache, alloc, _ = make_cache("write_back")
+    a, b = list(range(30)), list(range(50, 80))
+    put(cache, alloc, a)
+    put(cache, alloc, b)
+    assert cache.stats.hicache_backed_up == 0
+    cache.evict(30)
+    assert cache.stats.hicache_backed_up == 30
+    cache.poll()
+    cache.check_invariants()
+    assert cache.match_prefix(a + [0]).host_hit_length + cache.match_prefix(b + [0]).host_hit_length == 30
+
+
+def test_device_eviction_without_host_room_drops_node_and_host_children():
+    cache, alloc, _ = make_cache(size=96, host=32)
+    x, a, b = list(range(32)), list(range(100, 132)), list(range(200, 216))
+    put(cache, alloc, x)  # backed up: the host is full
+    put(cache, alloc, a)  # no host room (x is still on the device): not backed up
+    assert cache.stats.hicache_backup_skipped == 32
+    cache.evict(32)  # x, the oldest, goes to the host only
+    put(cache, alloc, a + b)  # b's backup pushes x out of the host
+    assert cache.stats.hicache_host_evicted == 32
+    cache.evict(96)  # b is demoted; a, with no host copy, leaves the tree and takes b with it
+    cache.check_invariants()
+    assert cache.match_prefix(a + b + [0]).host_hit_length == 0
+    assert cache.host.allocator.available_size() == 32 and alloc.available_size() == 96
+
+
+def test_host_lru_eviction_makes_room_for_new_backups():
+    cache, alloc, _ = make_cache(size=32, host=64)
+    seqs = [list(range(i * 100, i * 100 + 32)) for i in range(4)]
+    for s in seqs:
+        cache.evict(32)
+        put(cache, alloc, s)
+        cache.check_invariants()
+    # the host holds two sequences: each new backup pushed out the oldest demoted one
+    assert cache.stats.hicache_host_evicted == 64
+    assert [cache.match_prefix(s + [0]).host_hit_length for s in seqs] == [0, 0, 32, 0]
+    assert len(cache.match_prefix(seqs[3] + [0]).device_indices) == 32
+
+
+def test_insert_over_host_only_nodes_takes_the_callers_slots():
+    cache, alloc, pool = make_cache()
+    a = list(range(40))
+    put(cache, alloc, a)
+    cache.evict(40)
+    slots = put(cache, alloc, a + list(range(500, 510)))  # recomputed, e.g. no room to load back
+    m = cache.match_prefix(a + list(range(500, 510)))
+    assert torch.equal(m.device_indices, slots)
+    assert cache.evictable_size() == 50
+    cache.check_invariants()
+
+
+def test_page_size_4_splits_both_tiers():
+    cache, alloc, _ = make_cache(size=64, page=4, host=128)
+    a = list(range(32))
+    put(cache, alloc, a)
+    cache.evict(32)
+    m = cache.match_prefix(a[:16] + [999] * 8)  # ends inside the host-only node: it splits
+    assert m.host_hit_length == 16
+    wait, _ = cache.fetch(a[:16], m, budget=64)
+    cache.poll()
+    assert wait.finished
+    assert len(cache.match_prefix(a).device_indices) == 16
+    cache.check_invariants()
+
+
+def test_admission_counts_what_a_load_back_locks():
+    """A load-back takes device slots and locks the device prefix above it:
+    both leave the admission budget, which must stay within free + evictable."""
+    from radixserve.managers.schedule_batch import Req
+    from radixserve.managers.schedule_policy import AddResult, PrefillAdder
+    from radixserve.sampling.sampling_params import SamplingParams
+
+    cache, alloc, _ = make_cache(size=96, host=128)
+    p, q = list(range(32)), list(range(100, 132))
+    put(cache, alloc, p)
+    put(cache, alloc, p + q)
+    cache.evict(32)  # q goes to the host; p stays on the device, unlocked
+    adder = PrefillAdder(cache, alloc.available_size(), [], 0.5, 1000, 1000, 8, 1)
+    req = Req("r", p + q + [7, 8], SamplingParams(max_new_tokens=4))
+    assert adder.add_one_req(req) == AddResult.WAIT  # until q is back on the device
+    assert adder.rem_total == alloc.available_size() + cache.evictable_size() == 32
+    cache.poll()
+    adder = PrefillAdder(cache, alloc.available_size(), [], 0.5, 1000, 1000, 8, 1)
+    assert adder.add_one_req(req) == AddResult.CONTINUE
+    assert len(req.prefix_indices) == 64 and req.cached_tokens == 64
+
+
+# -- the Engine ------------------------------------------------------------------------
+
+SHARED = dict(max_total_tokens=300, max_running_requests=4, disable_tqdm=True, device="cpu", check_invariants=True)
+
+
+def workload(groups=5, per_group=2, prefix=96, tail=8):
+    """Group prefixes that together outgrow the device pool, visited in turn."""
+    gen = torch.Generator().manual_seed(0)
+    heads = [torch.randint(0, 320, (prefix,), generator=gen).tolist() for _ in range(groups)]
+    return [h + torch.randint(0, 320, (tail,), generator=gen).tolist() for _ in range(per_group) for h in heads]
+
+
+def serve(folder, prompts, **kw):
+    eng = radixserve.Engine(model_path=folder, **SHARED, **kw)
+    try:
+        outs = [eng.generate(input_ids=[p], sampling_params=GREEDY)[0] for p in prompts]
+        eng.scheduler.check_memory()
+        return [o["output_ids"] for o in outs], [o["meta_info"]["cached_tokens"] for o in outs], eng.get_stats()
+    finally:
+        eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiers_off(llama):
+    return serve(llama[0], workload())
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+def test_engine_outputs_identical_with_host_tier(llama, tiers_off, policy):
+    folder, hf = llama
+    prompts = workload()
+    outs, cached, stats = serve(folder, prompts, enable_hierarchical_cache=True, hicache_ratio=4,
+                                hicache_write_policy=policy)
+    assert outs == tiers_off[0]
+    assert outs[0] == hf_greedy(hf, prompts[0], GREEDY["max_new_tokens"])
+    assert sum(tiers_off[1]) == 0  # the device alone keeps no group prefix until it comes round again
+    assert stats["hicache_loaded_back"] > 0 and sum(cached) > 0
+    if policy != "write_through_selective":  # selective: the second visit is the first backup
+        assert cached[5:] == [96] * 5
+
+
+def test_file_tier_survives_a_restart(llama, tiers_off, tmp_path):
+    folder, _ = llama
+    prompts = workload()
+    tier = dict(enable_hierarchical_cache=True, hicache_ratio=4, hicache_storage_backend="file",
+                hicache_storage_dir=str(tmp_path))
+    outs, _, stats = serve(folder, prompts[:5], **tier)
+    assert outs == tiers_off[0][:5] and stats["hicache_storage_writes"] == 5  # one 64-token block per prefix
+    outs, cached, stats = serve(folder, prompts[5:], **tier)  # a new engine: empty device and host tiers
+    assert outs == tiers_off[0][5:]
+    assert cached == [64] * 5 and stats["hicache_storage_prefetched"] == 5 * 64
+
+
+def test_corrupt_file_is_a_miss_never_served(llama, tiers_off, tmp_path):
+    folder, _ = llama
+    prompts = workload()
+    tier = dict(enable_hierarchical_cache=True, hicache_ratio=4, hicache_storage_backend="file",
+                hicache_storage_dir=str(tmp_path))
+    serve(folder, prompts[:1], **tier)
+    files = sorted(p for p in tmp_path.rglob("*.kv"))
+    assert len(files) == 1
+    data = bytearray(files[0].read_bytes())
+    data[-5] ^= 0xFF  # one flipped byte of KV
+    files[0].write_bytes(bytes(data))
+    outs, cached, stats = serve(folder, prompts[5:6], **tier)
+    assert outs == tiers_off[0][5:6] and cached == [0]
+    assert stats["hicache_storage_corrupt"] == 1 and stats["hicache_storage_prefetched"] == 0
+
+
+def test_engine_with_copies_that_take_steps_under_overlap(llama):
+    """Copies that finish a few steps after they are issued (as on a GPU),
+    overlap scheduling, chunked prefill and a crowded pool: every request
+    runs to its length with the tokens of the tiers off, and no admitted
+    prefill runs out of KV (a load-back's locks count against admission)."""
+    from test_hicache_properties import LaggingEvent
+
+    folder, _ = llama
+    gen = torch.Generator().manual_seed(1)
+    heads = [torch.randint(0, 320, (100,), generator=gen).tolist() for _ in range(24)]
+    batch = [h + torch.randint(0, 320, (8,), generator=gen).tolist() for h in heads for _ in range(8)]
+    batch = [batch[i] for i in torch.randperm(len(batch), generator=gen).tolist()]
+    options = dict(SHARED, max_total_tokens=500, max_running_requests=64, chunked_prefill_size=32,
+                   schedule_policy="lpm")
+    outs, stats = {}, {}
+    for tiers in (False, True):
+        eng = radixserve.Engine(model_path=folder, enable_hierarchical_cache=tiers, hicache_ratio=6, **options)
+        eng.scheduler.overlap = True
+        if tiers:
+            eng.scheduler.tree_cache._copy = lambda stream, issue, after: (issue(), LaggingEvent(4))[1]
+        try:
+            outs[tiers] = eng.generate(input_ids=batch, sampling_params=GREEDY)
+            stats[tiers] = eng.get_stats()
+        finally:
+            eng.shutdown()
+    assert [o["output_ids"] for o in outs[True]] == [o["output_ids"] for o in outs[False]]
+    assert all(len(o["output_ids"]) == GREEDY["max_new_tokens"] for o in outs[True])
+    assert stats[True]["hicache_loaded_back"] > 0
+
+
+def test_flags_are_checked():
+    with pytest.raises(ValueError, match="hicache_write_policy"):
+        ServerArgs(enable_hierarchical_cache=True, hicache_write_policy="sometimes")
+    with pytest.raises(ValueError, match="enable-hierarchical-cache"):
+        ServerArgs(hicache_storage_backend="file")
+    with pytest.raises(ValueError, match="disable-radix-cache"):
+        ServerArgs(enable_hierarchical_cache=True, disable_radix_cache=True)
+    with pytest.raises(ValueError, match="hicache_ratio"):
+        ServerArgs(enable_hierarchical_cache=True, hicache_ratio=1.0)

@@ -1,0 +1,266 @@
+"""The file storage tier (radixserve.mem_cache.storage.HiCacheFile): blocks
+survive a restart, damaged or mismatched files are never served, and the
+write queue is bounded without ever blocking the caller."""
+
+import hashlib
+import os
+import threading
+
+import pytest
+import torch
+
+from radixserve.mem_cache.storage import HiCacheFile
+from radixserve.mem_cache.storage.file_backend import FORMAT_VERSION, MAGIC
+
+# [layers, k/v, block_tokens, kv_heads, head_dim]
+SHAPE = (2, 2, 4, 2, 8)
+
+
+def key_of(i: int) -> bytes:
+    return hashlib.sha256(f"block {i}".encode()).digest()
+
+
+def ids_of(i: int) -> list[int]:
+    return list(range(4 * i, 4 * i + 4))
+
+
+def kv_of(i: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(i)).to(dtype)
+
+
+@pytest.fixture
+def cache(tmp_path):
+    c = HiCacheFile(str(tmp_path), "model-bf16-L2-H2-D8-tp0of1-b4")
+    yield c
+    c.close()
+
+
+def put_and_flush(cache: HiCacheFile, *blocks: int, dtype=torch.float32) -> None:
+    for i in blocks:
+        assert cache.put_async(key_of(i), ids_of(i), kv_of(i, dtype))
+    assert cache.flush()
+
+
+def rewrite(cache: HiCacheFile, i: int, edit) -> None:
+    """Replace block i's file with edit(its bytes)."""
+    path = cache.path(key_of(i))
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    with open(path, "wb") as f:
+        f.write(edit(data))
+
+
+def flip(offset: int):
+    def edit(data: bytearray) -> bytearray:
+        data[offset] ^= 0x01
+        return data
+
+    return edit
+
+
+def assert_discarded(cache: HiCacheFile, i: int) -> None:
+    """Block i is a miss, its file is gone and the discard was counted."""
+    corrupt = cache.stats()["corrupt"]
+    assert cache.get(key_of(i), ids_of(i)) is None
+    assert not os.path.exists(cache.path(key_of(i)))
+    assert cache.stats()["corrupt"] == corrupt + 1
+    assert cache.exists_prefix([key_of(i)]) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip(cache, dtype):
+    put_and_flush(cache, 0, dtype=dtype)
+    got = cache.get(key_of(0), ids_of(0))
+    assert got.dtype == dtype and got.shape == SHAPE
+    assert torch.equal(got, kv_of(0, dtype))
+    got.zero_()  # the caller owns what get returns
+    assert torch.equal(cache.get(key_of(0), ids_of(0)), kv_of(0, dtype))
+    s = cache.stats()
+    nbytes = kv_of(0, dtype).numel() * dtype.itemsize
+    assert (s["writes"], s["write_bytes"], s["reads"], s["read_hits"]) == (1, nbytes, 2, 2)
+    assert (s["read_bytes"], s["pending"], s["corrupt"]) == (2 * nbytes, 0, 0)
+    name = key_of(0).hex()
+    assert cache.path(key_of(0)).endswith(os.path.join(name[:2], name + ".kv"))
+
+
+def test_missing_block_is_a_miss(cache):
+    assert cache.get(key_of(0), ids_of(0)) is None
+    assert cache.stats()["reads"] == 1 and cache.stats()["read_hits"] == 0
+
+
+def test_exists_prefix_stops_at_first_gap(cache):
+    put_and_flush(cache, 0, 1, 3)
+    keys = [key_of(i) for i in range(4)]
+    assert cache.exists_prefix(keys) == 2
+    assert cache.exists_prefix(keys[:2]) == 2
+    assert cache.exists_prefix(keys[2:]) == 0
+    assert cache.exists_prefix([]) == 0
+
+
+def test_restart_reads_what_was_written(tmp_path):
+    first = HiCacheFile(str(tmp_path), "ns")
+    put_and_flush(first, 0, 1, dtype=torch.bfloat16)
+    first.close()
+    second = HiCacheFile(str(tmp_path), "ns")
+    assert second.exists_prefix([key_of(0), key_of(1)]) == 2
+    assert torch.equal(second.get(key_of(1), ids_of(1)), kv_of(1, torch.bfloat16))
+    second.close()
+
+
+def test_truncated_file_is_discarded(cache):
+    put_and_flush(cache, 0)
+    rewrite(cache, 0, lambda data: data[: len(data) - 7])
+    assert_discarded(cache, 0)
+
+
+def test_truncated_inside_header_is_discarded(cache):
+    put_and_flush(cache, 0)
+    rewrite(cache, 0, lambda data: data[:20])
+    assert_discarded(cache, 0)
+
+
+def test_flipped_payload_byte_is_discarded(cache):
+    put_and_flush(cache, 0)
+    rewrite(cache, 0, flip(-3))
+    assert_discarded(cache, 0)
+
+
+@pytest.mark.parametrize("offset", [3, 8, 12, 26, 40])  # magic, header_len, digest, header
+def test_flipped_header_byte_is_discarded(cache, offset):
+    put_and_flush(cache, 0)
+    rewrite(cache, 0, flip(offset))
+    assert_discarded(cache, 0)
+
+
+def test_other_format_version_is_discarded(cache):
+    put_and_flush(cache, 0)
+    other = (FORMAT_VERSION + 1).to_bytes(2, "little")
+    rewrite(cache, 0, lambda data: data[: len(MAGIC)] + other + data[len(MAGIC) + 2 :])
+    assert_discarded(cache, 0)
+
+
+def test_other_token_ids_are_not_served(cache):
+    put_and_flush(cache, 0)
+    corrupt = cache.stats()["corrupt"]
+    assert cache.get(key_of(0), ids_of(1)) is None
+    assert cache.stats()["corrupt"] == corrupt + 1
+    # a stale block is deleted, so the right one can be stored again
+    assert cache.exists_prefix([key_of(0)]) == 0
+    put_and_flush(cache, 0)
+    assert torch.equal(cache.get(key_of(0), ids_of(0)), kv_of(0))
+
+
+def test_put_of_stored_or_queued_key_is_skipped(cache):
+    put_and_flush(cache, 0)
+    assert cache.put_async(key_of(0), ids_of(0), torch.zeros(SHAPE))
+    assert cache.flush()
+    assert cache.stats()["writes"] == 1
+    assert torch.equal(cache.get(key_of(0), ids_of(0)), kv_of(0))
+
+
+def blocked_writer(cache: HiCacheFile) -> tuple[threading.Event, threading.Event]:
+    """Make the writer wait for `release` before each write; `started` is set
+    when it holds a block."""
+    started, release = threading.Event(), threading.Event()
+    write = cache._write
+
+    def wait_then_write(*args):
+        started.set()
+        assert release.wait(10)
+        write(*args)
+
+    cache._write = wait_then_write
+    return started, release
+
+
+def test_pending_cap_drops_without_blocking(tmp_path):
+    cache = HiCacheFile(str(tmp_path), "ns", max_pending_writes=2)
+    started, release = blocked_writer(cache)
+    assert cache.put_async(key_of(0), ids_of(0), kv_of(0))
+    assert started.wait(10)  # block 0 is being written, and still pending
+    assert cache.put_async(key_of(1), ids_of(1), kv_of(1))
+    assert cache.put_async(key_of(1), ids_of(1), kv_of(1))  # already queued
+    assert not cache.put_async(key_of(2), ids_of(2), kv_of(2))
+    assert cache.stats()["dropped_writes"] == 1 and cache.stats()["pending"] == 2
+    assert not cache.flush(timeout=0.01)
+    release.set()
+    assert cache.flush()
+    assert cache.exists_prefix([key_of(i) for i in range(3)]) == 2
+    assert cache.stats()["writes"] == 2 and cache.stats()["pending"] == 0
+    cache.close()
+
+
+def test_failed_write_is_dropped_and_leaves_no_file(cache):
+    def fail(path, token_ids, kv):
+        raise OSError("disk full")
+
+    cache._write = fail
+    assert cache.put_async(key_of(0), ids_of(0), kv_of(0))
+    assert cache.flush()
+    assert cache.stats()["dropped_writes"] == 1 and cache.stats()["writes"] == 0
+    assert cache.exists_prefix([key_of(0)]) == 0
+
+
+def test_namespaces_are_isolated(tmp_path):
+    a, b = HiCacheFile(str(tmp_path), "model-a"), HiCacheFile(str(tmp_path), "model-b")
+    put_and_flush(a, 0)
+    assert b.exists_prefix([key_of(0)]) == 0
+    assert b.get(key_of(0), ids_of(0)) is None
+    assert a.exists_prefix([key_of(0)]) == 1
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("namespace", ["../escape", "a/../../b", "/abs/path", "..\\win"])
+def test_namespace_stays_inside_storage_dir(tmp_path, namespace):
+    store = tmp_path / "store"
+    cache = HiCacheFile(str(store), namespace)
+    put_and_flush(cache, 0)
+    cache.close()
+    assert os.path.dirname(cache.root) == str(store)
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert files and all(store in p.parents for p in files)
+
+
+@pytest.mark.parametrize("namespace", ["", ".", ".."])
+def test_namespace_naming_no_directory_is_refused(tmp_path, namespace):
+    with pytest.raises(ValueError):
+        HiCacheFile(str(tmp_path), namespace)
+
+
+def test_close_flushes_and_is_idempotent(tmp_path):
+    cache = HiCacheFile(str(tmp_path), "ns")
+    started, release = blocked_writer(cache)
+    for i in range(3):
+        assert cache.put_async(key_of(i), ids_of(i), kv_of(i))
+    assert started.wait(10)
+    release.set()
+    cache.close()
+    assert cache.stats()["writes"] == 3 and cache.stats()["pending"] == 0
+    cache.close()
+    assert not cache.put_async(key_of(9), ids_of(9), kv_of(9))
+    assert cache.stats()["dropped_writes"] == 1
+    assert not [p for p in tmp_path.rglob("*.tmp")]
+
+
+def test_reader_and_writer_threads_together(cache):
+    """The caller's I/O thread reads while the writer writes: every read is a
+    miss or the exact block, never a partial one."""
+    n = 32
+    bad = []
+
+    def reader():
+        for _ in range(20):
+            for i in range(n):
+                got = cache.get(key_of(i), ids_of(i))
+                if got is not None and not torch.equal(got, kv_of(i)):
+                    bad.append(i)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for i in range(n):
+        cache.put_async(key_of(i), ids_of(i), kv_of(i))
+    thread.join()
+    assert cache.flush()
+    assert not bad and cache.stats()["corrupt"] == 0
+    assert cache.exists_prefix([key_of(i) for i in range(n)]) == n
