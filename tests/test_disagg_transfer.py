@@ -1,0 +1,314 @@
+"""The P/D transfer layer on its own (radixserve.disaggregation): a bootstrap
+server in this process, prefill and decode workers in spawned processes
+(tests/disagg_harness.py), KV moving over gloo pair groups.
+
+Checked: the KV and aux data of several requests with scattered pages arrive
+exactly, in few messages; and the faults end the transfer with a clear
+error within a bounded time: a decode that never registers, stops receiving
+or is killed, a prefill that hangs or is killed mid-transfer, an abort on
+either side, a room no prefill request claims, a bootstrap address that does
+not answer. After each, a new transfer (on a new pair where the old one
+broke) succeeds.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import signal
+import socket
+import time
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from disagg_harness import PAGE_SIZE, Worker, make_kv_args
+from radixserve.disaggregation import KVPoll, KVTransferConfig, KVTransferError
+from radixserve.disaggregation.bootstrap import (
+    KVBootstrapServer, check_health, query_prefill_rank, register_prefill_rank,
+)
+from radixserve.disaggregation.torch_dist import TorchDistKVManager, TorchDistKVReceiver
+
+CONFIG = {"bootstrap_timeout_s": 2.0, "waiting_timeout_s": 4.0, "transfer_timeout_s": 2.0, "connect_timeout_s": 10.0,
+          "http_timeout_s": 1.0, "max_message_bytes": 2048}  # 2048 B = 4 pages of 512 B
+SLACK_S = 5.0  # how late past its limit a failure may be reported on a loaded 2-core machine
+_rooms = random.Random(7)
+
+
+def new_room() -> int:
+    return _rooms.getrandbits(63)
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    return multiprocessing.get_context("spawn")
+
+
+@pytest.fixture(scope="module")
+def bootstrap():
+    server = KVBootstrapServer("127.0.0.1", 0)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def workers(ctx, bootstrap):
+    started = []
+    try:
+        started.append(Worker(ctx, "prefill", bootstrap.address, CONFIG, seed=1))
+        started.append(Worker(ctx, "decode", bootstrap.address, CONFIG))
+        yield started
+    finally:
+        for w in started:
+            w.stop()
+
+
+@contextmanager
+def paused(worker: Worker):
+    """SIGSTOP the worker for the block (and SIGCONT it after, whatever happens)."""
+    worker.signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        worker.signal(signal.SIGCONT)
+
+
+def slots(pages) -> torch.Tensor:
+    pages = torch.tensor(pages)
+    return (pages[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).reshape(-1)
+
+
+def handshake(prefill: Worker, decode: Worker, addr: str, room: int, src: list, dst: list, aux=(0, 0, 0)):
+    """Both halves of ``room`` up to the point where the prefill side may send."""
+    aux_src, aux_dst, token = aux
+    prefill.call("sender", room=room, bootstrap_addr=addr, num_pages=len(src), aux_index=aux_src, token=token,
+                 logprob=-0.25 * (token % 7))
+    decode.call("receiver", room=room, bootstrap_addr=addr)
+    assert decode.call("wait", room=room, states=["WaitingForInput", "Failed"], timeout=20)[0] == "WaitingForInput"
+    decode.call("init", room=room, pages=dst, aux_index=aux_dst)
+    assert prefill.call("wait", room=room, states=["WaitingForInput", "Failed"], timeout=20)[0] == "WaitingForInput"
+
+
+def transfer_ok(prefill: Worker, decode: Worker, addr: str, src: list, dst: list) -> int:
+    """One whole transfer that must succeed with exact KV; returns its pair id."""
+    room = new_room()
+    handshake(prefill, decode, addr, room, src, dst)
+    prefill.call("send", room=room, pages=src)
+    assert decode.call("wait", room=room, states=["Success", "Failed"], timeout=20)[::2] == ("Success", None)
+    assert prefill.call("wait", room=room, states=["Success", "Failed"], timeout=20)[0] == "Success"
+    (p_kv, _), (d_kv, _) = prefill.call("kv"), decode.call("kv")
+    assert all(torch.equal(p[slots(src)], d[slots(dst)]) for p, d in zip(p_kv, d_kv))
+    return decode.call("info", room=room)["pair_id"]
+
+
+def test_kv_and_aux_of_several_requests_arrive_exactly_in_few_messages(workers, bootstrap):
+    prefill, decode = workers
+    addr = bootstrap.address
+    # (prefill pages, decode pages, prefill aux row, decode aux row, first token): scattered, out of order
+    requests = [
+        ([17, 3, 29], [5, 22, 9], 1, 4, 101),
+        ([1, 30, 4, 12, 8, 25, 19, 2, 14], [31, 2, 18, 7, 26, 11, 3, 28, 13], 2, 9, 202),
+        ([6, 21, 10, 27, 15], [20, 1, 30, 16, 24], 3, 12, 303),
+    ]
+    rooms = [new_room() for _ in requests]
+    for room, (src, dst, a_src, a_dst, token) in zip(rooms, requests):
+        handshake(prefill, decode, addr, room, src, dst, (a_src, a_dst, token))
+    for i in (2, 0, 1):  # sent in another order than registered
+        prefill.call("send", room=rooms[i], pages=requests[i][0])
+    for room in rooms:
+        assert decode.call("wait", room=room, states=["Success", "Failed"], timeout=20)[::2] == ("Success", None)
+        assert prefill.call("wait", room=room, states=["Success", "Failed"], timeout=20)[0] == "Success"
+
+    (p_kv, p_aux), (d_kv, d_aux) = prefill.call("kv"), decode.call("kv")
+    written = torch.zeros(d_kv[0].shape[0], dtype=torch.bool)
+    for src, dst, a_src, a_dst, token in requests:
+        for p, d in zip(p_kv, d_kv):
+            assert torch.equal(p[slots(src)], d[slots(dst)])
+        written[slots(dst)] = True
+        assert int(d_aux[0][a_dst]) == token and float(d_aux[1][a_dst]) == float(p_aux[1][a_src]) == -0.25 * (token % 7)
+    assert all(d[~written].count_nonzero() == 0 for d in d_kv)  # nothing written outside the reserved pages
+
+    for room, (src, *_) in zip(rooms, requests):
+        sent = prefill.call("info", room=room)["messages_sent"]
+        assert sent == -(-len(src) // 4) + 1  # 4 pages a message, then the aux message
+        assert sent < len(src) * 2 * 2  # never a message per page, layer and K/V
+
+
+def test_sender_fails_when_no_decode_registers(workers, bootstrap):
+    prefill, _ = workers
+    room = new_room()
+    prefill.call("sender", room=room, bootstrap_addr=bootstrap.address, num_pages=3, aux_index=0, token=1, logprob=0.0)
+    state, waited, failure = prefill.call("wait", room=room, states=["Failed", "Success"], timeout=20)
+    assert state == "Failed" and CONFIG["bootstrap_timeout_s"] - 0.5 <= waited <= CONFIG["bootstrap_timeout_s"] + SLACK_S
+    assert "KVTransferError" in failure and f"room {room}" in failure and "no decode rank registered" in failure
+
+
+def test_decode_that_stops_receiving_fails_the_sender_then_a_new_pair_serves(workers, bootstrap):
+    prefill, decode = workers
+    addr, room, src, dst = bootstrap.address, new_room(), [5, 9, 13], [4, 8, 12]
+    old_pair = transfer_ok(prefill, decode, addr, [2, 3], [6, 7])
+    handshake(prefill, decode, addr, room, src, dst)
+    with paused(decode):  # registered, then stops: its receives are never posted
+        prefill.call("send", room=room, pages=src)
+        state, waited, failure = prefill.call("wait", room=room, states=["Failed", "Success"], timeout=20)
+    assert state == "Failed" and waited <= CONFIG["transfer_timeout_s"] + SLACK_S, failure
+    assert "Timed out" in failure or "timeout" in failure
+    state, waited, failure = decode.call("wait", room=room, states=["Failed", "Success"], timeout=20)
+    assert state == "Failed" and waited <= CONFIG["waiting_timeout_s"] + SLACK_S
+    new_pair = transfer_ok(prefill, decode, addr, src, dst)
+    assert new_pair != old_pair  # the broken pair was dropped, a new one formed
+
+
+def test_decode_killed_after_registering_fails_the_sender_and_the_prefill_keeps_serving(ctx, workers, bootstrap):
+    prefill, decode = workers
+    addr, room = bootstrap.address, new_room()
+    doomed = Worker(ctx, "decode", addr, CONFIG)
+    try:
+        handshake(prefill, doomed, addr, room, [3, 4], [5, 6])
+        doomed.kill()
+        prefill.call("send", room=room, pages=[3, 4])  # its receives were never posted: this cannot complete
+        state, waited, failure = prefill.call("wait", room=room, states=["Failed", "Success"], timeout=20)
+        assert state == "Failed" and waited <= CONFIG["transfer_timeout_s"] + SLACK_S
+        assert "with the decode rank" in failure
+    finally:
+        doomed.stop()
+    transfer_ok(prefill, decode, addr, [3, 4], [5, 6])
+
+
+def test_prefill_that_hangs_times_out_the_receiver_and_the_pair_survives(workers, bootstrap):
+    prefill, decode = workers
+    addr, room = bootstrap.address, new_room()
+    handshake(prefill, decode, addr, room, [1, 2], [3, 4])
+    pair = decode.call("info", room=room)["pair_id"]
+    with paused(prefill):
+        state, waited, failure = decode.call("wait", room=room, states=["Failed", "Success"], timeout=20)
+    assert state == "Failed" and CONFIG["waiting_timeout_s"] - 0.5 <= waited <= CONFIG["waiting_timeout_s"] + SLACK_S
+    assert "no KV arrived within" in failure
+    # the decode side told the prefill side, which gives the room up without sending
+    state, _, failure = prefill.call("wait", room=room, states=["Failed", "Success"], timeout=10)
+    assert state == "Failed" and "decode side gave the transfer up" in failure
+    assert transfer_ok(prefill, decode, addr, [10, 11, 12], [20, 21, 22]) == pair  # nothing was in flight: same pair
+
+
+def test_an_abort_on_either_side_ends_the_other_half_at_once_and_keeps_the_pair(workers, bootstrap):
+    prefill, decode = workers
+    addr, by_decode, by_prefill = bootstrap.address, new_room(), new_room()
+    handshake(prefill, decode, addr, by_decode, [1, 2], [3, 4])
+    pair = decode.call("info", room=by_decode)["pair_id"]
+    decode.call("abort", room=by_decode)
+    state, waited, failure = prefill.call("wait", room=by_decode, states=["Failed", "Success"], timeout=10)
+    assert state == "Failed" and waited < 1.0 and "decode side gave the transfer up: the request was aborted" in failure
+
+    handshake(prefill, decode, addr, by_prefill, [1, 2], [3, 4])
+    prefill.call("abort", room=by_prefill)
+    state, waited, failure = decode.call("wait", room=by_prefill, states=["Failed", "Success"], timeout=10)
+    assert state == "Failed" and waited < 1.0 and "prefill side gave the transfer up" in failure
+    assert transfer_ok(prefill, decode, addr, [1, 2], [3, 4]) == pair
+
+
+def test_a_room_that_no_prefill_request_claims_is_given_up(workers, bootstrap):
+    prefill, decode = workers
+    addr, room = bootstrap.address, new_room()
+    decode.call("receiver", room=room, bootstrap_addr=addr)
+    assert decode.call("wait", room=room, states=["WaitingForInput", "Failed"], timeout=20)[0] == "WaitingForInput"
+    decode.call("init", room=room, pages=[1, 2], aux_index=0)
+    for _ in range(2):  # the prefill side checks for stale rooms while its senders poll (these two have no decode half)
+        other = new_room()
+        prefill.call("sender", room=other, bootstrap_addr=addr, num_pages=1, aux_index=0, token=1, logprob=0.0)
+        prefill.call("wait", room=other, states=["Failed", "Success"], timeout=10)
+    state, _, failure = decode.call("wait", room=room, states=["Failed", "Success"], timeout=10)
+    # told after bootstrap_timeout_s, before its own waiting_timeout_s would have said "no KV arrived"
+    assert state == "Failed" and "the prefill server had no request for it" in failure, failure
+
+
+def test_prefill_killed_mid_transfer_fails_the_receiver_then_a_new_prefill_serves(ctx, workers):
+    _, decode = workers
+    with KVBootstrapServer("127.0.0.1", 0) as server:
+        addr, room, src, dst = server.address, new_room(), [8, 9, 10, 11, 12], [1, 2, 3, 4, 5]
+        doomed = Worker(ctx, "prefill", addr, CONFIG, seed=2)
+        try:
+            handshake(doomed, decode, addr, room, src, dst)
+            with paused(decode):  # so the announced messages are still in flight when the prefill dies
+                doomed.call("send", room=room, pages=src)
+                assert doomed.call("poll", room=room) == KVPoll.Transferring
+                doomed.kill()
+                resumed = time.monotonic()
+            state, _, failure = decode.call("wait", room=room, states=["Failed", "Success"], timeout=20)
+            assert state == "Failed" and time.monotonic() - resumed < CONFIG["waiting_timeout_s"], failure
+            assert "prefill" in failure or "peer" in failure
+        finally:
+            doomed.stop()
+        successor = Worker(ctx, "prefill", addr, CONFIG, seed=3)  # registers the same engine rank again
+        try:
+            transfer_ok(successor, decode, addr, src, dst)
+        finally:
+            successor.stop()
+
+
+def _silent_listener() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)  # connections complete in the kernel; nobody ever reads or answers
+    return sock
+
+
+def test_bootstrap_address_that_does_not_answer_gives_a_clear_error_in_bounded_time():
+    silent = _silent_listener()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    closed_addr = f"127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()
+    silent_addr = f"127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        for addr in (silent_addr, closed_addr):
+            start = time.monotonic()
+            with pytest.raises(KVTransferError, match=f"bootstrap server at {addr} did not answer"):
+                query_prefill_rank(addr, 0, timeout_s=0.5)
+            assert time.monotonic() - start < 1.5
+
+        # a decode receiver bound to it fails too, without blocking its poll
+        args, _ = make_kv_args("decode", 0)
+        mgr = TorchDistKVManager(args, "decode", KVTransferConfig(**{**CONFIG, "http_timeout_s": 0.5}))
+        try:
+            rx = TorchDistKVReceiver(mgr, silent_addr, new_room())
+            start, polls = time.monotonic(), 0
+            while (state := rx.poll()) == KVPoll.Bootstrapping and time.monotonic() - start < 10:
+                polls += 1
+                time.sleep(0.001)
+            assert state == KVPoll.Failed and time.monotonic() - start < 2.0 and polls > 10
+            with pytest.raises(KVTransferError, match=f"could not pair .* {silent_addr}"):
+                rx.failure_exception()
+        finally:
+            mgr.close()
+    finally:
+        silent.close()
+
+
+def test_bootstrap_routes():
+    with KVBootstrapServer("127.0.0.1", 0) as server:
+        assert check_health(server.address)
+        with pytest.raises(KVTransferError, match="has no prefill rank 1 .404"):
+            query_prefill_rank(server.address, 1)
+        with pytest.raises(KVTransferError, match="refused the registration .400.*engine_rank 2 is not in"):
+            register_prefill_rank(server.address, {"engine_rank": 2, "tp_size": 2, "rank_ip": "127.0.0.1",
+                                                   "rank_port": 1234, "layout": {}})
+        entry = {"engine_rank": 1, "tp_size": 2, "rank_ip": "127.0.0.1", "rank_port": 1234, "layout": {"page_size": 2}}
+        register_prefill_rank(server.address, entry)
+        register_prefill_rank(server.address, {**entry, "rank_port": 4321})  # a restarted rank replaces its entry
+        assert query_prefill_rank(server.address, 1) == {"role": "Prefill", **entry, "rank_port": 4321}
+    assert not check_health(server.address, timeout_s=0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL puts one rank on each)")
+def test_kv_moves_between_two_gpus_over_an_nccl_pair(ctx):
+    with KVBootstrapServer("127.0.0.1", 0) as server:
+        started = []
+        try:
+            started.append(Worker(ctx, "prefill", server.address, CONFIG, seed=4, device="cuda:0"))
+            started.append(Worker(ctx, "decode", server.address, CONFIG, device="cuda:1"))
+            transfer_ok(*started, server.address, [1, 30, 4, 12, 8, 25, 19], [31, 2, 18, 7, 26, 11, 3])
+        finally:
+            for w in started:
+                w.stop()
