@@ -17,6 +17,7 @@ REASONING_PARSER_NAMES = ("deepseek-r1", "qwen3")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_STORAGE_BACKENDS = ("file",)
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
 @dataclass
@@ -57,6 +58,9 @@ class ServerArgs:
         "help": "when KV is copied to the host", "choices": HICACHE_WRITE_POLICIES})
     hicache_storage_backend: str | None = field(default=None, metadata={
         "help": "a tier below host memory that survives restarts", "choices": HICACHE_STORAGE_BACKENDS})
+    hicache_storage_backend_extra_config: str | None = field(default=None, metadata={
+        "help": "the storage backend's options, a JSON object; the file tier takes max_gb, the most its files "
+                "may hold (least recently used ones go first; default: no limit)"})
     hicache_storage_dir: str | None = field(default=None, metadata={
         "help": "the file tier's directory (default $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, "
                 "else hicache/ in radixserve's cache directory)"})
@@ -81,6 +85,14 @@ class ServerArgs:
     node_rank: int = field(default=0, metadata={"help": "this host's index among --nnodes (0 serves HTTP)"})
     dist_timeout: float | None = field(default=None, metadata={
         "help": "seconds before a collective that a rank never joins fails (default 600)"})
+    # Prefill/decode disaggregation (docs/disaggregation.md), with SGLang's flags.
+    disaggregation_mode: str = field(default="null", metadata={
+        "help": "null (prefill and decode here), prefill (compute prompts and send their KV to a decode server) "
+                "or decode (receive the KV, then generate)", "choices": DISAGGREGATION_MODES})
+    disaggregation_bootstrap_port: int = field(default=8998, metadata={
+        "help": "the bootstrap server a prefill server runs for decode servers to find its ranks"})
+    disaggregation_transfer_backend: str = field(default="torch", metadata={
+        "help": "how KV moves between servers: torch (torch.distributed point-to-point, gloo on CPU)"})
     # Data parallelism (docs/data_parallel.md): replicas behind one TokenizerManager.
     dp_size: int = field(default=1, metadata={"help": "scheduler replicas (each with --tp-size ranks) in one server"})
     load_balance_method: str = field(default="round_robin", metadata={
@@ -137,6 +149,7 @@ class ServerArgs:
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
         self._check_distributed()
+        self._check_disaggregation()
         self._check_hicache()
         self.model_overrides()  # fail at start-up, naming the flag
         if self.kv_events_config:
@@ -164,8 +177,25 @@ class ServerArgs:
                              "drop --disable-radix-cache")
         if self.tp_size > 1:
             raise ValueError("enable_hierarchical_cache: not supported with --tp-size > 1 yet")
+        self.hicache_storage_options()  # fail at start-up, naming the flag
         if self.hicache_size < 0 or (self.hicache_size == 0 and not self.hicache_ratio > 1):
             raise ValueError(f"hicache_ratio must be > 1 (or --hicache-size > 0 GB), got {self.hicache_ratio}")
+
+    def hicache_storage_options(self) -> dict:
+        """``--hicache-storage-backend-extra-config`` checked: ``{"max_gb": float}`` or ``{}``."""
+        if not self.hicache_storage_backend_extra_config:
+            return {}
+        try:
+            options = json.loads(self.hicache_storage_backend_extra_config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"hicache_storage_backend_extra_config: not JSON ({exc})") from None
+        if not isinstance(options, dict) or set(options) - {"max_gb"}:
+            raise ValueError("hicache_storage_backend_extra_config: a JSON object whose only key is max_gb, "
+                             f"got {self.hicache_storage_backend_extra_config!r}")
+        max_gb = options.get("max_gb")
+        if max_gb is not None and (isinstance(max_gb, bool) or not isinstance(max_gb, (int, float)) or max_gb <= 0):
+            raise ValueError(f"hicache_storage_backend_extra_config: max_gb must be a positive number, got {max_gb!r}")
+        return options
 
     def resolved_hicache_storage_dir(self) -> str:
         from radixserve.cache_dir import cache_root
@@ -191,6 +221,23 @@ class ServerArgs:
                 raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
         if self.dist_timeout is not None and not self.dist_timeout > 0:
             raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
+
+    def _check_disaggregation(self) -> None:
+        _one_of("disaggregation_mode", self.disaggregation_mode, DISAGGREGATION_MODES)
+        backend = self.disaggregation_transfer_backend
+        if backend in ("mooncake", "nixl"):
+            raise ValueError(f"disaggregation_transfer_backend: {backend} needs CUDA and RDMA (InfiniBand/RoCE) "
+                             "libraries that this build does not have; use torch")
+        _one_of("disaggregation_transfer_backend", backend, ("torch",))
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            raise ValueError(f"disaggregation_bootstrap_port must be a port, got {self.disaggregation_bootstrap_port}")
+        if self.disaggregation_mode == "null":
+            return
+        for flag, unsupported in (("--dp-size > 1", self.dp_size > 1), ("--tp-size > 1", self.tp_size > 1),
+                                  ("--enable-hierarchical-cache", self.enable_hierarchical_cache),
+                                  ("--nnodes > 1", self.nnodes > 1)):
+            if unsupported:
+                raise ValueError(f"disaggregation_mode: {self.disaggregation_mode} is not supported with {flag} yet")
 
     def local_tp_ranks(self) -> range:
         """The TP ranks this node runs (rank 0, which talks to the tokenizer

@@ -254,6 +254,16 @@ def test_file_tier_survives_a_restart(llama, tiers_off, tmp_path):
     assert cached == [64] * 5 and stats["hicache_storage_prefetched"] == 5 * 64
 
 
+def test_file_tier_size_cap(llama, tmp_path):
+    folder, _ = llama
+    cap = 80_000  # two 64-token blocks of this model (32 KiB of KV each, plus headers), not three
+    tier = dict(enable_hierarchical_cache=True, hicache_ratio=4, hicache_storage_backend="file",
+                hicache_storage_dir=str(tmp_path), hicache_storage_backend_extra_config=f'{{"max_gb": {cap / 2**30}}}')
+    _, _, stats = serve(folder, workload()[:5], **tier)
+    assert stats["hicache_storage_writes"] == 5 and stats["hicache_storage_evicted"] == 3
+    assert stats["hicache_storage_bytes"] <= cap and len(list(tmp_path.rglob("*.kv"))) == 2
+
+
 def test_corrupt_file_is_a_miss_never_served(llama, tiers_off, tmp_path):
     folder, _ = llama
     prompts = workload()
@@ -309,3 +319,6 @@ def test_flags_are_checked():
         ServerArgs(enable_hierarchical_cache=True, disable_radix_cache=True)
     with pytest.raises(ValueError, match="hicache_ratio"):
         ServerArgs(enable_hierarchical_cache=True, hicache_ratio=1.0)
+    with pytest.raises(ValueError, match="max_gb must be a positive number"):
+        ServerArgs(enable_hierarchical_cache=True, hicache_storage_backend="file",
+                   hicache_storage_backend_extra_config='{"max_gb": 0}')

@@ -264,3 +264,47 @@ def test_reader_and_writer_threads_together(cache):
     assert cache.flush()
     assert not bad and cache.stats()["corrupt"] == 0
     assert cache.exists_prefix([key_of(i) for i in range(n)]) == n
+
+
+# -- the size cap -------------------------------------------------------------------
+
+
+def file_size(cache: HiCacheFile, i: int) -> int:
+    return os.path.getsize(cache.path(key_of(i)))
+
+
+def test_size_cap_deletes_least_recently_used_files(tmp_path):
+    probe = HiCacheFile(str(tmp_path / "probe"), "ns")
+    put_and_flush(probe, 0)
+    size = file_size(probe, 0)
+    probe.close()
+    c = HiCacheFile(str(tmp_path), "ns", max_bytes=3 * size)
+    try:
+        put_and_flush(c, 0, 1, 2)
+        assert c.get(key_of(0), ids_of(0)) is not None  # block 0 is now the most recently used
+        put_and_flush(c, 3)
+        assert [os.path.exists(c.path(key_of(i))) for i in range(4)] == [True, False, True, True]
+        assert c.stats()["evicted"] == 1 and c.stats()["bytes"] == 3 * size
+    finally:
+        c.close()
+
+
+def test_size_cap_order_and_total_survive_a_restart(tmp_path):
+    c = HiCacheFile(str(tmp_path), "ns", max_bytes=1 << 30)
+    put_and_flush(c, 0, 1, 2)
+    size = file_size(c, 0)
+    for i, age in ((0, 30), (1, 20), (2, 10)):  # 0 oldest
+        t = os.path.getmtime(c.path(key_of(i))) - age
+        os.utime(c.path(key_of(i)), (t, t))
+    c.close()
+    stale = os.path.join(c.root, "ab", ".0123.tmp")
+    os.makedirs(os.path.dirname(stale), exist_ok=True)
+    open(stale, "wb").close()
+    os.utime(stale, (1, 1))  # a crashed writer's, long ago
+    again = HiCacheFile(str(tmp_path), "ns", max_bytes=3 * size)
+    try:
+        assert again.stats()["bytes"] == 3 * size and not os.path.exists(stale)
+        put_and_flush(again, 3)
+        assert [os.path.exists(again.path(key_of(i))) for i in range(4)] == [False, True, True, True]
+    finally:
+        again.close()

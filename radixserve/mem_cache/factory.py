@@ -40,7 +40,10 @@ def build_tree_cache(args, model_runner, kv_event_publisher=None, forward_stream
         from radixserve.mem_cache.storage import HiCacheFile
 
         namespace = storage_namespace(model_runner, storage_block_tokens(device_pool.page_size), args.random_seed)
-        storage = FileTier(HiCacheFile(args.resolved_hicache_storage_dir(), namespace), host, device_pool.page_size)
+        max_gb = args.hicache_storage_options().get("max_gb")
+        backend = HiCacheFile(args.resolved_hicache_storage_dir(), namespace,
+                              max_bytes=int(max_gb * 2**30) if max_gb else None)
+        storage = FileTier(backend, host, device_pool.page_size)
     return HiRadixCache(*pools, host, args.hicache_write_policy, args.eviction_policy, kv_events, storage,
                         forward_stream)
 

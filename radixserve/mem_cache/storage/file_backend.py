@@ -11,19 +11,29 @@ A file is served only when all of it checks out: magic, version, digest,
 length and the token ids the caller asks for. Anything else (a torn or
 truncated file, flipped bits, another format version, a stale block under
 the same key) is deleted, counted as ``corrupt`` and reported as a miss, so the
-next ``put_async`` of that key can write it again. Temporary files
-(``.<uuid>.tmp``) that a crashed writer left behind are not cleaned up here.
+next ``put_async`` of that key can write it again.
+
+With ``max_bytes`` the files are capped: after each write the least recently
+written or read files are deleted until the rest fit. The order survives a
+restart (a hit refreshes a file's modification time; the directory is
+indexed by it at start), and so does the cap's count of this process's own
+files only: servers that share a directory each keep to the cap by
+themselves. Temporary files (``.<uuid>.tmp``) that a crashed writer left are
+deleted at start when they are over an hour old (only with a cap: without
+one the directory is never scanned).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import logging
 import os
 import re
 import struct
 import threading
+import time
 import uuid
 
 import msgpack
@@ -36,6 +46,7 @@ FORMAT_VERSION = 1
 _PREFIX = struct.Struct("<4sHI16s")  # magic, version, header_len, digest
 _MAX_HEADER_LEN = 1 << 24
 _KEY_LEN = 32
+STALE_TMP_S = 3600  # a temporary file this old is a crashed writer's
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -134,12 +145,21 @@ class HiCacheFile:
     complete file. Every public method is safe to call from any thread.
     """
 
-    def __init__(self, storage_dir: str, namespace: str, max_pending_writes: int = 256):
+    def __init__(self, storage_dir: str, namespace: str, max_pending_writes: int = 256,
+                 max_bytes: int | None = None):
         if max_pending_writes < 1:
             raise ValueError(f"max_pending_writes must be at least 1, got {max_pending_writes}")
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.root = os.path.join(storage_dir, safe_namespace(namespace))
         os.makedirs(self.root, exist_ok=True)
         self.max_pending_writes = max_pending_writes
+        # With a size cap: every block file, least recently written or read
+        # first, with its size (read from the directory at start, oldest
+        # modification first; a hit refreshes a file's modification time).
+        self.max_bytes = max_bytes
+        self._lru: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._bytes = 0
         # _cond's lock guards the queue, the stats, the closing flag, and the
         # rename/unlink of final names (so a reader that discards a bad file
         # cannot remove a good one the writer just put in its place)
@@ -148,8 +168,10 @@ class HiCacheFile:
         self._queued: set[bytes] = set()  # queued or being written
         self._closing = False
         self._stats = dict.fromkeys(
-            ("writes", "write_bytes", "dropped_writes", "reads", "read_hits", "read_bytes", "corrupt"), 0
+            ("writes", "write_bytes", "dropped_writes", "reads", "read_hits", "read_bytes", "corrupt", "evicted"), 0
         )
+        if max_bytes is not None:
+            self._scan()
         self._writer = threading.Thread(target=self._writer_loop, name="hicache-file-writer", daemon=True)
         self._writer.start()
 
@@ -187,6 +209,8 @@ class HiCacheFile:
             logger.warning("HiCacheFile: reading %s failed: %s", path, e)
             return None
         self._count(read_hits=1, read_bytes=kv.numel() * kv.element_size())
+        if self.max_bytes is not None:
+            self._used(path)
         return kv
 
     def put_async(self, key: bytes, token_ids: list[int], kv: torch.Tensor) -> bool:
@@ -227,9 +251,11 @@ class HiCacheFile:
     def stats(self) -> dict[str, int]:
         """Counters since start: writes and write_bytes (payload bytes) done,
         dropped_writes, reads (get calls), read_hits and read_bytes (payload
-        bytes served), corrupt (files discarded), pending (queued now)."""
+        bytes served), corrupt (files discarded), evicted (files deleted for
+        the size cap), pending (queued now), and with a cap, bytes (on disk now)."""
         with self._cond:
-            return {**self._stats, "pending": len(self._queued)}
+            extra = {"bytes": self._bytes} if self.max_bytes is not None else {}
+            return {**self._stats, "pending": len(self._queued), **extra}
 
     def _count(self, **deltas: int) -> None:
         with self._cond:
@@ -245,8 +271,52 @@ class HiCacheFile:
                 now = os.stat(path)
                 if (now.st_dev, now.st_ino) == (seen.st_dev, seen.st_ino):
                     os.unlink(path)
+                    self._bytes -= self._lru.pop(path, 0)
             except OSError as e:  # gone already, or a read-only directory
                 logger.debug("HiCacheFile: cannot delete %s: %s", path, e)
+
+    # -- the size cap ------------------------------------------------------------
+    def _scan(self) -> None:
+        """Index the block files already there, oldest first; delete temporary
+        files a crashed writer left (older than an hour: a live writer of
+        another process sharing the directory may own a newer one)."""
+        found = []
+        for entry in os.scandir(self.root):
+            if not entry.is_dir():
+                continue
+            for f in os.scandir(entry.path):
+                try:
+                    st = f.stat()
+                except OSError:
+                    continue
+                if f.name.endswith(".kv"):
+                    found.append((st.st_mtime, f.path, st.st_size))
+                elif f.name.endswith(".tmp") and time.time() - st.st_mtime > STALE_TMP_S:
+                    with contextlib.suppress(OSError):
+                        os.unlink(f.path)
+        with self._cond:
+            for _, path, size in sorted(found):
+                self._add(path, size)
+
+    def _add(self, path: str, size: int) -> None:
+        """Index a new file (under ``_cond``), then delete the least recently
+        used others while the files exceed ``max_bytes``."""
+        self._bytes += size - self._lru.pop(path, 0)
+        self._lru[path] = size
+        while self._bytes > self.max_bytes and len(self._lru) > 1:
+            victim, victim_size = self._lru.popitem(last=False)
+            self._bytes -= victim_size
+            self._stats["evicted"] += 1
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(victim)
+
+    def _used(self, path: str) -> None:
+        """A hit: the file becomes the most recently used, on disk too."""
+        with self._cond:
+            if path in self._lru:
+                self._lru.move_to_end(path)
+        with contextlib.suppress(OSError):
+            os.utime(path)
 
     def _writer_loop(self) -> None:
         while True:
@@ -280,6 +350,8 @@ class HiCacheFile:
                 f.write(payload)
             with self._cond:
                 os.replace(tmp, path)
+                if self.max_bytes is not None:
+                    self._add(path, len(head) + len(payload))
         except BaseException:
             try:
                 os.unlink(tmp)
