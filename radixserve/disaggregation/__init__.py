@@ -1,10 +1,11 @@
 """Prefill/decode disaggregation: moving a request's KV from a prefill engine
 to a decode engine (SGLang's ``disaggregation/`` package, our own code).
 
-This package is the transfer layer only: the interface (``base``), the
-bootstrap server (``bootstrap``) and the one backend that runs on our
-machines, torch.distributed point-to-point (``torch_dist``). See
-docs/disaggregation.md.
+This package is the transfer layer: the interface (``base``), the
+bootstrap server (``bootstrap``), the one backend that runs on our
+machines, torch.distributed point-to-point (``torch_dist``), and what the
+schedulers' mixins (``managers/scheduler_disagg_*_mixin.py``) need around
+it (``utils``). See docs/disaggregation.md.
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ class Engine:
         if self.server_args.dp_size > 1:
             raise ValueError("dp_size: the offline Engine runs one replica (with tp_size ranks); "
                              "data parallelism is a server option (--dp-size)")
+        if self.server_args.disaggregation_mode != "null":
+            raise ValueError("disaggregation_mode: prefill and decode servers are HTTP servers "
+                             "(radixserve serve --disaggregation-mode ...); the offline Engine runs both halves")
         if self.server_args.tp_size > 1:  # rank 0 here, the other ranks in processes (engine_tp.py)
             from radixserve.entrypoints.engine_tp import TpLeader
 

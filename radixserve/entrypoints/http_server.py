@@ -257,7 +257,13 @@ def launch_server(args: ServerArgs) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     max_connections = http_guards.resolved_max_connections(args.max_connections, http_guards.raise_open_file_limit())
-    engine = start_engine_processes(args)
+    bootstrap = start_bootstrap_server(args)  # before the schedulers, which register with it
+    try:
+        engine = start_engine_processes(args)
+    except BaseException:
+        if bootstrap is not None:
+            bootstrap.close()
+        raise
     if args.node_rank > 0:
         return _run_ranks_only(engine)
     app = create_app(engine, args)
@@ -282,7 +288,20 @@ def launch_server(args: ServerArgs) -> int:
         server.run()
     finally:
         engine.shutdown()
+        if bootstrap is not None:
+            bootstrap.close()
     return 0 if app.state.healthy else 1
+
+
+def start_bootstrap_server(args: ServerArgs):
+    """A prefill server's KV bootstrap server on ``--disaggregation-bootstrap-port``
+    (docs/disaggregation.md), or None on other servers."""
+    if args.disaggregation_mode != "prefill":
+        return None
+    from radixserve.disaggregation import get_kv_classes
+
+    return get_kv_classes(args.disaggregation_transfer_backend)["bootstrap_server"](
+        args.host, args.disaggregation_bootstrap_port)
 
 
 def _run_ranks_only(engine: EngineProcesses) -> int:

@@ -153,7 +153,9 @@ def start_engine_processes(args: ServerArgs) -> EngineProcesses:
     sends = [scheduler_addr(ipc_dir, d) for d in range(args.dp_size)]
     tm = TokenizerManager(tokenizer, info, args.model_name(), sends, addr["tokenizer"],
                           request_limits(args, info), args.model_names(model_config.model_path),
-                          load_balance_method=args.load_balance_method)
+                          load_balance_method=args.load_balance_method,
+                          disaggregation_mode=args.disaggregation_mode,
+                          default_bootstrap_port=args.disaggregation_bootstrap_port)
     return EngineProcesses(tm, procs, ipc_dir, info)
 
 

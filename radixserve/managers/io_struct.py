@@ -25,6 +25,8 @@ MAX_RID_CHARS = 512
 
 _StartLen = Annotated[int, Field(ge=-1, le=MAX_INT32)]
 _TopNum = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+_Port = Annotated[int, Field(ge=1, le=65535)]
+_Room = Annotated[int, Field(ge=0, lt=2**63)]  # a 63-bit room, as SGLang's router picks
 
 # SGLang's GenerateReqInput fields (v0.5) that this engine does not implement,
 # with the values that ask for nothing: those are accepted and ignored, any
@@ -39,7 +41,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "return_hidden_states": (False,), "return_routed_experts": (False,), "routed_experts_start_len": (0,),
     "return_indexer_topk": (False,), "modalities": (None, []), "session_params": (None,), "lora_path": (None,),
     "lora_id": (None,), "custom_logit_processor": (None,), "positional_embed_overrides": (None,),
-    "bootstrap_host": (None,), "bootstrap_port": (None,), "bootstrap_room": (None,), "bootstrap_pair_key": (None,),
+    "bootstrap_pair_key": (None,),
     "decode_tp_size": (None,), "routed_dp_rank": (None, 0), "data_parallel_rank": (None, 0),
     "disagg_prefill_dp_rank": (None,), "http_worker_ipc": (None,), "background": (False,),
     "require_reasoning": (False,), "max_thinking_tokens": (None,), "extra_key": (None, ""), "return_bytes": (False,),
@@ -90,6 +92,11 @@ class GenerateReqInput:
     received_time: float | None = None
     kv_hints: dict | list | None = None
     model: str | None = None  # sglang-router adds the model it routed to; SGLang ignores it too
+    # prefill/decode disaggregation (docs/disaggregation.md): where the prompt's KV comes from or goes;
+    # one value, or one per prompt; the router sends the same room to a prefill and a decode server
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: _Port | list[_Port] | None = None
+    bootstrap_room: _Room | list[_Room] | None = None
     # not implemented (see UNSUPPORTED_FIELDS)
     input_embeds: Any = None
     image_data: Any = None
@@ -116,9 +123,6 @@ class GenerateReqInput:
     lora_id: Any = None
     custom_logit_processor: Any = None
     positional_embed_overrides: Any = None
-    bootstrap_host: Any = None
-    bootstrap_port: Any = None
-    bootstrap_room: Any = None
     bootstrap_pair_key: Any = None
     decode_tp_size: Any = None
     routed_dp_rank: Any = None
@@ -209,7 +213,8 @@ class GenerateReqInput:
         return [_PER_PROMPT[name] if v is None else v for v in values]
 
 
-_PER_PROMPT = {"return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0}  # and their defaults
+_PER_PROMPT = {"return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0,  # and their defaults
+               "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None}
 _ONE_OR_A_LIST = {"text": (str, "a string"), "sampling_params": (dict, "an object")}
 
 
@@ -232,6 +237,9 @@ class TokenizedGenerateReqInput:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     stream: bool = False
+    # disaggregation: the prefill server's bootstrap address (host:port) and the room pairing the two halves
+    bootstrap_addr: str | None = None
+    bootstrap_room: int | None = None
 
 
 @dataclass

@@ -131,6 +131,14 @@ class Req:
         self.input_top_logprobs: list[list[tuple[float, int]] | None] = []
         self.output_token_logprobs: list[tuple[float, int]] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        # prefill/decode disaggregation (disagg_prefill.py, disagg_decode.py): the prefill server's
+        # bootstrap address and the room naming this request's transfer, its half of it
+        self.bootstrap_addr: str | None = None
+        self.bootstrap_room: int | None = None
+        self.kv_sender = None  # prefill server: sends the prompt's KV
+        self.kv_receiver = None  # decode server: receives it
+        self.aux_index: int | None = None  # its row of the first token's metadata
+        self.disagg_finish: FinishReason | None = None  # prefill server: how it ends once the KV is sent
 
     @property
     def fill_ids(self) -> list[int]:

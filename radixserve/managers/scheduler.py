@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +13,8 @@ from typing import Any
 import msgpack
 
 from radixserve.managers.decode_sampling import DecodeSamplingState
+from radixserve.managers.disagg_decode import DecodeDisaggregation
+from radixserve.managers.disagg_prefill import PrefillDisaggregation
 from radixserve.managers.grammar_queue import GrammarQueue
 from radixserve.managers.schedule_batch import FinishReason, KVPools, Req, ScheduleBatch
 from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
@@ -29,6 +32,7 @@ from radixserve.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 INIT_NEW_TOKEN_RATIO = 0.7
+DISAGG_POLL_S = 0.001  # the pause of a step that has only KV transfers to poll
 
 
 @dataclass
@@ -74,6 +78,13 @@ class Scheduler(SchedulerOutputProcessorMixin):
     KV events (``kv_event_publisher``, docs/kv_events.md): the radix cache
     records the blocks it stores and evicts; each step's events go out as
     one batch at its end (and a flush's at once). ``close`` stops the publisher.
+
+    Disaggregation (``--disaggregation-mode``, docs/disaggregation.md): a
+    request with a bootstrap room waits in the queues of ``disagg``
+    (``disagg_prefill.py`` or ``disagg_decode.py``), polled at the start of
+    each step; a prefill server sends its prompt's KV instead of decoding
+    it, a decode server receives it instead of prefilling. Overlap is off in
+    both modes.
     """
 
     def __init__(self, server_args: ServerArgs, model_runner, tokenizer=None,
@@ -107,10 +118,16 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self._finished_outside_batch: list[Req] = []
         # Overlap: the batch queued on the device whose results the next step
         # takes, and finished requests whose last KV slot a queued forward writes.
-        self.overlap = self.device.type == "cuda" and not server_args.disable_overlap_schedule
+        self.overlap = (self.device.type == "cuda" and not server_args.disable_overlap_schedule
+                        and server_args.disaggregation_mode == "null")
         self._in_flight: Launched | None = None
         self._deferred: list[Req] = []
         self.stats = SchedulerStats()
+        self.disagg = None  # the prefill or decode server's queues and KV manager
+        if server_args.disaggregation_mode == "prefill":
+            self.disagg = PrefillDisaggregation(self)
+        elif server_args.disaggregation_mode == "decode":
+            self.disagg = DecodeDisaggregation(self)
 
     # -- requests ------------------------------------------------------------
     def new_req(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, return_logprob: bool = False,
@@ -146,7 +163,14 @@ class Scheduler(SchedulerOutputProcessorMixin):
         sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - len(req.origin_input_ids))
         req.init_stop_matching(self.tokenizer)
         self.stats.prompt_tokens += len(req.origin_input_ids)
-        spec = grammar_spec(sp)
+        if req.bootstrap_room is not None and self.disagg is not None:
+            self.disagg.add(req)
+        else:
+            self.enqueue(req)
+
+    def enqueue(self, req: Req) -> None:
+        """Into the waiting queue, or the grammar queue until its grammar compiles."""
+        spec = grammar_spec(req.sampling_params)
         if spec is None:
             self.waiting.append(req)
         else:
@@ -158,6 +182,9 @@ class Scheduler(SchedulerOutputProcessorMixin):
             for i, req in enumerate(queue):
                 if req.rid == rid:
                     queue.pop(i)
+                    if req.kv_sender is not None:  # bootstrapped, not prefilled yet: the decode side is told
+                        req.kv_sender.abort()
+                        req.kv_sender.clear()
                     req.finished_reason = FinishReason.aborted("aborted by request")
                     self._finished_outside_batch.append(req)
                     return True
@@ -165,16 +192,19 @@ class Scheduler(SchedulerOutputProcessorMixin):
             if req.rid == rid:
                 req.to_abort = True
                 return True
-        return False
+        return self.disagg is not None and self.disagg.abort(rid)
 
     def is_idle(self) -> bool:
         # a request aborted while waiting is only handed back by the next step
         return not (self.waiting or self.grammar_queue or self.running_batch.reqs or self.chunked_req
-                    or self._in_flight or self._finished_outside_batch or self.tree_cache.busy())
+                    or self._in_flight or self._finished_outside_batch or self.tree_cache.busy()
+                    or (self.disagg is not None and self.disagg.queued()))
 
     def live_reqs(self) -> list[Req]:
-        """Requests holding KV: running, chunked, and finished ones waiting for their last forward."""
-        return self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else []) + self._deferred
+        """Requests holding KV: running, chunked, finished ones waiting for
+        their last forward, and those whose KV is being sent or received."""
+        return (self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else []) + self._deferred
+                + (self.disagg.holding() if self.disagg is not None else []))
 
     def check_memory(self) -> None:
         check_memory_invariant(self.allocator, self.tree_cache, self.live_reqs())
@@ -186,13 +216,20 @@ class Scheduler(SchedulerOutputProcessorMixin):
         out = self._drain() if self._in_flight and self._must_drain() else []
         self.tree_cache.poll()  # copies between cache tiers that have finished
         out += self._process_aborts()
+        if self.disagg is not None:
+            out += self.disagg.poll()
         if self.grammar_queue:
             ready, failed = self.grammar_queue.pop_compiled(self._agree_on_rids)
             self.waiting += ready
             out += failed
         batch = self._next_batch()
-        if batch is None and not self._in_flight:  # only compilations or cache copies to wait for
-            self.grammar_queue.wait() if self.grammar_queue else self.tree_cache.wait()
+        if batch is None and not self._in_flight:  # only compilations, cache copies or transfers to wait for
+            if self.grammar_queue:
+                self.grammar_queue.wait()
+            elif self.disagg is not None and self.disagg.queued():
+                time.sleep(DISAGG_POLL_S)
+            else:
+                self.tree_cache.wait()
         out += self._finished_outside_batch
         self._finished_outside_batch = []
         previous, self._in_flight = self._in_flight, None
@@ -260,7 +297,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
             return None
         # The chunked request, if any, is in can_run; finished requests whose
         # last decode is in flight still hold their rows.
-        free_rows = self.max_running - len(self.running_batch) - len(self._deferred)
+        free_rows = (self.max_running - len(self.running_batch) - len(self._deferred)
+                     - len(self.disagg.holding() if self.disagg is not None else []))
         adder = PrefillAdder(
             self.tree_cache, self.allocator.available_size(), self.running_batch.reqs, self.new_token_ratio,
             self.args.max_prefill_tokens, self.chunk_size, max(free_rows, 0), self.page_size,
@@ -349,7 +387,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
             req.kv_inflight = seq - req.kv_len
         decoding_ids = frozenset(id(r) for r in decoding)
         if mode == ForwardMode.EXTEND:  # finished prompts decode next, their first token still on the device
-            self.running_batch.merge_batch([r for r in reqs if not r.is_chunked and id(r) not in decoding_ids])
+            self.running_batch.merge_batch([r for r in reqs if not r.is_chunked and id(r) not in decoding_ids
+                                            and r.kv_sender is None])  # a prompt with a room is sent instead
         self.stats.forward_ct += 1
         return Launched(reqs, forward, decoding_ids)
 
@@ -372,9 +411,12 @@ class Scheduler(SchedulerOutputProcessorMixin):
         return True
 
     def close(self) -> None:
-        """Stop publishing KV events (sends what is queued, closes the sockets)
-        and finish the cache tiers' copies (the file tier's writes land)."""
+        """Stop publishing KV events (sends what is queued, closes the sockets),
+        finish the cache tiers' copies (the file tier's writes land) and
+        close the disaggregation KV manager (its transfers fail)."""
         self.tree_cache.close()
+        if self.disagg is not None:
+            self.disagg.close()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
 

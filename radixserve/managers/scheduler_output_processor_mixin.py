@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 
 from radixserve.layers.sampler import SampleOutput
+from radixserve.managers.disagg_prefill import PrefillDisaggregation
 from radixserve.managers.input_logprobs import record_input_logprobs
 from radixserve.managers.schedule_batch import FinishReason, Req
 from radixserve.managers.tp_worker import QueuedForward, QueuedSample
@@ -73,6 +74,8 @@ class SchedulerOutputProcessorMixin:
             self.grammar_queue.advance(constrained)
         self._agree_on_stop_regex(updated)
         prefilled = [r for r, p in zip(reqs, partial) if not p and id(r) not in launched.decoding]
+        if isinstance(self.disagg, PrefillDisaggregation):  # prompts with a room leave for their decode server
+            updated = self.disagg.hand_off_prefilled(updated, prefilled)
         self._update_running(mode, updated, prefilled)
         return updated
 

@@ -143,6 +143,7 @@ class SchedulerProcess:
         try:
             req = self.scheduler.new_req(msg.rid, msg.input_ids, SamplingParams.from_dict(msg.sampling_params),
                                          msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num)
+            req.bootstrap_addr, req.bootstrap_room = msg.bootstrap_addr, msg.bootstrap_room
             self.scheduler.add_request(req)
         except Exception as exc:  # the tokenizer manager validates first; this is the backstop
             if not self.leader:

@@ -96,12 +96,15 @@ class TokenizerManager:
 
     def __init__(self, tokenizer, model_info: dict, served_model_name: str, send_addrs: str | list[str],
                  recv_addr: str, limits: RequestLimits, model_names: set[str] = frozenset(),
-                 load_balance_method: str = "round_robin"):
+                 load_balance_method: str = "round_robin", disaggregation_mode: str = "null",
+                 default_bootstrap_port: int = 8998):
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.context_len: int = model_info["context_len"]
         self.vocab_size: int = model_info["vocab_size"]
         self.served_model_name = served_model_name
+        self.disaggregation_mode = disaggregation_mode  # "null", "prefill" or "decode"
+        self.default_bootstrap_port = default_bootstrap_port  # for a request that names no bootstrap_port
         self.model_names = {served_model_name, *model_names}  # every name the OpenAI routes accept
         self.limits = limits
         self.ctx = zmq.asyncio.Context(2)
@@ -192,6 +195,7 @@ class TokenizerManager:
         rids = obj.rid if isinstance(obj.rid, list) else [obj.rid] * n_prompts
         key = "input_ids" if obj.input_ids is not None else "text"
         logprobs = zip(*(obj.per_prompt(name) for name in ("return_logprob", "logprob_start_len", "top_logprobs_num")))
+        bootstraps = self._bootstraps(obj, sps)
         out = []
         for i, (ids, sp, rid, (want, start, top)) in enumerate(zip(prompts, sps, rids, logprobs)):
             self._validate_ids(ids, key if obj.is_single else f"{key}[{i}]")
@@ -202,7 +206,30 @@ class TokenizerManager:
                 if sp.sampling_seed is not None:
                     d["sampling_seed"] = sp.sampling_seed + j
                 rid_j = base if sp.n == 1 else f"{base}-{j}"
-                out.append(TokenizedGenerateReqInput(rid_j, ids, d, want, start, top, obj.stream))
+                out.append(TokenizedGenerateReqInput(rid_j, ids, d, want, start, top, obj.stream, *bootstraps[i]))
+        return out
+
+    def _bootstraps(self, obj: GenerateReqInput, sps: list[SamplingParams]) -> list[tuple[str | None, int | None]]:
+        """Each prompt's (bootstrap address, room), or (None, None) when it is
+        served here from start to end; ValueError naming the field."""
+        out = []
+        fields = zip(*(obj.per_prompt(f"bootstrap_{name}") for name in ("host", "port", "room")))
+        for i, ((host, port, room), sp) in enumerate(zip(fields, sps)):
+            where = "" if obj.is_single else f"[{i}]"
+            if room is None:
+                if host is not None or port is not None:
+                    raise ValueError(f"bootstrap_room{where}: required with bootstrap_host and bootstrap_port")
+                out.append((None, None))
+                continue
+            if self.disaggregation_mode == "null":
+                raise ValueError(f"bootstrap_room{where}: this server is neither a prefill nor a decode server "
+                                 "(--disaggregation-mode)")
+            if not host:
+                raise ValueError(f"bootstrap_host{where}: required with bootstrap_room")
+            if sp.n != 1:
+                raise ValueError(f"bootstrap_room{where}: a disaggregated request samples once (n must be 1)")
+            port = self.default_bootstrap_port if port is None else port
+            out.append((f"[{host}]:{port}" if ":" in host else f"{host}:{port}", room))
         return out
 
     async def _check_grammars(self, sps: list[SamplingParams], where: list[str]) -> None:

@@ -1,0 +1,160 @@
+"""The decode server's side of prefill/decode disaggregation (SGLang's
+``SchedulerDisaggregationDecodeMixin``, as a part the Scheduler holds in
+``Scheduler.disagg``; docs/disaggregation.md).
+
+A request that names a bootstrap room is not prefilled here. It goes through:
+
+1. the prealloc queue: it gets a ``TorchDistKVReceiver`` at once (which
+   looks the prefill rank up and pairs with it in the backend's threads).
+   Once paired, and in arrival order, it is given a request row and KV
+   slots for its prompt; when the pool cannot hold them (beside one more
+   page per running request) it waits there: backpressure, nothing dropped;
+2. the transfer queue: the receiver has named those pages to the prefill
+   side (``init``) and is polled, without blocking, each step;
+3. on Success the prompt's KV and the first token are in place: the token is
+   its first output (streamed like any other), the prompt is cached in the
+   tree, and it joins the running batch, which decodes it as usual. On
+   Failed it ends with an abort that says why and its slots and row are
+   freed (the receiver never writes them after Failed).
+
+Requests without a room are served here from start to end, as on a plain server.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from radixserve.disaggregation.base import DisaggregationMode, KVPoll
+from radixserve.disaggregation.torch_dist import TorchDistKVReceiver
+from radixserve.disaggregation.utils import slots_to_pages, transfer_failure
+from radixserve.managers.disagg_queues import DisaggregationQueues
+from radixserve.managers.schedule_batch import FinishReason, Req
+from radixserve.mem_cache import page_aligned
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeDisaggregation(DisaggregationQueues):
+    """The decode server's queues of a :class:`Scheduler` (``s``, whose pools,
+    cache and running batch it uses)."""
+
+    mode = DisaggregationMode.DECODE
+
+    def __init__(self, scheduler):
+        super().__init__(scheduler)
+        self.prealloc_queue: list[Req] = []  # waiting for the pairing, then for KV room
+        self.transfer_queue: list[Req] = []  # KV reserved, being received
+
+    def queued(self) -> list[Req]:
+        return self.prealloc_queue + self.transfer_queue
+
+    def holding(self) -> list[Req]:
+        return self.transfer_queue
+
+    def add(self, req: Req) -> None:
+        req.kv_receiver = TorchDistKVReceiver(self.kv_manager, req.bootstrap_addr, req.bootstrap_room)
+        self.prealloc_queue.append(req)
+
+    def poll(self) -> list[Req]:
+        """Reserve KV for paired requests (in order, while it fits), and move
+        finished transfers on. Returns the requests that got their first
+        token or ended."""
+        out, waiting, blocked = [], [], False
+        for req in self.prealloc_queue:
+            state = req.kv_receiver.poll()
+            if state == KVPoll.Failed:
+                out.append(self._end_decode_transfer(req, FinishReason.aborted(transfer_failure(req.kv_receiver))))
+            elif state == KVPoll.Bootstrapping or blocked:
+                waiting.append(req)
+            elif self._reserve_prompt_kv(req):
+                self.transfer_queue.append(req)
+            else:  # the pool is full: this request, and the paired ones after it, wait
+                blocked = True
+                waiting.append(req)
+        self.prealloc_queue = waiting
+        transferring = []
+        for req in self.transfer_queue:
+            state = req.kv_receiver.poll()
+            if state == KVPoll.Success:
+                out.append(self._join_running(req))
+            elif state == KVPoll.Failed:
+                out.append(self._end_decode_transfer(req, FinishReason.aborted(transfer_failure(req.kv_receiver))))
+            else:
+                transferring.append(req)
+        self.transfer_queue = transferring
+        return out
+
+    def _reserve_prompt_kv(self, req: Req) -> bool:
+        """Give ``req`` a row and slots for its prompt and tell the prefill
+        side where to write; False (nothing taken) when they do not fit."""
+        s = self.s
+        n, page = len(req.origin_input_ids), s.page_size
+        holders = len(s.running_batch) + len(s._deferred) + len(self.transfer_queue)
+        if holders >= s.max_running or s.req_to_token_pool.available_size() < 1:
+            return False
+        headroom = page * (len(s.running_batch) + len(self.transfer_queue) + 1)  # their next tokens
+        if s.allocator.available_size() + s.tree_cache.evictable_size() < page_aligned(n, page) + headroom:
+            return False
+        slots = s.pools.alloc_with_evict(page_aligned(n, page), lambda: s.allocator.alloc(n))
+        if slots is None:
+            return False
+        req.req_pool_idx = s.req_to_token_pool.alloc(1)[0]
+        s.req_to_token_pool.write(req.req_pool_idx, 0, slots)
+        req.kv_len, req.last_node = n, getattr(s.tree_cache, "root", None)
+        req.aux_index = self.aux_rows.alloc()
+        req.kv_receiver.init(slots_to_pages(slots, page), req.aux_index)
+        return True
+
+    def _join_running(self, req: Req) -> Req:
+        """The prompt's KV has arrived: the first token becomes the request's
+        first output, and it decodes from there."""
+        s = self.s
+        tok, logprob = self.metadata.get(req.aux_index)
+        self._release_receiver(req)
+        s.worker.last_token[req.req_pool_idx] = tok  # a decode reads its input id there
+        req.output_ids.append(tok)
+        s.stats.generated += 1
+        if req.return_logprob:
+            req.output_token_logprobs.append((logprob, tok))
+            if req.top_logprobs_num:
+                req.output_top_logprobs.append([])  # the top alternatives are not transferred
+        req.check_finished(s.tokenizer, s.context_len)
+        if req.finished():
+            s.tree_cache.cache_finished_req(req)
+        else:
+            s.tree_cache.cache_unfinished_req(req)  # later requests share the prompt
+            s.running_batch.merge_batch([req])
+        return req
+
+    def _end_decode_transfer(self, req: Req, reason: FinishReason) -> Req:
+        """End a request whose KV did not arrive; free what was reserved."""
+        req.finished_reason = reason
+        self._release_receiver(req)
+        if req.req_pool_idx is not None:
+            pool = self.s.req_to_token_pool
+            self.s.allocator.free(pool.req_to_token[req.req_pool_idx, : req.kv_len].to(torch.int64))
+            pool.free(req.req_pool_idx)
+            req.req_pool_idx, req.kv_len, req.last_node = None, 0, None
+        return req
+
+    def _release_receiver(self, req: Req) -> None:
+        req.kv_receiver.clear()
+        req.kv_receiver = None
+        if req.aux_index is not None:
+            self.aux_rows.free(req.aux_index)
+            req.aux_index = None
+
+    def abort(self, rid: str) -> bool:
+        """Abort a request waiting for its KV: the prefill side is told, and
+        what was reserved comes back at once."""
+        for queue in (self.prealloc_queue, self.transfer_queue):
+            for i, req in enumerate(queue):
+                if req.rid == rid:
+                    queue.pop(i)
+                    req.kv_receiver.abort()
+                    ended = self._end_decode_transfer(req, FinishReason.aborted("aborted by request"))
+                    self.s._finished_outside_batch.append(ended)
+                    return True
+        return False

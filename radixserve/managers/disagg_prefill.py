@@ -1,0 +1,142 @@
+"""The prefill server's side of prefill/decode disaggregation (SGLang's
+``SchedulerDisaggregationPrefillMixin``, as a part the Scheduler holds in
+``Scheduler.disagg``; docs/disaggregation.md).
+
+A request that names a bootstrap room goes through:
+
+1. the bootstrap queue: it gets a ``TorchDistKVSender``, polled each step
+   until the decode server has registered the room's pages and the two ranks
+   are paired (WaitingForInput); then it joins the waiting queue;
+2. admission and prefill, as any request, with the radix cache;
+3. the in-flight queue: once its first token is sampled it does not join the
+   running batch. Its prompt's KV pages (read from ``req_to_token``) and the
+   first token with its logprob are sent to the pages the decode side named,
+   its prompt is cached (and locked) in the tree, and its sender is polled,
+   without blocking, each step;
+4. on Success it finishes with that one token (as SGLang's prefill server
+   answers), on Failed with an abort that says why. Only then is its KV
+   given to the cache (``cache_finished_req``).
+
+Requests without a room are served here from start to end, as on a plain server.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from radixserve.disaggregation.base import DisaggregationMode, KVPoll
+from radixserve.disaggregation.bootstrap import join_address
+from radixserve.disaggregation.torch_dist import TorchDistKVSender
+from radixserve.disaggregation.utils import local_address, slots_to_pages, transfer_failure
+from radixserve.managers.disagg_queues import DisaggregationQueues
+from radixserve.managers.schedule_batch import FinishReason, Req
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillDisaggregation(DisaggregationQueues):
+    """The prefill server's queues of a :class:`Scheduler` (``s``, whose pools,
+    cache and queues it uses); its KV manager registers at once with the
+    bootstrap server that this server's HTTP process runs."""
+
+    mode = DisaggregationMode.PREFILL
+
+    def __init__(self, scheduler):
+        args = scheduler.args
+        super().__init__(scheduler, join_address(local_address(args.host), args.disaggregation_bootstrap_port))
+        self.bootstrap_queue: list[Req] = []  # waiting for the decode side to register the room
+        self.inflight_queue: list[Req] = []  # prefilled, KV being sent
+
+    def queued(self) -> list[Req]:
+        return self.bootstrap_queue + self.inflight_queue
+
+    def holding(self) -> list[Req]:
+        return self.inflight_queue
+
+    def add(self, req: Req) -> None:
+        req.kv_sender = TorchDistKVSender(self.kv_manager, req.bootstrap_addr, req.bootstrap_room)
+        self.bootstrap_queue.append(req)
+
+    def poll(self) -> list[Req]:
+        """Bootstrapped requests to the waiting queue; finished transfers
+        end their requests. Returns the requests that ended."""
+        out, bootstrapping = [], []
+        for req in self.bootstrap_queue:
+            state = req.kv_sender.poll()
+            if state == KVPoll.Failed:
+                self._end_prefill_transfer(req, FinishReason.aborted(transfer_failure(req.kv_sender)))
+                out.append(req)
+            elif state == KVPoll.Bootstrapping:
+                bootstrapping.append(req)
+            else:
+                self.s.enqueue(req)
+        self.bootstrap_queue = bootstrapping
+        in_flight = []
+        for req in self.inflight_queue:
+            state = req.kv_sender.poll()
+            if state == KVPoll.Success:
+                self._end_prefill_transfer(req, req.disagg_finish)
+            elif state == KVPoll.Failed:
+                self._end_prefill_transfer(req, FinishReason.aborted(transfer_failure(req.kv_sender)))
+            else:
+                in_flight.append(req)
+                continue
+            self.s.tree_cache.cache_finished_req(req)
+            out.append(req)
+        self.inflight_queue = in_flight
+        return out
+
+    def hand_off_prefilled(self, updated: list[Req], prefilled: list[Req]) -> list[Req]:
+        """Send the KV of the requests with a room whose prompt was just
+        prefilled, and keep them, unfinished, in the in-flight queue (the
+        caller caches their prompts); returns ``updated`` without them."""
+        prefilled_ids = {id(r) for r in prefilled}
+        leaving = []
+        for req in updated:
+            if req.kv_sender is None:
+                continue
+            if not req.output_ids or (req.finished() and req.finished_reason.type == "abort"):
+                req.kv_sender.abort()  # nothing to send: the decode side is told
+                req.kv_sender.clear()
+                continue
+            if id(req) not in prefilled_ids:
+                continue
+            self._send_prompt_kv(req)
+            leaving.append(req)
+        leaving_ids = {id(r) for r in leaving}
+        return [r for r in updated if id(r) not in leaving_ids]
+
+    def _send_prompt_kv(self, req: Req) -> None:
+        tok = req.output_ids[-1]
+        logprob = req.output_token_logprobs[-1][0] if req.output_token_logprobs else 0.0
+        req.aux_index = self.aux_rows.alloc()
+        self.metadata.set(req.aux_index, tok, logprob)
+        slots = self.s.req_to_token_pool.req_to_token[req.req_pool_idx, : len(req.origin_input_ids)]
+        pages = slots_to_pages(slots, self.s.page_size)
+        req.kv_sender.init(len(pages), req.aux_index)
+        try:
+            req.kv_sender.send(pages)
+        except ValueError:  # the sender has failed the room; the next poll reports it
+            logger.exception("request %s: bad page indices", req.rid)
+        req.disagg_finish = req.finished_reason or FinishReason.at_length(len(req.output_ids))
+        req.finished_reason = None  # until the transfer ends
+        self.inflight_queue.append(req)
+
+    def _end_prefill_transfer(self, req: Req, reason: FinishReason) -> None:
+        req.finished_reason = reason
+        req.kv_sender.clear()
+        if req.aux_index is not None:
+            self.aux_rows.free(req.aux_index)
+            req.aux_index = None
+
+    def abort(self, rid: str) -> bool:
+        """Abort a request still bootstrapping. One whose KV is being sent
+        ends with its transfer (within the transfer timeout)."""
+        for i, req in enumerate(self.bootstrap_queue):
+            if req.rid == rid:
+                self.bootstrap_queue.pop(i)
+                req.kv_sender.abort()
+                self._end_prefill_transfer(req, FinishReason.aborted("aborted by request"))
+                self.s._finished_outside_batch.append(req)
+                return True
+        return any(r.rid == rid for r in self.inflight_queue)
