@@ -24,16 +24,18 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 class RouterProcess:
     """``python -m sglang_router.launch_router`` over ``worker_urls``, with
     ``args`` added; the constructor returns once the router lists every worker
-    as healthy and names the model. Its log goes to ``log_path``."""
+    (``healthy_urls``, by default ``worker_urls``: in PD mode ``args`` name the
+    workers) as healthy and names the model. Its log goes to ``log_path``."""
 
     def __init__(self, worker_urls: list[str], *args: str, policy: str = "cache_aware",
-                 log_path: Path | None = None, timeout: float = 60):
+                 log_path: Path | None = None, timeout: float = 60, healthy_urls: list[str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.worker_urls = list(worker_urls)
+        self.worker_urls = list(healthy_urls or worker_urls)
         self.log = open(log_path, "w") if log_path else subprocess.DEVNULL
+        workers = ["--worker-urls", *worker_urls] if worker_urls else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls, "--policy", policy,
+            [sys.executable, "-m", "sglang_router.launch_router", *workers, "--policy", policy,
              "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host", "127.0.0.1",
              "--prometheus-port", str(free_port()), "--log-level", "warn", *args],
             stdout=self.log, stderr=subprocess.STDOUT)

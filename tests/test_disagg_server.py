@@ -6,10 +6,13 @@ server's, token for token; the prefill server answers with the first token;
 both memory invariants hold once idle; and a transfer whose other half never
 comes (no prefill request for the room, no decode server for it, no
 bootstrap server at the address) ends with a clear error in bounded time
-while the servers keep serving."""
+while the servers keep serving. Then the same pair behind SGLang's router
+(``sglang_router.launch_router --pd-disaggregation``), unchanged: native
+``/generate`` and OpenAI chat, streamed or not, equal the colocated server's."""
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -151,3 +154,47 @@ def test_bad_bootstrap_fields_are_refused(servers):
     assert out.status_code == 400 and "bootstrap_room" in out.text
     out = generate(servers["decode"].url, {"input_ids": ids, "bootstrap_room": 5})
     assert out.status_code == 400 and "bootstrap_host" in out.text
+
+
+# -- behind SGLang's router ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def router(servers):
+    pytest.importorskip("sglang_router", reason="the compat extra (sglang-router) is not installed")
+    from router_harness import RouterProcess
+
+    prefill, decode = servers["prefill"].url, servers["decode"].url
+    proc = RouterProcess([], "--pd-disaggregation", "--prefill", prefill, str(servers["bootstrap_port"]),
+                         "--decode", decode, policy="round_robin", healthy_urls=[prefill, decode])
+    yield proc
+    proc.stop()
+
+
+def chat(url: str, stream: bool = False) -> str:
+    model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 8,
+            "temperature": 0, "stream": stream}
+    if not stream:
+        out = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert out.status_code == 200, out.text
+        return out.json()["choices"][0]["message"]["content"]
+    text = ""
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as out:
+        assert out.status_code == 200
+        for line in out.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+    return text
+
+
+def test_through_sglang_router(servers, router):
+    for ids in PROMPTS:
+        expected = generate(servers["colocated"].url, {"input_ids": ids, "sampling_params": GREEDY}).json()
+        got = generate(router.url, {"input_ids": ids, "sampling_params": GREEDY})
+        assert got.status_code == 200, got.text
+        assert got.json()["output_ids"] == expected["output_ids"]
+    expected = chat(servers["colocated"].url)
+    assert expected and chat(router.url) == expected
+    assert chat(router.url, stream=True) == expected
+    assert_memory_ok(servers["prefill"], servers["decode"])

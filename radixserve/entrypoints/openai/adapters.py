@@ -136,7 +136,9 @@ def chat_to_generate(req: ChatCompletionRequest, tokenizer: Any, tool_call_parse
 
 
 def _rid(req: CompletionRequest | ChatCompletionRequest) -> dict:
-    return {} if req.rid is None else {"rid": req.rid}
+    """The request id and the disaggregation fields, where given."""
+    fields = ("rid", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+    return {name: getattr(req, name) for name in fields if getattr(req, name) is not None}
 
 
 def render_chat(req: ChatCompletionRequest, tokenizer: Any) -> str:

@@ -44,7 +44,6 @@ _UNSUPPORTED: dict[str, tuple] = {
     "images_config": (None,), "mm_processor_kwargs": (None,),
     "return_hidden_states": (False,), "return_routed_experts": (False,), "routed_experts_start_len": (0,),
     "return_cached_tokens_details": (False,), "return_spec_tokens_details": (False,), "return_token_ids": (False,),
-    "bootstrap_host": (None,), "bootstrap_port": (None,), "bootstrap_room": (None,),
     "routed_dp_rank": (None, 0), "data_parallel_rank": (None, 0), "disagg_prefill_dp_rank": (None,),
     # completions
     "suffix": (None, ""),
@@ -126,6 +125,10 @@ class _GenerationRequest(BaseModel):
     no_stop_trim: bool | None = None
     stop_regex: str | list[str] | None = None
     rid: str | None = Field(None, min_length=1, max_length=MAX_RID_CHARS)
+    # prefill/decode disaggregation (docs/disaggregation.md), as SGLang's router adds them
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
+    bootstrap_room: int | None = Field(None, ge=0, lt=2**63)
     # hints that never change the output
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -156,9 +159,6 @@ class _GenerationRequest(BaseModel):
     return_cached_tokens_details: Any = False
     return_spec_tokens_details: Any = False
     return_token_ids: Any = False
-    bootstrap_host: Any = None
-    bootstrap_port: Any = None
-    bootstrap_room: Any = None
     routed_dp_rank: Any = None
     data_parallel_rank: Any = None
     disagg_prefill_dp_rank: Any = None
