@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from radixserve.disaggregation.base import DisaggregationMode, MetadataBuffers
 from radixserve.disaggregation.torch_dist import TorchDistKVManager
 from radixserve.disaggregation.utils import AuxRows, advertised_host, pool_kv_args, transfer_config_from_env
 from radixserve.managers.schedule_batch import Req
 
 
-class DisaggregationQueues:
+class DisaggregationQueues(ABC):
     """A Scheduler's (``s``) requests in transfer, the rows of their first
     tokens' metadata, and the rank's KV manager (over the scheduler's KV
     pool). Subclasses hold the queues and say which of their requests hold
@@ -24,11 +26,11 @@ class DisaggregationQueues:
         kv_args = pool_kv_args(s.model_runner.token_to_kv_pool, s.page_size, self.metadata, advertised_host(s.args.host))
         self.kv_manager = TorchDistKVManager(kv_args, self.mode, transfer_config_from_env(), bootstrap_addr=bootstrap_addr)
 
-    def queued(self) -> list[Req]:
-        raise NotImplementedError
+    @abstractmethod
+    def queued(self) -> list[Req]: ...
 
-    def holding(self) -> list[Req]:
-        raise NotImplementedError
+    @abstractmethod
+    def holding(self) -> list[Req]: ...
 
     def close(self) -> None:
         self.kv_manager.close()

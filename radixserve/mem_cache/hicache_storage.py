@@ -113,7 +113,7 @@ class FileTier:
         end = (first + on_file) * b
         if end - matched < PREFETCH_THRESHOLD:
             return None
-        host_slots = cache._host_alloc(end - matched)
+        host_slots = cache.host_alloc(end - matched)
         if host_slots is None:
             return None
         p = Prefetch(list(key[:end]), matched, host_slots, [(digests[k], k * b) for k in range(first, first + on_file)],

@@ -41,7 +41,6 @@ as stored while its node is in the tree, in any tier.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -187,7 +186,7 @@ class HiRadixCache(RadixCache):
         if not nodes:
             return True
         n_tokens = sum(len(n.key) for n in nodes)
-        host_slots = self._host_alloc(n_tokens)
+        host_slots = self.host_alloc(n_tokens)
         if host_slots is None:
             self.stats.hicache_backup_skipped += n_tokens
             return False
@@ -219,7 +218,7 @@ class HiRadixCache(RadixCache):
             event.record(stream)
         return event
 
-    def _host_alloc(self, n: int) -> torch.Tensor | None:
+    def host_alloc(self, n: int) -> torch.Tensor | None:
         slots = self.host.allocator.alloc(n)
         if slots is None:
             self._evict_host(n - self.host.allocator.available_size())
@@ -231,17 +230,11 @@ class HiRadixCache(RadixCache):
                 and node is not self.root)
 
     def _evict_host(self, num_tokens: int) -> None:
-        heap = [(self._priority(n), n.id, n) for n in self._nodes() if self._host_evictable(n)]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
+        def drop(leaf: TreeNode) -> None:
             self.host.allocator.free(leaf.host_value)
-            freed += len(leaf.key)
-            parent = self._delete_leaf(leaf)
-            if self._host_evictable(parent):
-                heapq.heappush(heap, (self._priority(parent), parent.id, parent))
-        self.stats.hicache_host_evicted += freed
+            self._delete_leaf(leaf)
+
+        self.stats.hicache_host_evicted += self._evict_by_policy(num_tokens, self._host_evictable, drop)
 
     # -- device eviction -------------------------------------------------------------
     def _device_evictable(self, node: TreeNode) -> bool:
@@ -255,26 +248,23 @@ class HiRadixCache(RadixCache):
         a host copy is demoted to the host, one without (``write_back`` backs
         it up first, when the host has room) leaves the tree with the
         host-only nodes under it."""
-        heap = [(self._priority(n), n.id, n) for n in self._nodes() if self._device_evictable(n)]
-        heapq.heapify(heap)
-        freed, copying = 0, False
+        copying = False
+
+        def demote(leaf: TreeNode) -> None:
+            nonlocal copying
+            if leaf.host_value is None and self.write_policy == "write_back":
+                self._backup([leaf])
+            copying |= leaf.transfer is not None  # a backup still reading these slots
+            self.allocator.free(leaf.value)
+            if leaf.host_value is not None:
+                leaf.value = None
+                self._evictable -= len(leaf.key)
+            else:
+                self._delete_subtree(leaf)
+
         self.allocator.free_group_begin()
         try:
-            while freed < num_tokens and heap:
-                _, _, leaf = heapq.heappop(heap)
-                if leaf.host_value is None and self.write_policy == "write_back":
-                    self._backup([leaf])
-                copying |= leaf.transfer is not None  # a backup still reading these slots
-                self.allocator.free(leaf.value)
-                freed += len(leaf.key)
-                parent = leaf.parent
-                if leaf.host_value is not None:
-                    leaf.value = None
-                    self._evictable -= len(leaf.key)
-                else:
-                    self._delete_subtree(leaf)
-                if self._device_evictable(parent):
-                    heapq.heappush(heap, (self._priority(parent), parent.id, parent))
+            freed = self._evict_by_policy(num_tokens, self._device_evictable, demote)
         finally:
             self.allocator.free_group_end()
         if copying and self._write_stream is not None:

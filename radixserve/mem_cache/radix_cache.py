@@ -227,20 +227,34 @@ class RadixCache(BasePrefixCache):
     def evict(self, num_tokens: int) -> int:
         """Evict unlocked leaves (by policy) until ``num_tokens`` slots are
         freed or nothing is evictable; returns the number freed."""
-        heap = [(self._priority(n), n.id, n) for n in self._leaves() if n.lock_ref == 0]
-        heapq.heapify(heap)
-        freed = 0
         self.allocator.free_group_begin()
         try:
-            while freed < num_tokens and heap:
-                _, _, leaf = heapq.heappop(heap)
-                self.allocator.free(leaf.value)
-                freed += len(leaf.key)
-                parent = self._delete_leaf(leaf)
-                if parent is not self.root and parent.is_leaf() and parent.lock_ref == 0:
-                    heapq.heappush(heap, (self._priority(parent), parent.id, parent))
+            return self._evict_by_policy(num_tokens, self._evictable_leaf, self._drop_leaf)
         finally:
             self.allocator.free_group_end()
+
+    def _evictable_leaf(self, node: TreeNode) -> bool:
+        return node is not self.root and node.is_leaf() and node.lock_ref == 0
+
+    def _drop_leaf(self, leaf: TreeNode) -> None:
+        self.allocator.free(leaf.value)
+        self._delete_leaf(leaf)
+
+    def _evict_by_policy(self, num_tokens: int, evictable: Callable[[TreeNode], bool],
+                         remove: Callable[[TreeNode], None]) -> int:
+        """``remove`` the ``evictable`` nodes in eviction-policy order until
+        their keys add up to ``num_tokens``; a node's parent is considered once
+        it has been removed. Returns the tokens removed."""
+        heap = [(self._priority(n), n.id, n) for n in self._nodes() if evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            remove(node)
+            freed += len(node.key)
+            if evictable(parent):
+                heapq.heappush(heap, (self._priority(parent), parent.id, parent))
         return freed
 
     def _delete_leaf(self, leaf: TreeNode) -> TreeNode:
@@ -258,9 +272,6 @@ class RadixCache(BasePrefixCache):
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
-
-    def _leaves(self):
-        return (n for n in self._nodes() if n.is_leaf() and n is not self.root)
 
     # -- request life cycle --------------------------------------------------
     def _req_slots(self, req: CachedReq) -> tuple[list[int], torch.Tensor]:
