@@ -1,5 +1,7 @@
 """The Scheduler: waiting queue, running batch, admission, retraction and the
-event loop (one step = schedule, run, process results)."""
+event loop (one step = schedule, run, process results). Request intake is in
+``scheduler_input_mixin.py``, result processing in
+``scheduler_output_processor_mixin.py``; docs/architecture.md describes a step."""
 
 from __future__ import annotations
 
@@ -16,17 +18,16 @@ from radixserve.managers.decode_sampling import DecodeSamplingState
 from radixserve.managers.disagg_decode import DecodeDisaggregation
 from radixserve.managers.disagg_prefill import PrefillDisaggregation
 from radixserve.managers.grammar_queue import GrammarQueue
-from radixserve.managers.schedule_batch import FinishReason, KVPools, Req, ScheduleBatch
+from radixserve.managers.schedule_batch import KVPools, Req, ScheduleBatch
 from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
+from radixserve.managers.scheduler_input_mixin import SchedulerInputMixin
 from radixserve.managers.scheduler_output_processor_mixin import Launched, SchedulerOutputProcessorMixin
 from radixserve.managers.tp_worker import TpModelWorker
 from radixserve.mem_cache import check_memory_invariant, page_aligned
 from radixserve.mem_cache.factory import build_tree_cache
 from radixserve.mem_cache.kv_events import ZmqEventPublisher
 from radixserve.model_executor.forward_batch_info import ForwardMode
-from radixserve.sampling.grammar import grammar_spec
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
-from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -47,44 +48,21 @@ class SchedulerStats:
     generated: int = 0  # output tokens
 
 
-class Scheduler(SchedulerOutputProcessorMixin):
+class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
     """Continuous batching over one ModelRunner.
 
-    Each :meth:`step` either extends (prefill: new requests and the next chunk
-    of a chunked one) or decodes the running batch, then samples, checks stop
-    conditions and hands finished requests' KV to the prefix cache. It returns
-    the requests that got new tokens or finished in that step.
+    Each :meth:`step` runs one batch, an extend (new requests and the next
+    chunk of a chunked one) or a decode of the running batch, and returns
+    the requests that got new tokens or finished in it. docs/architecture.md
+    ("A scheduler step") describes it: overlap scheduling (``overlap``, on by
+    default on CUDA: a batch's results come back in the next step, and
+    ``_deferred`` keeps finished requests whose last forward is in flight),
+    structured output (``grammar_queue``) and retraction.
 
-    Overlap scheduling (``overlap``, on by default on CUDA): a step queues
-    its forward and sampling on a dedicated device stream and only then
-    processes the previous batch's results, so the host's work (stop checks,
-    output hand-off, the next batch's metadata and admission) hides behind
-    the GPU's. Sampled ids stay on the device: a decode reads its input ids
-    from ``last_token`` (indexed by request row), which every sampling
-    updates, and a prefilled request joins the running batch as soon as its
-    extend is queued. A decode is therefore queued before the host knows
-    whether the previous batch finished some of its requests; such a request
-    gets one extra forward whose token is dropped and whose KV slot is
-    released with the request (``_deferred``). The next chunk of a chunked
-    prompt, retraction and aborts first wait for the batch in flight
-    ("drain"), then run as without overlap.
-
-    Structured output: a request with a grammar waits in ``grammar_queue``
-    until it is compiled. A batch with grammars needs, for its token masks,
-    the tokens of the batch in flight: its forward is queued first, the
-    previous batch's results are taken (and fed to the grammars) while that
-    forward runs, and its sampling is queued last with the masks.
-
-    KV events (``kv_event_publisher``, docs/kv_events.md): the radix cache
-    records the blocks it stores and evicts; each step's events go out as
-    one batch at its end (and a flush's at once). ``close`` stops the publisher.
-
-    Disaggregation (``--disaggregation-mode``, docs/disaggregation.md): a
-    request with a bootstrap room waits in the queues of ``disagg``
-    (``disagg_prefill.py`` or ``disagg_decode.py``), polled at the start of
-    each step; a prefill server sends its prompt's KV instead of decoding
-    it, a decode server receives it instead of prefilling. Overlap is off in
-    both modes.
+    KV events (``kv_event_publisher``, docs/kv_events.md) go out as one batch
+    at the end of each step (and a flush's at once); ``close`` stops the
+    publisher. Disaggregation (``disagg``, docs/disaggregation.md): its queues
+    are polled at the start of each step; overlap is off in both modes.
     """
 
     def __init__(self, server_args: ServerArgs, model_runner, tokenizer=None,
@@ -128,71 +106,6 @@ class Scheduler(SchedulerOutputProcessorMixin):
             self.disagg = PrefillDisaggregation(self)
         elif server_args.disaggregation_mode == "decode":
             self.disagg = DecodeDisaggregation(self)
-
-    # -- requests ------------------------------------------------------------
-    def new_req(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, return_logprob: bool = False,
-                logprob_start_len: int = -1, top_logprobs_num: int = 0) -> Req:
-        """The one way a request becomes a ``Req``: its params checked against
-        the vocabulary and normalized, the model's EOS ids attached. Raises
-        ``ValueError`` naming the field."""
-        sampling_params.verify(self.vocab_size)
-        sampling_params.normalize(self.vocab_size)
-        return Req(rid, input_ids, sampling_params, self.eos_token_ids, return_logprob, logprob_start_len,
-                   top_logprobs_num)
-
-    def validate(self, req: Req) -> None:
-        """Raise ValueError (naming the field) for a request that cannot run."""
-        n = len(req.origin_input_ids)
-        if n == 0:
-            raise ValueError("input_ids: the prompt is empty")
-        bad = [t for t in req.origin_input_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"input_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if n >= self.context_len:
-            raise ValueError(
-                f"input_ids: the prompt has {n} tokens, the context window is {self.context_len} "
-                f"(prompt plus at least one output token)"
-            )
-        if n + 1 > self.allocator.size:
-            raise ValueError(f"input_ids: the prompt has {n} tokens, the KV pool only {self.allocator.size}")
-        req.sampling_params.verify(self.vocab_size)
-
-    def add_request(self, req: Req) -> None:
-        self.validate(req)
-        sp = req.sampling_params
-        sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - len(req.origin_input_ids))
-        req.init_stop_matching(self.tokenizer)
-        self.stats.prompt_tokens += len(req.origin_input_ids)
-        if req.bootstrap_room is not None and self.disagg is not None:
-            self.disagg.add(req)
-        else:
-            self.enqueue(req)
-
-    def enqueue(self, req: Req) -> None:
-        """Into the waiting queue, or the grammar queue until its grammar compiles."""
-        spec = grammar_spec(req.sampling_params)
-        if spec is None:
-            self.waiting.append(req)
-        else:
-            self.grammar_queue.add(req, spec)
-
-    def abort_request(self, rid: str) -> bool:
-        """Abort a waiting or running request; its KV comes back. True if found."""
-        for queue in (self.waiting, self.grammar_queue.reqs):
-            for i, req in enumerate(queue):
-                if req.rid == rid:
-                    queue.pop(i)
-                    if req.kv_sender is not None:  # bootstrapped, not prefilled yet: the decode side is told
-                        req.kv_sender.abort()
-                        req.kv_sender.clear()
-                    req.finished_reason = FinishReason.aborted("aborted by request")
-                    self._finished_outside_batch.append(req)
-                    return True
-        for req in self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else []):
-            if req.rid == rid:
-                req.to_abort = True
-                return True
-        return self.disagg is not None and self.disagg.abort(rid)
 
     def is_idle(self) -> bool:
         # a request aborted while waiting is only handed back by the next step
