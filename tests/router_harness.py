@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from server_harness import ServerProcess, free_port, wait_for
+from server_harness import ServerProcess, free_port, start_all, wait_for
 
 # Short health checks, so that a dead worker leaves the rotation within about a second.
 FAST_HEALTH = ("--health-check-interval-secs", "1", "--health-check-timeout-secs", "1",
@@ -70,18 +70,8 @@ class RouterProcess:
 
 
 def start_servers(n: int, *args: str, env: dict | None = None) -> list[ServerProcess]:
-    """``n`` servers with the same ``args``, started side by side (start-up is
-    mostly loading, so this takes about as long as one). If one fails to
-    start, the others are stopped before the error propagates."""
-    with ThreadPoolExecutor(n) as pool:
-        futures = [pool.submit(ServerProcess, *args, env=env) for _ in range(n)]
-    started = [f.result() for f in futures if f.exception() is None]
-    failed = [f.exception() for f in futures if f.exception() is not None]
-    if failed:
-        for srv in started:
-            srv.stop()
-        raise failed[0]
-    return started
+    """``n`` servers with the same ``args``, started side by side (``start_all``)."""
+    return start_all(*[args] * n, env=env)
 
 
 def stop_all(*procs) -> None:

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -51,15 +52,30 @@ class ServerProcess:
         self.stop()
         raise RuntimeError("server did not become healthy in time")
 
+    def state(self) -> dict:
+        """The scheduler's internal state (its figures and ``memory_check``)."""
+        info = httpx.get(self.url + "/get_server_info", headers=self.headers(), timeout=10).json()
+        return info["internal_states"][0]
+
     def wait_idle(self, timeout: float = 60) -> dict:
         """Wait until no request runs; returns the scheduler's internal state."""
         deadline = time.monotonic() + timeout
         while True:
-            state = httpx.get(self.url + "/get_server_info", headers=self.headers(), timeout=10).json()
-            state = state["internal_states"][0]
+            state = self.state()
             if state["memory_check"] != "busy" or time.monotonic() > deadline:
                 return state
             time.sleep(0.2)
+
+    def kill(self) -> None:
+        """SIGKILL the server and every child process at once, as when its machine dies."""
+        if self.proc.poll() is None:
+            for pid in [*self.children().values(), self.proc.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.proc.wait()
+        self.stop()
 
     def children(self) -> dict[str, int]:
         """The engine's child processes by role: ``detokenizer``, ``scheduler``
@@ -81,6 +97,21 @@ class ServerProcess:
         if self.log:
             self.log.close()
         return self.proc.returncode
+
+
+def start_all(*arg_lists: tuple[str, ...], env: dict | None = None) -> list[ServerProcess]:
+    """One server per argument list, started side by side (start-up is mostly
+    loading, so this takes about as long as one). If one fails to start, the
+    others are stopped before the error propagates."""
+    with ThreadPoolExecutor(max(len(arg_lists), 1)) as pool:
+        futures = [pool.submit(ServerProcess, *args, env=env) for args in arg_lists]
+    started = [f.result() for f in futures if f.exception() is None]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for srv in started:
+            srv.stop()
+        raise failed[0]
+    return started
 
 
 def cmdline(pid: int) -> str:

@@ -13,25 +13,23 @@ while the servers keep serving. Then the same pair behind SGLang's router
 from __future__ import annotations
 
 import json
-import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
+from disagg_server_harness import (
+    DECODE_ARGS, GREEDY, PDPair, abort_message, assert_memory_ok, generate, model_args, prefill_args,
+)
 from server_harness import ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
-MODEL = ("--dtype", "float32", "--page-size", "4", "--max-total-tokens", "4096",
-         "--max-running-requests", "16", "--check-invariants")
 # the limits a transfer whose other half never comes runs into (SGLang's variables)
 TIMEOUTS = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "6", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "6",
             "OMP_NUM_THREADS": "1"}
 FAULT_DEADLINE_S = 30  # the limits above plus slack for a loaded 2-core machine
-GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((37, 5, 64))]
-_rooms = random.Random(10)
 
 
 @pytest.fixture(scope="module")
@@ -39,44 +37,16 @@ def servers():
     bootstrap_port = free_port()
     started = {}
     try:
-        started["prefill"] = ServerProcess(*MODEL, "--disaggregation-mode", "prefill",
-                                           "--disaggregation-bootstrap-port", str(bootstrap_port), env=TIMEOUTS)
-        started["decode"] = ServerProcess(*MODEL, "--disaggregation-mode", "decode", env=TIMEOUTS)
-        started["colocated"] = ServerProcess(*MODEL, env={"OMP_NUM_THREADS": "1"})
+        started["prefill"] = ServerProcess(*model_args(), *prefill_args(bootstrap_port), env=TIMEOUTS)
+        started["decode"] = ServerProcess(*model_args(), *DECODE_ARGS, env=TIMEOUTS)
+        started["colocated"] = ServerProcess(*model_args(), env={"OMP_NUM_THREADS": "1"})
         started["bootstrap_port"] = bootstrap_port
+        started["pair"] = PDPair(started["prefill"], started["decode"], bootstrap_port)
         yield started
     finally:
         for name in ("colocated", "decode", "prefill"):
             if name in started:
                 assert started[name].stop() == 0, f"the {name} server shuts down cleanly"
-
-
-def generate(url: str, body: dict, timeout: float = 120) -> httpx.Response:
-    return httpx.post(url + "/generate", json=body, timeout=timeout)
-
-
-def pd_generate(servers, input_ids, room=None, **extra) -> tuple[httpx.Response, httpx.Response]:
-    """The same request to the prefill and the decode server at once."""
-    body = {"input_ids": input_ids, "sampling_params": GREEDY, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": servers["bootstrap_port"],
-            "bootstrap_room": _rooms.getrandbits(63) if room is None else room, **extra}
-    with ThreadPoolExecutor(2) as pool:
-        prefill = pool.submit(generate, servers["prefill"].url, body)
-        decode = pool.submit(generate, servers["decode"].url, body)
-        return prefill.result(), decode.result()
-
-
-def abort_message(out: httpx.Response) -> str:
-    """The message of a request that ended with an abort (SGLang's finish_reason)."""
-    assert out.status_code == 200, out.text
-    reason = out.json()["meta_info"]["finish_reason"]
-    assert reason["type"] == "abort", reason
-    return reason["message"]
-
-
-def assert_memory_ok(*procs: ServerProcess) -> None:
-    for proc in procs:
-        assert proc.wait_idle()["memory_check"] == "ok"
 
 
 def test_server_info_reports_the_mode(servers):
@@ -91,7 +61,7 @@ def test_server_info_reports_the_mode(servers):
 def test_decode_output_equals_colocated(servers):
     for ids in PROMPTS:
         expected = generate(servers["colocated"].url, {"input_ids": ids, "sampling_params": GREEDY}).json()
-        prefill, decode = pd_generate(servers, ids)
+        prefill, decode = servers["pair"].generate(ids)
         assert prefill.status_code == 200 and decode.status_code == 200, (prefill.text, decode.text)
         assert decode.json()["output_ids"] == expected["output_ids"]
         assert decode.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
@@ -103,7 +73,7 @@ def test_concurrent_pairs_and_logprobs(servers):
     expected = [generate(servers["colocated"].url, {"input_ids": ids, "sampling_params": GREEDY,
                                                     "return_logprob": True}).json() for ids in PROMPTS]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        pairs = list(pool.map(lambda ids: pd_generate(servers, ids, return_logprob=True), PROMPTS))
+        pairs = list(pool.map(lambda ids: servers["pair"].generate(ids, return_logprob=True), PROMPTS))
     for want, (_, decode) in zip(expected, pairs):
         got = decode.json()
         assert got["output_ids"] == want["output_ids"]
@@ -116,21 +86,19 @@ def test_concurrent_pairs_and_logprobs(servers):
 def test_decode_request_whose_prefill_never_comes(servers):
     """A room no prefill request claims: the decode side gives up after its
     waiting timeout, frees what it reserved, and serves the next pair."""
-    body = {"input_ids": PROMPTS[0], "sampling_params": GREEDY, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": servers["bootstrap_port"], "bootstrap_room": _rooms.getrandbits(63)}
+    body = servers["pair"].body(PROMPTS[0])
     start = time.monotonic()
     out = generate(servers["decode"].url, body)
     assert time.monotonic() - start < FAULT_DEADLINE_S
     text = abort_message(out)
     assert f"KV transfer of bootstrap room {body['bootstrap_room']} failed" in text and "no KV arrived" in text
     assert_memory_ok(servers["decode"])
-    _, decode = pd_generate(servers, PROMPTS[1])
+    _, decode = servers["pair"].generate(PROMPTS[1])
     assert decode.status_code == 200 and len(decode.json()["output_ids"]) == 8
 
 
 def test_prefill_request_whose_decode_never_comes(servers):
-    body = {"input_ids": PROMPTS[1], "sampling_params": GREEDY, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": servers["bootstrap_port"], "bootstrap_room": _rooms.getrandbits(63)}
+    body = servers["pair"].body(PROMPTS[1])
     start = time.monotonic()
     out = generate(servers["prefill"].url, body)
     assert time.monotonic() - start < FAULT_DEADLINE_S
@@ -139,8 +107,7 @@ def test_prefill_request_whose_decode_never_comes(servers):
 
 
 def test_bootstrap_address_that_does_not_answer(servers):
-    body = {"input_ids": PROMPTS[1], "sampling_params": GREEDY, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": free_port(), "bootstrap_room": _rooms.getrandbits(63)}
+    body = {**servers["pair"].body(PROMPTS[1]), "bootstrap_port": free_port()}
     out = generate(servers["decode"].url, body, timeout=FAULT_DEADLINE_S)
     assert "did not answer" in abort_message(out)
     assert_memory_ok(servers["decode"])

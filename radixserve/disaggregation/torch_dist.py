@@ -205,6 +205,9 @@ class TorchDistKVSender(BaseKVSender):
         raise self._failure or KVTransferError("the transfer has not failed", self.room)
 
     def abort(self) -> None:
+        """Give the room up. Before ``send()`` the decode side is told; after
+        it, the room fails here only and what was sent is still delivered
+        (the pages were copied out, so the caller may free them at once)."""
         self._fail("the prefill side aborted the request")
 
     def clear(self) -> None:
@@ -292,10 +295,12 @@ class TorchDistKVReceiver(BaseKVReceiver):
         raise self._failure or KVTransferError("the transfer has not failed", self.room)
 
     def abort(self) -> None:
+        """Give the room up and tell the prefill side, before ``init()`` too:
+        its request may be waiting for these pages (the decode side held back
+        by a full pool), and it would otherwise wait out its bootstrap timeout."""
         if self._state in _TERMINAL:
             return
-        if self._inited_at is not None:
-            self.link.send({"t": "abort", "room": self.room, "reason": "the request was aborted"})
+        self.link.send({"t": "abort", "room": self.room, "reason": "the request was aborted"})
         self._fail("the decode side aborted the request")
 
     def clear(self) -> None:

@@ -75,13 +75,12 @@ class PrefillDisaggregation(DisaggregationQueues):
         for req in self.inflight_queue:
             state = req.kv_sender.poll()
             if state == KVPoll.Success:
-                self._end_prefill_transfer(req, req.disagg_finish)
+                self._end_inflight(req, req.disagg_finish)
             elif state == KVPoll.Failed:
-                self._end_prefill_transfer(req, FinishReason.aborted(transfer_failure(req.kv_sender)))
+                self._end_inflight(req, FinishReason.aborted(transfer_failure(req.kv_sender)))
             else:
                 in_flight.append(req)
                 continue
-            self.s.tree_cache.cache_finished_req(req)
             out.append(req)
         self.inflight_queue = in_flight
         return out
@@ -101,6 +100,9 @@ class PrefillDisaggregation(DisaggregationQueues):
                 continue
             if id(req) not in prefilled_ids:
                 continue
+            if req.kv_sender.poll() == KVPoll.Failed:  # e.g. the decode side gave the room up meanwhile
+                self._end_prefill_transfer(req, FinishReason.aborted(transfer_failure(req.kv_sender)))
+                continue  # it stays in ``updated``, finished: the caller caches its KV
             self._send_prompt_kv(req)
             leaving.append(req)
         leaving_ids = {id(r) for r in leaving}
@@ -129,14 +131,24 @@ class PrefillDisaggregation(DisaggregationQueues):
             self.aux_rows.free(req.aux_index)
             req.aux_index = None
 
+    def _end_inflight(self, req: Req, reason: FinishReason) -> None:
+        """End a request of the in-flight queue; its KV goes to the cache."""
+        self._end_prefill_transfer(req, reason)
+        self.s.tree_cache.cache_finished_req(req)
+
     def abort(self, rid: str) -> bool:
-        """Abort a request still bootstrapping. One whose KV is being sent
-        ends with its transfer (within the transfer timeout)."""
-        for i, req in enumerate(self.bootstrap_queue):
-            if req.rid == rid:
-                self.bootstrap_queue.pop(i)
-                req.kv_sender.abort()
-                self._end_prefill_transfer(req, FinishReason.aborted("aborted by request"))
-                self.s._finished_outside_batch.append(req)
-                return True
-        return any(r.rid == rid for r in self.inflight_queue)
+        """Abort a request still bootstrapping (the decode side is told) or
+        one whose KV is being sent. The latter ends at once too: ``send()``
+        copied its pages out, so its KV goes to the cache now, and what was
+        sent still reaches the decode server, which serves the request
+        unless its own client aborts it there."""
+        ends = ((self.bootstrap_queue, self._end_prefill_transfer), (self.inflight_queue, self._end_inflight))
+        for queue, end in ends:
+            for i, req in enumerate(queue):
+                if req.rid == rid:
+                    queue.pop(i)
+                    req.kv_sender.abort()  # once sent, it fails here only: the data still goes
+                    end(req, FinishReason.aborted("aborted by request"))
+                    self.s._finished_outside_batch.append(req)
+                    return True
+        return False
