@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.managers.schedule_batch import Req
+from radixserve.managers.schedule_batch import PREFIX_GROUP_TOKENS, Req
 from radixserve.managers.schedule_policy import (
     CACHE_AWARE_MAX_QUEUE,
     IN_BATCH_PREFIX_DEPRIORITIZE,
@@ -81,18 +81,43 @@ def test_lpm_runs_the_longest_cached_prefix_first_and_fcfs_keeps_arrival_order()
     assert [len(r.prefix_indices) for r in waiting] == [48, 40, 16, 0, 0]
 
 
-def test_cache_aware_ordering_falls_back_to_fcfs_on_a_long_queue_or_without_a_radix_cache():
+def test_cache_aware_ordering_falls_back_to_fcfs_with_too_many_prompt_groups_or_without_a_radix_cache():
     p = Pools()
     p.cache_tokens(A)
     long_queue = [req(seq(4, 10 * i + 5000), rid=f"u{i}") for i in range(CACHE_AWARE_MAX_QUEUE)]
     long_queue.append(req(A + [1], rid="hit"))
-    SchedulePolicy("lpm", p.cache).calc_priority(long_queue)
-    assert long_queue[-1].rid == "hit", "past CACHE_AWARE_MAX_QUEUE the queue keeps arrival order"
+    assert SchedulePolicy("lpm", p.cache).calc_priority(long_queue) == set()
+    assert long_queue[-1].rid == "hit", "past CACHE_AWARE_MAX_QUEUE groups the queue keeps arrival order"
 
     no_cache = ChunkCache(p.req_pool, p.alloc, 1)
     waiting = [req(seq(4, 5000), rid="u"), req(A + [1], rid="hit")]
     assert SchedulePolicy("lpm", no_cache).calc_priority(waiting) == set()
     assert rids(waiting) == ["u", "hit"]
+
+
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
+def test_a_long_queue_runs_its_cached_prompt_groups_first_and_one_request_of_each_uncached_group(policy):
+    """Past CACHE_AWARE_MAX_QUEUE requests, only each group's oldest request
+    is matched (a group: prompts sharing their first PREFIX_GROUP_TOKENS).
+    The group with the longest cached prefix runs first, each group in
+    arrival order; of a group with nothing cached only the oldest request
+    runs until it has cached the prefix the others share."""
+    p = Pools(size=4096)
+    sys_a, sys_b, sys_c = seq(PREFIX_GROUP_TOKENS + 40, 10_000), seq(PREFIX_GROUP_TOKENS + 8, 20_000), seq(80, 30_000)
+    p.cache_tokens(sys_a)  # A's system prompt is cached, and it is longer than B's
+    p.cache_tokens(sys_b)
+    waiting = []
+    for i in range(CACHE_AWARE_MAX_QUEUE):  # interleaved arrivals; C's prompt is not cached
+        system, name = [(sys_c, "c"), (sys_b, "b"), (sys_a, "a")][i % 3]
+        waiting.append(req(system + [i, i], rid=f"{name}{i}"))
+    waiting.append(req(seq(5, 40_000), rid="solo"))
+    sit_out = SchedulePolicy(policy, p.cache).calc_priority(waiting)
+    order = rids(waiting)
+    a, b, c = ([r for r in order if r[0] == g] for g in "abc")
+    assert order == a + b + ["c0", "solo"] + c[1:]
+    assert [int(r[1:]) for r in a] == sorted(int(r[1:]) for r in a), "each group keeps arrival order"
+    assert sit_out == {id(r) for r in waiting if r.rid in c[1:]}
+    assert len(waiting[0].prefix_indices) == len(sys_a)  # the matched representative
 
 
 def test_dfs_weight_walks_the_tree_heaviest_subtree_first():

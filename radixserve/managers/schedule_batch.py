@@ -5,6 +5,7 @@ ModelWorkerBatch -> ForwardBatch, and only sampled ids (and logprobs) come back.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,6 +43,7 @@ class ModelWorkerBatch:
 
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+PREFIX_GROUP_TOKENS = 64  # see Req.prefix_group
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,13 @@ class Req:
         self.kv_receiver = None  # decode server: receives it
         self.aux_index: int | None = None  # its row of the first token's metadata
         self.disagg_finish: FinishReason | None = None  # prefill server: how it ends once the KV is sent
+
+    @functools.cached_property
+    def prefix_group(self) -> tuple[int, ...]:
+        """The prompt's first ``PREFIX_GROUP_TOKENS`` tokens: requests that
+        share them likely share a cached prefix (``SchedulePolicy`` groups a
+        long waiting queue by them)."""
+        return tuple(self.origin_input_ids[:PREFIX_GROUP_TOKENS])
 
     @property
     def fill_ids(self) -> list[int]:

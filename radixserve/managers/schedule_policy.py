@@ -15,7 +15,9 @@ from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
 from radixserve.mem_cache.radix_cache import RadixCache
 
 # Cache-aware ordering matches every waiting request; past this queue length
-# that costs more than it saves, so fall back to fcfs (as SGLang does).
+# that costs more than it saves (SGLang falls back to fcfs there), so only one
+# request per group of prompts sharing their first tokens is matched; past
+# this many groups, the queue keeps arrival order.
 CACHE_AWARE_MAX_QUEUE = 128
 # In-batch prefix sharing: a request whose cached prefix is shorter than
 # CHECK and which shares at least DEPRIORITIZE new tokens with a request ahead
@@ -58,8 +60,10 @@ class SchedulePolicy:
         """Sort ``waiting`` in place (stable). Returns the ``id``s of requests
         that should sit out this round because a request ahead of them
         prefills the same new prefix (in-batch prefix sharing)."""
-        if self.policy == "fcfs" or not self.cache_enabled or len(waiting) > CACHE_AWARE_MAX_QUEUE:
+        if self.policy == "fcfs" or not self.cache_enabled:
             return set()
+        if len(waiting) > CACHE_AWARE_MAX_QUEUE:
+            return self._by_prefix_group(waiting)
         for req in waiting:
             match_prefix(req, self.tree_cache)
         deprioritized = self._in_batch_prefix_sharing(waiting)
@@ -69,6 +73,28 @@ class SchedulePolicy:
             order = self._dfs_weight_order(waiting)
             waiting.sort(key=lambda r: (id(r) in deprioritized, order[id(r)]))
         return deprioritized
+
+    def _by_prefix_group(self, waiting: list[Req]) -> set[int]:
+        """A long queue, grouped by ``Req.prefix_group``, with only each
+        group's oldest request matched: groups with the longest cached
+        prefix (on the device or a lower tier) first, each in arrival order.
+        In a group with nothing cached, all but the oldest sit out until it
+        has cached their prefix (in-batch prefix sharing, a group at a time)."""
+        groups: dict[tuple[int, ...], list[Req]] = defaultdict(list)
+        for req in waiting:
+            groups[req.prefix_group].append(req)
+        if len(groups) > CACHE_AWARE_MAX_QUEUE:
+            return set()
+        rank: dict[int, tuple[int, int]] = {}
+        sit_out = set()
+        for order, members in enumerate(groups.values()):
+            m = match_prefix(members[0], self.tree_cache)
+            cached = len(m.device_indices) + m.host_hit_length
+            rank.update((id(r), (-cached, order)) for r in members)
+            if cached < IN_BATCH_PREFIX_CHECK:
+                sit_out.update(id(r) for r in members[1:])
+        waiting.sort(key=lambda r: (id(r) in sit_out, rank[id(r)]))
+        return sit_out
 
     def _in_batch_prefix_sharing(self, waiting: list[Req]) -> set[int]:
         shadow = RadixCache(None, None, page_size=1)
@@ -169,11 +195,7 @@ class PrefillAdder:
         evictable = self.tree_cache.evictable_size()
         self.tree_cache.inc_lock_ref(req.last_node)
         budget = self.rem_total - (evictable - self.tree_cache.evictable_size())
-        need = self._pages(extend) + self.future_tokens(req) + self.page_size
-        # An idle engine admits one request whose prompt fits even if its output
-        # estimate does not: retraction keeps it safe, and it cannot starve.
-        alone = self.idle and not self.can_run and self._pages(extend) + self.page_size <= budget
-        if need > budget and not alone:
+        if not self.fits(req, extend, budget):
             self.tree_cache.dec_lock_ref(req.last_node)
             return AddResult.NO_TOKEN
         self.rem_total = budget - self.future_tokens(req) - self.page_size
@@ -183,6 +205,26 @@ class PrefillAdder:
             req.cached_tokens = len(req.prefix_indices)
         self._take(req, extend, first=True)
         return AddResult.CONTINUE if self.new_chunked_req is None else AddResult.OTHER
+
+    def fits(self, req: Req, new_tokens: int, budget: int | None = None) -> bool:
+        """Whether ``new_tokens`` of KV (whole pages), ``req``'s estimated
+        output and one page fit ``budget`` (``rem_total`` unless given). An
+        idle engine takes one request whose prompt fits even if its output
+        estimate does not: retraction keeps it safe, and it cannot starve."""
+        budget = self.rem_total if budget is None else budget
+        prompt = self._pages(new_tokens) + self.page_size
+        return prompt + self.future_tokens(req) <= budget or (self.idle and not self.can_run and prompt <= budget)
+
+    def reserve(self, req: Req, new_tokens: int) -> bool:
+        """Count ``req`` with ``new_tokens`` of KV, all of it (no chunk cut),
+        against the budget as an admitted request is counted; False, with
+        nothing counted, if it does not fit. (A decode server's admission of
+        a prompt whose KV another server sends.)"""
+        if not self.fits(req, new_tokens):
+            return False
+        self.rem_total -= self._pages(new_tokens) + self.future_tokens(req) + self.page_size
+        self.can_run.append(req)
+        return True
 
     def _take(self, req: Req, extend: int, first: bool) -> None:
         n = min(extend, self.rem_chunk)
