@@ -1,7 +1,8 @@
 """Prefill and decode worker processes for tests/test_disagg_transfer.py.
 
 Each worker owns a tiny KV pool (2 layers x 64 slots x 2 heads x 8 dims,
-fp32, pages of 2 slots, on the CPU unless given a CUDA device) and a TorchDistKVManager, and obeys commands sent
+fp32, pages of 2 slots, on the CPU unless given a CUDA device), aux rows with
+up to 4 top logprobs, and a TorchDistKVManager, and obeys commands sent
 over a pipe: make a sender or receiver for a room, init, send, poll until a
 state, abort, return its pool. The prefill pool is filled with seeded random
 values, the decode pool with zeros, so a transfer's effect is visible.
@@ -17,7 +18,7 @@ import traceback
 
 import torch
 
-LAYERS, SLOTS, HEADS, DIM, PAGE_SIZE, AUX_ROWS = 2, 64, 2, 8, 2, 16
+LAYERS, SLOTS, HEADS, DIM, PAGE_SIZE, AUX_ROWS, TOP_LOGPROBS = 2, 64, 2, 8, 2, 16, 4
 STARTUP_TIMEOUT_S = 60.0
 
 
@@ -31,7 +32,7 @@ def make_kv_args(role: str, seed: int, device: str = "cpu"):
             return torch.randn((SLOTS, HEADS, DIM), generator=gen).to(device)
         return torch.zeros((SLOTS, HEADS, DIM), device=device)
 
-    meta = MetadataBuffers(AUX_ROWS)
+    meta = MetadataBuffers(AUX_ROWS, TOP_LOGPROBS)
     args = KVArgs([buf() for _ in range(LAYERS)], [buf() for _ in range(LAYERS)], page_size=PAGE_SIZE,
                   aux_buffers=meta.buffers)
     return args, meta
@@ -50,10 +51,10 @@ class _Worker:
                                       bootstrap_addr=bootstrap_addr if role == "prefill" else None)
         self.halves = {}
 
-    def sender(self, room, bootstrap_addr, num_pages, aux_index, token, logprob):
+    def sender(self, room, bootstrap_addr, num_pages, aux_index, token, logprob, top=()):
         from radixserve.disaggregation.torch_dist import TorchDistKVSender
 
-        self.meta.set(aux_index, token, logprob)
+        self.meta.set(aux_index, token, logprob, top)
         self.halves[room] = TorchDistKVSender(self.mgr, bootstrap_addr, room)
         self.halves[room].init(num_pages, aux_index)
 
@@ -94,6 +95,10 @@ class _Worker:
 
     def kv(self):
         return [b.cpu() for b in self.args.kv_buffers], [b.clone() for b in self.meta.buffers]
+
+    def aux(self, index):
+        """Aux row ``index`` as ``MetadataBuffers.get`` reads it."""
+        return self.meta.get(index)
 
 
 def worker_main(conn, role: str, bootstrap_addr: str, config: dict, seed: int, device: str) -> None:

@@ -270,15 +270,18 @@ def test_decode_client_hangs_up_while_held_back_by_a_full_pool(pair):
 
 def test_backpressure_serves_every_request(pair):
     """Six requests at once, each 14 pages of prompt, into a pool of 60: the
-    decode server holds some back until others finish (and retracts one that
-    outgrows the pool, to prefill it again itself); none is dropped, and each
-    gets the decode server's own output."""
+    decode server holds some back until others finish, taking in only what
+    leaves room for the expected output of those it runs, so it never has to
+    retract one it just received; none is dropped, and each gets the decode
+    server's own output."""
     prompts = [fresh_prompt(56) for _ in range(6)]
     expected = [own_output(pair.decode, ids) for ids in prompts]
+    retractions = pair.decode.state()["retractions"]
     with ThreadPoolExecutor(len(prompts)) as pool:
         replies = list(pool.map(pair.generate, prompts))
     for want, (prefill, decode) in zip(expected, replies):
         assert prefill.status_code == 200 and decode.status_code == 200, (prefill.text, decode.text)
         assert decode.json()["output_ids"] == want
         assert prefill.json()["output_ids"] == want[:1]
+    assert pair.decode.state()["retractions"] == retractions, "a request was retracted on the decode server"
     assert_memory_ok(pair.prefill, pair.decode, timeout=FAULT_DEADLINE_S)

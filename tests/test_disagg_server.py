@@ -2,13 +2,16 @@
 server (SmolLM2, fp32, CPU, pages of 4 tokens) in subprocesses,
 each request sent to both at once with the same bootstrap room, as SGLang's
 router does. Checked: the decode server's greedy output equals a colocated
-server's, token for token; the prefill server answers with the first token;
+server's, token for token, and so do its logprobs and top logprobs at every
+position (the first token's came with the KV); the prefill server answers
+with the first token;
 both memory invariants hold once idle; and a transfer whose other half never
 comes (no prefill request for the room, no decode server for it, no
 bootstrap server at the address) ends with a clear error in bounded time
 while the servers keep serving. Then the same pair behind SGLang's router
 (``sglang_router.launch_router --pd-disaggregation``), unchanged: native
-``/generate`` and OpenAI chat, streamed or not, equal the colocated server's."""
+``/generate`` and OpenAI chat, streamed or not, equal the colocated server's,
+and so do a prompt's logprobs (the router takes them from the prefill reply)."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import pytest
 from disagg_server_harness import (
     DECODE_ARGS, GREEDY, PDPair, abort_message, assert_memory_ok, generate, model_args, prefill_args,
 )
+from radixserve.managers.io_struct import MAX_TOP_LOGPROBS
 from server_harness import ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
@@ -30,6 +34,8 @@ TIMEOUTS = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "6", "SGLANG_DISAGGREGATI
             "OMP_NUM_THREADS": "1"}
 FAULT_DEADLINE_S = 30  # the limits above plus slack for a loaded 2-core machine
 PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((37, 5, 64))]
+# as many top logprobs as a request may ask: the first token's fill the aux rows' columns
+LOGPROBS = {"return_logprob": True, "top_logprobs_num": MAX_TOP_LOGPROBS}
 
 
 @pytest.fixture(scope="module")
@@ -69,18 +75,41 @@ def test_decode_output_equals_colocated(servers):
     assert_memory_ok(servers["prefill"], servers["decode"])
 
 
+def assert_same_logprobs(got: list, want: list) -> None:
+    """Two servers' logprob entries (``[logprob, token id, text]``, or per
+    position a list of them or None for top logprobs): the same token ids,
+    logprobs within 1e-4."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        if w is None or not w or isinstance(w[0], list):  # one position's top logprobs
+            assert (g is None) == (w is None) and len(g or []) == len(w or []), (g, w)
+            pairs = list(zip(g or [], w or []))
+        else:
+            pairs = [(g, w)]
+        for (g_lp, g_id, _), (w_lp, w_id, _) in pairs:
+            assert g_id == w_id and (g_lp is None) == (w_lp is None), (g, w)
+            assert w_lp is None or g_lp == pytest.approx(w_lp, abs=1e-4)
+
+
 def test_concurrent_pairs_and_logprobs(servers):
-    expected = [generate(servers["colocated"].url, {"input_ids": ids, "sampling_params": GREEDY,
-                                                    "return_logprob": True}).json() for ids in PROMPTS]
+    expected = [generate(servers["colocated"].url, {"input_ids": ids, "sampling_params": GREEDY, **LOGPROBS}).json()
+                for ids in PROMPTS]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        pairs = list(pool.map(lambda ids: servers["pair"].generate(ids, return_logprob=True), PROMPTS))
+        pairs = list(pool.map(lambda ids: servers["pair"].generate(ids, **LOGPROBS), PROMPTS))
     for want, (_, decode) in zip(expected, pairs):
         got = decode.json()
         assert got["output_ids"] == want["output_ids"]
-        got_lp = [lp for lp, _tok, _text in got["meta_info"]["output_token_logprobs"]]
-        want_lp = [lp for lp, _tok, _text in want["meta_info"]["output_token_logprobs"]]
-        assert got_lp == pytest.approx(want_lp, abs=1e-4)  # the first one came with the KV
+        for key in ("output_token_logprobs", "output_top_logprobs"):  # the first position's came with the KV
+            assert_same_logprobs(got["meta_info"][key], want["meta_info"][key])
+        assert len(got["meta_info"]["output_top_logprobs"][0]) == MAX_TOP_LOGPROBS
     assert_memory_ok(servers["prefill"], servers["decode"])
+
+
+def test_more_top_logprobs_than_a_transfer_carries_are_refused(servers):
+    body = servers["pair"].body(PROMPTS[1], return_logprob=True, top_logprobs_num=MAX_TOP_LOGPROBS + 1)
+    for name in ("prefill", "decode"):
+        out = generate(servers[name].url, body)
+        assert out.status_code == 400 and "top_logprobs_num" in out.text, out.text
 
 
 def test_decode_request_whose_prefill_never_comes(servers):
@@ -164,4 +193,22 @@ def test_through_sglang_router(servers, router):
     expected = chat(servers["colocated"].url)
     assert expected and chat(router.url) == expected
     assert chat(router.url, stream=True) == expected
+    assert_memory_ok(servers["prefill"], servers["decode"])
+
+
+def test_prompt_logprobs_through_sglang_router(servers, router):
+    """The router merges the prefill reply's ``input_token_logprobs`` into the
+    decode reply's; a completion's echoed prompt logprobs it cannot merge, so
+    both servers refuse them (400) instead of answering without them."""
+    body = {"input_ids": PROMPTS[0], "sampling_params": GREEDY, "logprob_start_len": 0, **LOGPROBS}
+    want = generate(servers["colocated"].url, body).json()["meta_info"]
+    got = generate(router.url, body)
+    assert got.status_code == 200, got.text
+    for key in ("input_token_logprobs", "output_token_logprobs", "output_top_logprobs"):
+        assert_same_logprobs(got.json()["meta_info"][key], want[key])
+    assert len(want["input_token_logprobs"]) == len(PROMPTS[0])
+    model = httpx.get(router.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    echo = {"model": model, "prompt": "Name three colours.", "max_tokens": 4, "echo": True, "logprobs": 1}
+    out = httpx.post(router.url + "/v1/completions", json=echo, timeout=120)
+    assert out.status_code == 400 and "echo" in out.text, out.text
     assert_memory_ok(servers["prefill"], servers["decode"])

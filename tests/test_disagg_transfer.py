@@ -2,12 +2,13 @@
 server in this process, prefill and decode workers in spawned processes
 (tests/disagg_harness.py), KV moving over gloo pair groups.
 
-Checked: the KV and aux data of several requests with scattered pages arrive
-exactly, in few messages; and the faults end the transfer with a clear
-error within a bounded time: a decode that never registers, stops receiving
-or is killed, a prefill that hangs or is killed mid-transfer, an abort on
-either side, a room no prefill request claims, a bootstrap address that does
-not answer. After each, a new transfer (on a new pair where the old one
+Checked: the KV and aux data (first token, logprob, top logprobs) of several
+requests with scattered pages arrive exactly, in few messages; and the
+faults end the transfer with a clear error within a bounded time: a decode
+that never registers, holds its half back past the bootstrap timeout, stops
+receiving or is killed, a prefill that hangs or is killed mid-transfer, an
+abort on either side, a room no prefill request claims, a bootstrap address
+that does not answer. After each, a new transfer (on a new pair where the old one
 broke) succeeds.
 """
 
@@ -79,11 +80,18 @@ def slots(pages) -> torch.Tensor:
     return (pages[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).reshape(-1)
 
 
+def first_token_aux(token: int) -> tuple[int, float, list[tuple[float, int]]]:
+    """The aux row a test's prefill side sends with ``token``: its logprob and
+    0 to 4 top alternatives (values exact in float32)."""
+    return token, -0.25 * (token % 7), [(-0.5 * k, token + k) for k in range(token % 5)]
+
+
 def handshake(prefill: Worker, decode: Worker, addr: str, room: int, src: list, dst: list, aux=(0, 0, 0)):
     """Both halves of ``room`` up to the point where the prefill side may send."""
     aux_src, aux_dst, token = aux
+    _, logprob, top = first_token_aux(token)
     prefill.call("sender", room=room, bootstrap_addr=addr, num_pages=len(src), aux_index=aux_src, token=token,
-                 logprob=-0.25 * (token % 7))
+                 logprob=logprob, top=top)
     decode.call("receiver", room=room, bootstrap_addr=addr)
     assert decode.call("wait", room=room, states=["WaitingForInput", "Failed"], timeout=20)[0] == "WaitingForInput"
     decode.call("init", room=room, pages=dst, aux_index=aux_dst)
@@ -107,9 +115,9 @@ def test_kv_and_aux_of_several_requests_arrive_exactly_in_few_messages(workers, 
     addr = bootstrap.address
     # (prefill pages, decode pages, prefill aux row, decode aux row, first token): scattered, out of order
     requests = [
-        ([17, 3, 29], [5, 22, 9], 1, 4, 101),
-        ([1, 30, 4, 12, 8, 25, 19, 2, 14], [31, 2, 18, 7, 26, 11, 3, 28, 13], 2, 9, 202),
-        ([6, 21, 10, 27, 15], [20, 1, 30, 16, 24], 3, 12, 303),
+        ([17, 3, 29], [5, 22, 9], 1, 4, 104),
+        ([1, 30, 4, 12, 8, 25, 19, 2, 14], [31, 2, 18, 7, 26, 11, 3, 28, 13], 2, 9, 201),
+        ([6, 21, 10, 27, 15], [20, 1, 30, 16, 24], 3, 12, 305),
     ]
     rooms = [new_room() for _ in requests]
     for room, (src, dst, a_src, a_dst, token) in zip(rooms, requests):
@@ -126,7 +134,8 @@ def test_kv_and_aux_of_several_requests_arrive_exactly_in_few_messages(workers, 
         for p, d in zip(p_kv, d_kv):
             assert torch.equal(p[slots(src)], d[slots(dst)])
         written[slots(dst)] = True
-        assert int(d_aux[0][a_dst]) == token and float(d_aux[1][a_dst]) == float(p_aux[1][a_src]) == -0.25 * (token % 7)
+        assert decode.call("aux", index=a_dst) == first_token_aux(token)  # token, logprob, top logprobs
+        assert all(torch.equal(p[a_src], d[a_dst]) for p, d in zip(p_aux, d_aux))
     assert all(d[~written].count_nonzero() == 0 for d in d_kv)  # nothing written outside the reserved pages
 
     for room, (src, *_) in zip(rooms, requests):
@@ -142,6 +151,26 @@ def test_sender_fails_when_no_decode_registers(workers, bootstrap):
     state, waited, failure = prefill.call("wait", room=room, states=["Failed", "Success"], timeout=20)
     assert state == "Failed" and CONFIG["bootstrap_timeout_s"] - 0.5 <= waited <= CONFIG["bootstrap_timeout_s"] + SLACK_S
     assert "KVTransferError" in failure and f"room {room}" in failure and "no decode rank registered" in failure
+
+
+def test_a_receiver_held_back_past_the_bootstrap_timeout_says_so_and_tells_the_prefill_side(workers, bootstrap):
+    """Paired but never given its pages (as a decode server does while its
+    pool is full): the receiver fails at the bootstrap timeout saying that it
+    was held back, not that it found no pair, and the prefill half, made
+    later and still within its own limit, is told at once."""
+    prefill, decode = workers
+    addr, room = bootstrap.address, new_room()
+    decode.call("receiver", room=room, bootstrap_addr=addr)
+    assert decode.call("wait", room=room, states=["WaitingForInput", "Failed"], timeout=20)[0] == "WaitingForInput"
+    pair = decode.call("info", room=room)["pair_id"]
+    time.sleep(CONFIG["bootstrap_timeout_s"] / 2)
+    prefill.call("sender", room=room, bootstrap_addr=addr, num_pages=2, aux_index=0, token=1, logprob=0.0)
+    state, _, failure = decode.call("wait", room=room, states=["Failed", "Success"], timeout=20)
+    assert state == "Failed" and "held the request back for more than 2.0 s" in failure, failure
+    assert "no pair" not in failure
+    state, _, failure = prefill.call("wait", room=room, states=["Failed", "Success"], timeout=20)
+    assert state == "Failed" and "decode side gave the transfer up: the decode side held the request back" in failure
+    assert transfer_ok(prefill, decode, addr, [1, 2], [3, 4]) == pair  # nothing was in flight: same pair
 
 
 def test_decode_that_stops_receiving_fails_the_sender_then_a_new_pair_serves(workers, bootstrap):

@@ -2,8 +2,9 @@
 
 A prefill engine and a decode engine each own a KV pool. For one request (one
 ``bootstrap_room``) the prefill side's :class:`BaseKVSender` copies the KV of
-the request's pages, and a little aux data (the first sampled token and its
-logprob), into the pages the decode side's :class:`BaseKVReceiver` reserved.
+the request's pages, and a little aux data (the first sampled token, its
+logprob and its top alternatives), into the pages the decode side's
+:class:`BaseKVReceiver` reserved.
 A :class:`BaseKVManager` per engine rank holds what the senders or receivers of
 that rank share (connections, threads); a :class:`BaseKVBootstrapServer`, run
 by the prefill server, tells decode ranks where each prefill rank listens.
@@ -134,22 +135,42 @@ class KVArgs:
 class MetadataBuffers:
     """The aux data of requests in flight (SGLang's MetadataBuffers, reduced
     to what decode needs to continue): row ``aux_index`` holds the first
-    output token id and its logprob. Its ``buffers`` go in ``KVArgs.aux_buffers``."""
+    output token id, its logprob, and its top alternatives, up to
+    ``max_top_logprobs_num`` (logprob, token id) pairs in fixed-width columns
+    with their count. Its ``buffers`` go in ``KVArgs.aux_buffers``, so the
+    width is part of the layout both sides must agree on."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, max_top_logprobs_num: int):
+        self.max_top_logprobs_num = max_top_logprobs_num
         self.output_ids = torch.zeros(size, dtype=torch.int64)
         self.output_logprobs = torch.zeros(size, dtype=torch.float32)
+        self.output_top_logprobs_num = torch.zeros(size, dtype=torch.int32)
+        self.output_top_logprobs_val = torch.zeros((size, max_top_logprobs_num), dtype=torch.float32)
+        self.output_top_logprobs_idx = torch.zeros((size, max_top_logprobs_num), dtype=torch.int32)
 
     @property
     def buffers(self) -> list[torch.Tensor]:
-        return [self.output_ids, self.output_logprobs]
+        return [self.output_ids, self.output_logprobs, self.output_top_logprobs_num, self.output_top_logprobs_val,
+                self.output_top_logprobs_idx]
 
-    def set(self, index: int, token_id: int, logprob: float) -> None:
+    def set(self, index: int, token_id: int, logprob: float, top: list[tuple[float, int]] = ()) -> None:
+        """Row ``index``: the first token, its logprob and its top
+        alternatives; ValueError when there are more than the columns hold."""
+        if len(top) > self.max_top_logprobs_num:
+            raise ValueError(f"{len(top)} top logprobs do not fit the {self.max_top_logprobs_num} columns")
         self.output_ids[index] = token_id
         self.output_logprobs[index] = logprob
+        self.output_top_logprobs_num[index] = len(top)
+        if top:
+            vals, ids = zip(*top)
+            self.output_top_logprobs_val[index, : len(top)] = torch.tensor(vals, dtype=torch.float32)
+            self.output_top_logprobs_idx[index, : len(top)] = torch.tensor(ids, dtype=torch.int32)
 
-    def get(self, index: int) -> tuple[int, float]:
-        return int(self.output_ids[index]), float(self.output_logprobs[index])
+    def get(self, index: int) -> tuple[int, float, list[tuple[float, int]]]:
+        """What :meth:`set` wrote in row ``index``."""
+        n = int(self.output_top_logprobs_num[index])
+        vals, ids = self.output_top_logprobs_val[index, :n].tolist(), self.output_top_logprobs_idx[index, :n].tolist()
+        return int(self.output_ids[index]), float(self.output_logprobs[index]), list(zip(vals, ids))
 
 
 @dataclass(frozen=True)
@@ -157,7 +178,9 @@ class KVTransferConfig:
     """Time limits and message size of a transfer backend (seconds, bytes).
 
     - ``bootstrap_timeout_s``: a sender whose decode half has not registered
-      (sent its page indices) by then fails (SGLang's bootstrap timeout);
+      (sent its page indices) by then fails (SGLang's bootstrap timeout); so
+      does a receiver not paired with its prefill rank by then, or paired
+      but not given its pages (``init()``), as when a full pool holds it back;
     - ``waiting_timeout_s``: a receiver whose KV has not arrived this long after
       ``init()`` fails (SGLang's waiting timeout);
     - ``transfer_timeout_s``: data announced or sent but not delivered by then

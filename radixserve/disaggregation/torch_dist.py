@@ -263,9 +263,17 @@ class TorchDistKVReceiver(BaseKVReceiver):
         if self.link.failure is not None:
             return self._fail(self.link.failure)
         if self._inited_at is None:
-            if time.monotonic() - self._created > cfg.bootstrap_timeout_s:
+            if time.monotonic() - self._created <= cfg.bootstrap_timeout_s:
+                return KVPoll.WaitingForInput if self.link.ready else KVPoll.Bootstrapping
+            if not self.link.ready:
                 return self._fail(f"no pair with the prefill rank within {cfg.bootstrap_timeout_s:.1f} s")
-            return KVPoll.WaitingForInput if self.link.ready else KVPoll.Bootstrapping
+            # Paired, but the caller never reserved the pages (a decode server
+            # holds a request back while its pool is full); by now the prefill
+            # side has given the room up too, unless it came later: tell it.
+            reason = (f"the decode side held the request back for more than {cfg.bootstrap_timeout_s:.1f} s "
+                      "(the bootstrap timeout) without reserving its KV")
+            self.link.send({"t": "abort", "room": self.room, "reason": reason})
+            return self._fail(reason)
         if time.monotonic() - self._inited_at > cfg.waiting_timeout_s:
             reason = f"no KV arrived within {cfg.waiting_timeout_s:.1f} s"
             self.link.send({"t": "abort", "room": self.room, "reason": reason})

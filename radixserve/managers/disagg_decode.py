@@ -7,8 +7,9 @@ A request that names a bootstrap room is not prefilled here. It goes through:
 1. the prealloc queue: it gets a ``TorchDistKVReceiver`` at once (which
    looks the prefill rank up and pairs with it in the backend's threads).
    Once paired, and in arrival order, it is given a request row and KV
-   slots for its prompt; when the pool cannot hold them (beside one more
-   page per running request) it waits there: backpressure, nothing dropped;
+   slots for its prompt; when the pool cannot hold them beside the expected
+   output of the running requests and its own (``PrefillAdder``'s estimate)
+   it waits there: backpressure, nothing dropped;
 2. the transfer queue: the receiver has named those pages to the prefill
    side (``init``) and is polled, without blocking, each step;
 3. on Success the prompt's KV and the first token are in place: the token is
@@ -31,6 +32,7 @@ from radixserve.disaggregation.torch_dist import TorchDistKVReceiver
 from radixserve.disaggregation.utils import slots_to_pages, transfer_failure
 from radixserve.managers.disagg_queues import DisaggregationQueues
 from radixserve.managers.schedule_batch import FinishReason, Req
+from radixserve.managers.schedule_policy import PrefillAdder
 from radixserve.mem_cache import page_aligned
 
 logger = logging.getLogger(__name__)
@@ -62,13 +64,14 @@ class DecodeDisaggregation(DisaggregationQueues):
         finished transfers on. Returns the requests that got their first
         token or ended."""
         out, waiting, blocked = [], [], False
+        budget = self._kv_budget()
         for req in self.prealloc_queue:
             state = req.kv_receiver.poll()
             if state == KVPoll.Failed:
                 out.append(self._end_decode_transfer(req, FinishReason.aborted(transfer_failure(req.kv_receiver))))
             elif state == KVPoll.Bootstrapping or blocked:
                 waiting.append(req)
-            elif self._reserve_prompt_kv(req):
+            elif self._reserve_prompt_kv(req, budget):
                 self.transfer_queue.append(req)
             else:  # the pool is full: this request, and the paired ones after it, wait
                 blocked = True
@@ -86,16 +89,27 @@ class DecodeDisaggregation(DisaggregationQueues):
         self.transfer_queue = transferring
         return out
 
-    def _reserve_prompt_kv(self, req: Req) -> bool:
+    def _kv_budget(self) -> PrefillAdder:
+        """What this step's reservations may take: ``PrefillAdder``'s budget,
+        free and evictable KV less the estimated future output (by
+        ``new_token_ratio``) of the running requests and of those being
+        received, which join them. So a request taken in has room to decode,
+        rather than being retracted soon after and prefilled again here."""
+        s = self.s
+        return PrefillAdder(s.tree_cache, s.allocator.available_size(), s.running_batch.reqs + self.transfer_queue,
+                            s.new_token_ratio, max_prefill_tokens=0, chunked_prefill_size=0, max_new_reqs=0,
+                            page_size=s.page_size)
+
+    def _reserve_prompt_kv(self, req: Req, budget: PrefillAdder) -> bool:
         """Give ``req`` a row and slots for its prompt and tell the prefill
-        side where to write; False (nothing taken) when they do not fit."""
+        side where to write; False (nothing taken) when they do not fit
+        ``budget`` beside its own estimated output (``PrefillAdder.reserve``)."""
         s = self.s
         n, page = len(req.origin_input_ids), s.page_size
         holders = len(s.running_batch) + len(s._deferred) + len(self.transfer_queue)
         if holders >= s.max_running or s.req_to_token_pool.available_size() < 1:
             return False
-        headroom = page * (len(s.running_batch) + len(self.transfer_queue) + 1)  # their next tokens
-        if s.allocator.available_size() + s.tree_cache.evictable_size() < page_aligned(n, page) + headroom:
+        if not budget.reserve(req, n):
             return False
         slots = s.pools.alloc_with_evict(page_aligned(n, page), lambda: s.allocator.alloc(n))
         if slots is None:
@@ -111,7 +125,7 @@ class DecodeDisaggregation(DisaggregationQueues):
         """The prompt's KV has arrived: the first token becomes the request's
         first output, and it decodes from there."""
         s = self.s
-        tok, logprob = self.metadata.get(req.aux_index)
+        tok, logprob, top = self.metadata.get(req.aux_index)
         self._release_receiver(req)
         s.worker.last_token[req.req_pool_idx] = tok  # a decode reads its input id there
         req.output_ids.append(tok)
@@ -119,7 +133,7 @@ class DecodeDisaggregation(DisaggregationQueues):
         if req.return_logprob:
             req.output_token_logprobs.append((logprob, tok))
             if req.top_logprobs_num:
-                req.output_top_logprobs.append([])  # the top alternatives are not transferred
+                req.output_top_logprobs.append(top)
         req.check_finished(s.tokenizer, s.context_len)
         if req.finished():
             s.tree_cache.cache_finished_req(req)

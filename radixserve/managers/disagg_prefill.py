@@ -10,9 +10,9 @@ A request that names a bootstrap room goes through:
 2. admission and prefill, as any request, with the radix cache;
 3. the in-flight queue: once its first token is sampled it does not join the
    running batch. Its prompt's KV pages (read from ``req_to_token``) and the
-   first token with its logprob are sent to the pages the decode side named,
-   its prompt is cached (and locked) in the tree, and its sender is polled,
-   without blocking, each step;
+   first token with its logprob and top logprobs are sent to the pages the
+   decode side named, its prompt is cached (and locked) in the tree, and its
+   sender is polled, without blocking, each step;
 4. on Success it finishes with that one token (as SGLang's prefill server
    answers), on Failed with an abort that says why. Only then is its KV
    given to the cache (``cache_finished_req``).
@@ -111,8 +111,9 @@ class PrefillDisaggregation(DisaggregationQueues):
     def _send_prompt_kv(self, req: Req) -> None:
         tok = req.output_ids[-1]
         logprob = req.output_token_logprobs[-1][0] if req.output_token_logprobs else 0.0
+        top = req.output_top_logprobs[-1] if req.output_top_logprobs else []
         req.aux_index = self.aux_rows.alloc()
-        self.metadata.set(req.aux_index, tok, logprob)
+        self.metadata.set(req.aux_index, tok, logprob, top)
         slots = self.s.req_to_token_pool.req_to_token[req.req_pool_idx, : len(req.origin_input_ids)]
         pages = slots_to_pages(slots, self.s.page_size)
         req.kv_sender.init(len(pages), req.aux_index)

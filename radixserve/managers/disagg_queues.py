@@ -8,6 +8,7 @@ from abc import ABC, abstractmethod
 from radixserve.disaggregation.base import DisaggregationMode, MetadataBuffers
 from radixserve.disaggregation.torch_dist import TorchDistKVManager
 from radixserve.disaggregation.utils import AuxRows, advertised_host, pool_kv_args, transfer_config_from_env
+from radixserve.managers.io_struct import MAX_TOP_LOGPROBS
 from radixserve.managers.schedule_batch import Req
 
 
@@ -22,7 +23,8 @@ class DisaggregationQueues(ABC):
     def __init__(self, scheduler, bootstrap_addr: str | None = None):
         self.s = s = scheduler
         rows = s.req_to_token_pool.size  # every request in transfer also holds a request row
-        self.metadata, self.aux_rows = MetadataBuffers(rows), AuxRows(rows)
+        # the first token's top logprobs: as many as any request may ask (io_struct, a 400 beyond), so none is cut
+        self.metadata, self.aux_rows = MetadataBuffers(rows, MAX_TOP_LOGPROBS), AuxRows(rows)
         kv_args = pool_kv_args(s.model_runner.token_to_kv_pool, s.page_size, self.metadata, advertised_host(s.args.host))
         self.kv_manager = TorchDistKVManager(kv_args, self.mode, transfer_config_from_env(), bootstrap_addr=bootstrap_addr)
 

@@ -255,6 +255,11 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("max_tokens: must be >= 1 (0 is allowed only with echo)")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise ValueError("best_of: only best_of == n is supported")
+        if self.echo and self.logprobs is not None and self.bootstrap_room is not None:
+            # Both halves get this body: refused on both, the prefill half does not wait for its decode half.
+            raise ValueError("logprobs: not with echo in a disaggregated request (bootstrap_room): the decode "
+                             "server has no prompt logprobs, and SGLang's router merges the prefill server's only "
+                             "into /generate's meta_info.input_token_logprobs (ask /generate with logprob_start_len)")
         return self
 
 
