@@ -14,6 +14,7 @@ import radixserve
 from radixserve.mem_cache import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.mem_cache.hiradix_cache import HiRadixCache
 from radixserve.mem_cache.host_pool import HostKVPool, host_pool_tokens, runs
+from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 from test_engine import GREEDY, hf_greedy, llama  # noqa: F401  (fixture)
 
@@ -252,6 +253,32 @@ def test_file_tier_survives_a_restart(llama, tiers_off, tmp_path):
     outs, cached, stats = serve(folder, prompts[5:], **tier)  # a new engine: empty device and host tiers
     assert outs == tiers_off[0][5:]
     assert cached == [64] * 5 and stats["hicache_storage_prefetched"] == 5 * 64
+
+
+def test_file_tier_prefetch_starts_when_a_request_arrives(llama, tiers_off, tmp_path):
+    """A queued request's blocks on file are read while it waits, as SGLang
+    prefetches at arrival: before any step runs they reach the host tier,
+    and at admission they are a cache hit."""
+    folder, _ = llama
+    prompts = workload()
+    tier = dict(enable_hierarchical_cache=True, hicache_ratio=4, hicache_storage_backend="file",
+                hicache_storage_dir=str(tmp_path))
+    serve(folder, prompts[:1], **tier)
+    eng = radixserve.Engine(model_path=folder, **SHARED, **tier)
+    try:
+        s = eng.scheduler
+        req = s.new_req("queued", prompts[5], SamplingParams(**GREEDY))
+        s.add_request(req)
+        storage = s.tree_cache.storage
+        assert storage.busy()  # the read started at arrival
+        storage.drain()
+        s.tree_cache.poll()
+        assert s.tree_cache.match_prefix(prompts[5]).host_hit_length == 64  # in the host tier, not admitted yet
+        while not req.finished():
+            s.step()
+        assert req.output_ids == tiers_off[0][5] and req.cached_tokens == 64
+    finally:
+        eng.shutdown()
 
 
 def test_file_tier_size_cap(llama, tmp_path):

@@ -4,6 +4,7 @@ building and validating its ``Req``, the waiting (or grammar) queue, aborts."""
 from __future__ import annotations
 
 from radixserve.managers.schedule_batch import FinishReason, Req
+from radixserve.managers.schedule_policy import prefix_key
 from radixserve.sampling.grammar import grammar_spec
 from radixserve.sampling.sampling_params import SamplingParams
 
@@ -47,6 +48,7 @@ class SchedulerInputMixin:
         if req.bootstrap_room is not None and self.disagg is not None:
             self.disagg.add(req)
         else:
+            self.tree_cache.prefetch(prefix_key(req))
             self.enqueue(req)
 
     def enqueue(self, req: Req) -> None:

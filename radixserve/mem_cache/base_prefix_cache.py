@@ -82,6 +82,11 @@ class BasePrefixCache(ABC):
         one-tier cache has nothing to fetch."""
         return None, 0
 
+    def prefetch(self, key: list[int]) -> None:
+        """A request with prompt ``key`` arrived: start reading what only a
+        storage tier holds of it into host memory, so that it is in the tree
+        by the time the request is admitted. A cache without one has none."""
+
     def poll(self) -> None:
         """Complete the copies between tiers that have finished (every step)."""
 

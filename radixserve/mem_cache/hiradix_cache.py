@@ -312,6 +312,15 @@ class HiRadixCache(RadixCache):
             return self.storage.prefetch(self, key, len(match.device_indices)), 0
         return None, 0
 
+    def prefetch(self, key: list[int]) -> None:
+        """The file tier's blocks of ``key`` past what the device and host
+        hold start coming into host memory at the request's arrival (as
+        SGLang's storage prefetch does); ``fetch`` at its admission then finds
+        them in the tree or still in flight, rather than starting the read."""
+        if self.storage is not None:
+            _, _, device_len, _, host_len = self._walk(key)
+            self.storage.prefetch(self, key, device_len + host_len)
+
     def _load_back(self, chain: list[TreeNode], device_node: TreeNode, n_tokens: int) -> _Transfer | None:
         self.inc_lock_ref(device_node)  # the load goes under it: keep it while evicting
         try:
