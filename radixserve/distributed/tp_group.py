@@ -62,11 +62,17 @@ class TPGroup:
     def agree_min(self, value: int) -> int:
         """The smallest ``value`` over the ranks (a decision every rank must
         share, e.g. the KV pool size when free memory differs per device)."""
+        return self.agree_mins([value])[0]
+
+    def agree_mins(self, values: list[int]) -> list[int]:
+        """Each of ``values``' smallest over the ranks, in one collective
+        (e.g. how many of each queue's asynchronous copies or transfers have
+        finished on every rank, so that all ranks act on the same ones)."""
         if self.size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.int64)
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
-        return int(t.item())
+        return t.tolist()
 
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
         """Rank ``src``'s ``data`` on every rank, over the CPU group (others pass None)."""
