@@ -78,6 +78,32 @@ def kv_of(pool, slots):
     return torch.stack([pool.k_buffer[l][slots] for l in range(pool.layer_num)])
 
 
+class OtherRankBehind:
+    """A TP group of two whose other rank has finished none of its copies
+    while ``behind`` is set."""
+
+    size = 2
+    behind = True
+
+    def agree_mins(self, values):
+        return [0] * len(values) if self.behind else list(values)
+
+
+def test_under_tp_a_copy_finishes_only_once_every_rank_has_finished_it():
+    _, hostpool = make_pools(64, 1, 128)
+    alloc = TokenToKVPoolAllocator(64, 1)
+    group = OtherRankBehind()
+    cache = HiRadixCache(ReqToTokenPool(8, 256), alloc, 1, hostpool, "write_through", tp_group=group)
+    put(cache, alloc, list(range(100, 120)))  # its backup is done here, not on the other rank
+    assert cache.busy() and cache.match_prefix(list(range(100, 120))).last_node.transfer is not None
+    cache.poll()
+    assert cache.busy()
+    group.behind = False
+    cache.poll()
+    assert not cache.busy() and cache.match_prefix(list(range(100, 120))).last_node.transfer is None
+    cache.check_invariants()
+
+
 def test_demote_then_load_back_restores_the_kv():
     cache, alloc, pool = make_cache()
     a = list(range(100, 140))
@@ -348,6 +374,9 @@ def test_flags_are_checked():
         ServerArgs(enable_hierarchical_cache=True, disable_radix_cache=True)
     with pytest.raises(ValueError, match="hicache_ratio"):
         ServerArgs(enable_hierarchical_cache=True, hicache_ratio=1.0)
+    with pytest.raises(ValueError, match="the file tier is not supported with --tp-size > 1"):
+        ServerArgs(enable_hierarchical_cache=True, hicache_storage_backend="file", tp_size=2)
+    ServerArgs(enable_hierarchical_cache=True, tp_size=2)  # the host tier is
     with pytest.raises(ValueError, match="max_gb must be a positive number"):
         ServerArgs(enable_hierarchical_cache=True, hicache_storage_backend="file",
                    hicache_storage_backend_extra_config='{"max_gb": 0}')

@@ -57,6 +57,24 @@ def test_tp_engine_matches_tp1_under_retraction():
     assert runs[1][0] == runs[0][0]
 
 
+def test_tp_engine_with_the_host_tier_matches_tp1_without_it():
+    """The hierarchical cache at tp 2, under a device pool smaller than the
+    prompts' shared prefixes: each rank backs up and loads back its own KV
+    heads, a copy finishes when it has on every rank, and the tokens are tp
+    1's without the tiers."""
+    heads = [[(31 * g + 7 * j) % 400 for j in range(48)] for g in range(5)]
+    prompts = [h + [(g + 5 * i) % 400 for i in range(6)] for visit in range(2) for g, h in enumerate(heads)]
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    outs = {}
+    for tp, tiers in ((1, False), (2, True)):
+        with radixserve.Engine(**TINY, tp_size=tp, max_total_tokens=160, max_running_requests=4,
+                               enable_hierarchical_cache=tiers, hicache_ratio=4) as eng:
+            outs[tp] = [eng.generate(input_ids=[p], sampling_params=params)[0]["output_ids"] for p in prompts]
+            stats = eng.get_stats()
+    assert outs[2] == outs[1]
+    assert stats["hicache_loaded_back"] > 0
+
+
 @pytest.mark.slow
 def test_smollm2_at_tp3_matches_tp1_with_structured_output():
     """SmolLM2-135M has 9 query and 3 KV heads: tp 3 splits both. Chat

@@ -45,7 +45,7 @@ def build_tree_cache(args, model_runner, kv_event_publisher=None, forward_stream
                               max_bytes=int(max_gb * 2**30) if max_gb else None)
         storage = FileTier(backend, host, device_pool.page_size)
     return HiRadixCache(*pools, host, args.hicache_write_policy, args.eviction_policy, kv_events, storage,
-                        forward_stream)
+                        forward_stream, model_runner.tp_group)
 
 
 def storage_namespace(model_runner, block_tokens: int, seed: int) -> str:

@@ -88,12 +88,16 @@ class HiCacheStats:
 class HiRadixCache(RadixCache):
     def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, page_size: int, host_pool: HostKVPool,
                  write_policy: str = "write_through", eviction_policy: str = "lru", kv_events=None,
-                 storage=None, forward_stream=None):
+                 storage=None, forward_stream=None, tp_group=None):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy must be one of {list(WRITE_POLICIES)}, got {write_policy!r}")
         self.host = host_pool
         self.write_policy = write_policy
         self.storage = storage  # hicache_storage.FileTier, or None
+        # Under tensor parallelism each rank copies its own KV heads, and its
+        # copies finish when they do: ``poll`` finishes only those done on
+        # every rank, so the ranks' trees stay the same.
+        self.tp_group = tp_group if tp_group is not None and tp_group.size > 1 else None
         self.stats = HiCacheStats()
         device = host_pool.device_pool.device
         cuda = device.type == "cuda"
@@ -348,9 +352,15 @@ class HiRadixCache(RadixCache):
 
     # -- completion ---------------------------------------------------------------------
     def poll(self) -> None:
-        """Finish the copies that are done, in order (each step)."""
-        for queue in (self._writes, self._loads):
-            while queue and queue[0].done():
+        """Finish the copies that are done, in order (each step); under
+        tensor parallelism, those done on every rank (the queues are alike
+        on every rank, so all of them take part in the agreement or none)."""
+        queues = (self._writes, self._loads)
+        done = [next((i for i, t in enumerate(q) if not t.done()), len(q)) for q in queues]
+        if self.tp_group is not None and any(queues):
+            done = self.tp_group.agree_mins(done)
+        for queue, n in zip(queues, done):
+            for _ in range(n):
                 self._finish(queue.popleft())
         if self.storage is not None:
             self.storage.poll(self)
