@@ -175,9 +175,6 @@ class ServerArgs:
         if self.disable_radix_cache:
             raise ValueError("enable_hierarchical_cache: the hierarchical cache is a radix cache; "
                              "drop --disable-radix-cache")
-        if self.tp_size > 1 and self.hicache_storage_backend is not None:
-            raise ValueError("hicache_storage_backend: the file tier is not supported with --tp-size > 1 yet "
-                             "(the host tier is)")
         self.hicache_storage_options()  # fail at start-up, naming the flag
         if self.hicache_size < 0 or (self.hicache_size == 0 and not self.hicache_ratio > 1):
             raise ValueError(f"hicache_ratio must be > 1 (or --hicache-size > 0 GB), got {self.hicache_ratio}")

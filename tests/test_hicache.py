@@ -7,12 +7,16 @@ checked after every scheduler step."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 import radixserve
 from radixserve.mem_cache import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixserve.mem_cache.hicache_storage import FileTier
 from radixserve.mem_cache.hiradix_cache import HiRadixCache
+from radixserve.mem_cache.storage import HiCacheFile
 from radixserve.mem_cache.host_pool import HostKVPool, host_pool_tokens, runs
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
@@ -102,6 +106,55 @@ def test_under_tp_a_copy_finishes_only_once_every_rank_has_finished_it():
     cache.poll()
     assert not cache.busy() and cache.match_prefix(list(range(100, 120))).last_node.transfer is None
     cache.check_invariants()
+
+
+class CappedRanks:
+    """A TP group whose other rank reports ``cap`` for everything agreed:
+    files on disk, tasks finished, tokens read, prefetches not timed out."""
+
+    size = 2
+    cap = 1 << 30
+
+    def agree_mins(self, values):
+        return [min(v, self.cap) for v in values]
+
+
+def file_cache(tmp_path, group=None):
+    pool, hostpool = make_pools(256, 1, 512)
+    storage = FileTier(HiCacheFile(str(tmp_path), "ns"), hostpool, 1, group)
+    alloc = TokenToKVPoolAllocator(256, 1)
+    return HiRadixCache(ReqToTokenPool(8, 512), alloc, 1, hostpool, "write_through", storage=storage,
+                        tp_group=group), alloc
+
+
+def test_under_tp_the_file_tier_acts_on_what_every_rank_has(tmp_path):
+    tokens = list(range(500, 628))  # two 64-token blocks
+    writer, alloc = file_cache(tmp_path)
+    put(writer, alloc, tokens)
+    writer.close()  # the blocks are on file
+    group = CappedRanks()
+    reader, _ = file_cache(tmp_path, group)
+    key = tokens + [1]
+    group.cap = 0  # the other rank has none of the files
+    reader.prefetch(key)
+    reader.poll()
+    assert not reader.storage.busy()
+    group.cap = 1 << 30
+    reader.prefetch(key)
+    reader.poll()
+    assert reader.storage.busy()
+    reader.storage.drain()  # this rank's read is done...
+    group.cap = 0  # ...the other's not, and its clock says the prefetch timed out
+    reader.poll()
+    (prefetch,) = reader.storage._prefetches.values()
+    assert not prefetch.finished and prefetch.deadline == -math.inf
+    assert reader.match_prefix(key).host_hit_length == 0
+    group.cap = 64  # the other rank has read one block
+    reader.poll()
+    assert prefetch.finished and not reader.storage.busy()
+    assert reader.match_prefix(key).host_hit_length == 64
+    reader.check_invariants()
+    reader.close()
 
 
 def test_demote_then_load_back_restores_the_kv():
@@ -296,6 +349,7 @@ def test_file_tier_prefetch_starts_when_a_request_arrives(llama, tiers_off, tmp_
         req = s.new_req("queued", prompts[5], SamplingParams(**GREEDY))
         s.add_request(req)
         storage = s.tree_cache.storage
+        s.tree_cache.poll()  # where the next step begins; no step has run
         assert storage.busy()  # the read started at arrival
         storage.drain()
         s.tree_cache.poll()
@@ -374,9 +428,6 @@ def test_flags_are_checked():
         ServerArgs(enable_hierarchical_cache=True, disable_radix_cache=True)
     with pytest.raises(ValueError, match="hicache_ratio"):
         ServerArgs(enable_hierarchical_cache=True, hicache_ratio=1.0)
-    with pytest.raises(ValueError, match="the file tier is not supported with --tp-size > 1"):
-        ServerArgs(enable_hierarchical_cache=True, hicache_storage_backend="file", tp_size=2)
-    ServerArgs(enable_hierarchical_cache=True, tp_size=2)  # the host tier is
     with pytest.raises(ValueError, match="max_gb must be a positive number"):
         ServerArgs(enable_hierarchical_cache=True, hicache_storage_backend="file",
                    hicache_storage_backend_extra_config='{"max_gb": 0}')

@@ -75,6 +75,26 @@ def test_tp_engine_with_the_host_tier_matches_tp1_without_it():
     assert stats["hicache_loaded_back"] > 0
 
 
+def test_tp_engine_restarted_on_the_file_tier_serves_prefixes_from_files(tmp_path):
+    """Each rank writes and reads the files of its own KV heads; a new tp-2
+    engine on the same directory finds every prompt's 64-token block on file
+    on both ranks, and its tokens are tp 1's without the tiers."""
+    prompts = [[(17 * g + 5 * j) % 400 for j in range(64)] + [g, 3, 9, g + 1] for g in range(4)]
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    tier = dict(enable_hierarchical_cache=True, hicache_ratio=4, hicache_storage_backend="file",
+                hicache_storage_dir=str(tmp_path))
+    with radixserve.Engine(**TINY, max_total_tokens=512) as eng:
+        ref = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+    with radixserve.Engine(**TINY, tp_size=2, max_total_tokens=512, **tier) as eng:
+        eng.generate(input_ids=prompts, sampling_params=params)
+    with radixserve.Engine(**TINY, tp_size=2, max_total_tokens=512, **tier) as eng:
+        outs = eng.generate(input_ids=prompts, sampling_params=params)
+        stats = eng.get_stats()
+    assert [o["output_ids"] for o in outs] == ref
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == [64] * 4
+    assert stats["hicache_storage_prefetched"] == 4 * 64
+
+
 @pytest.mark.slow
 def test_smollm2_at_tp3_matches_tp1_with_structured_output():
     """SmolLM2-135M has 9 query and 3 KV heads: tp 3 splits both. Chat

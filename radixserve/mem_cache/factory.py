@@ -43,7 +43,7 @@ def build_tree_cache(args, model_runner, kv_event_publisher=None, forward_stream
         max_gb = args.hicache_storage_options().get("max_gb")
         backend = HiCacheFile(args.resolved_hicache_storage_dir(), namespace,
                               max_bytes=int(max_gb * 2**30) if max_gb else None)
-        storage = FileTier(backend, host, device_pool.page_size)
+        storage = FileTier(backend, host, device_pool.page_size, model_runner.tp_group)
     return HiRadixCache(*pools, host, args.hicache_write_policy, args.eviction_policy, kv_events, storage,
                         forward_stream, model_runner.tp_group)
 

@@ -15,6 +15,13 @@ directory finds what an earlier one stored.
   into the tree as host-only nodes (the load-back then moves them to the
   device), or until ``PREFETCH_TIMEOUT_S`` has passed: it then runs with
   what is cached, and the prefetch still lands for later requests.
+- **Tensor parallelism**: each rank reads and writes the files of its own KV
+  heads, and its thread finishes when it does. What the tree does with the
+  results is agreed over the ranks (``TPGroup.agree_mins``): how many blocks
+  a prefetch starts from (the fewest any rank has on file), how many of the
+  thread's tasks are taken back (they finish in submission order, so the
+  same ones), how many tokens each read brought (the fewest), and when a
+  prefetch has timed out (as soon as it has on any rank).
 
 Corrupt or partial files are the backend's to detect (``storage/file_backend.py``):
 they read as misses, and a prefetch stops at the first one.
@@ -23,9 +30,11 @@ they read as misses, and a prefetch stops at the first one.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -53,7 +62,8 @@ class Prefetch:
     start: int  # the first token to fetch (the match's end)
     host_slots: torch.Tensor  # for tokens[start:]
     blocks: list[tuple[bytes, int]]  # (key, the block's first token), in order
-    deadline: float
+    timeout_at: float  # time.monotonic() after which a request stops waiting for it
+    deadline: float  # what admission reads: timeout_at, or under TP inf until the ranks agree it passed
     generation: int
     fetched: int = 0  # tokens read so far, from start
     finished: bool = False
@@ -67,14 +77,16 @@ class _Backup:
 
 
 class FileTier:
-    def __init__(self, backend: HiCacheFile, host: HostKVPool, page_size: int):
+    def __init__(self, backend: HiCacheFile, host: HostKVPool, page_size: int, tp_group=None):
         self.backend = backend
         self.host = host
         self.block = storage_block_tokens(page_size)
+        self.tp_group = tp_group if tp_group is not None and tp_group.size > 1 else None
         self._generation = 0  # a reset drops what is in flight
         self._tasks: queue.Queue = queue.Queue()
-        self._done: queue.Queue = queue.Queue()
-        self._in_flight = 0  # tasks handed to the thread and not yet polled back
+        self._done: deque = deque()  # finished by the thread, in submission order
+        self._done_signal = threading.Event()
+        self._in_flight = 0  # tasks handed to the thread and not yet polled back (alike on every rank)
         self._prefetches: dict[bytes, Prefetch] = {}  # by their first block's key
         self._held = 0  # host slots of prefetches not yet in the tree
         self.prefetched_tokens = 0
@@ -109,15 +121,16 @@ class FileTier:
         running = self._prefetches.get(digests[first])
         if running is not None:
             return running
-        on_file = self.backend.exists_prefix(digests[first:])
+        on_file = self._agree([self.backend.exists_prefix(digests[first:])])[0]
         end = (first + on_file) * b
         if end - matched < PREFETCH_THRESHOLD:
             return None
         host_slots = cache.host_alloc(end - matched)
         if host_slots is None:
             return None
+        timeout_at = time.monotonic() + PREFETCH_TIMEOUT_S
         p = Prefetch(list(key[:end]), matched, host_slots, [(digests[k], k * b) for k in range(first, first + on_file)],
-                     time.monotonic() + PREFETCH_TIMEOUT_S, self._generation)
+                     timeout_at, timeout_at if self.tp_group is None else math.inf, self._generation)
         self._prefetches[digests[first]] = p
         self._held += len(host_slots)
         self._submit(p)
@@ -127,14 +140,26 @@ class FileTier:
         self._in_flight += 1
         self._tasks.put(task)
 
+    def _agree(self, values: list[int]) -> list[int]:
+        return values if self.tp_group is None else self.tp_group.agree_mins(values)
+
     def poll(self, cache) -> None:
         """Take back what the thread finished: unpin backed-up nodes, put
-        prefetched blocks into the tree."""
-        while True:
-            try:
-                task = self._done.get_nowait()
-            except queue.Empty:
-                return
+        prefetched blocks into the tree; under TP, what every rank finished,
+        and time prefetches out together."""
+        if not self._in_flight:
+            return
+        waiting = list(self._prefetches.values())
+        now = time.monotonic()
+        n, *alive = self._agree([len(self._done), *(int(now < p.timeout_at) for p in waiting)])
+        for p, ok in zip(waiting, alive):
+            if not ok:
+                p.deadline = -math.inf
+        tasks = [self._done.popleft() for _ in range(n)]
+        reads = [t for t in tasks if isinstance(t, Prefetch)]
+        for p, fetched in zip(reads, self._agree([p.fetched for p in reads]) if reads else []):
+            p.fetched = fetched
+        for task in tasks:
             self._in_flight -= 1
             if isinstance(task, _Backup):
                 task.node.host_ref -= 1
@@ -156,11 +181,9 @@ class FileTier:
 
     def wait(self, timeout: float) -> None:
         """Block until the thread finishes a task, for at most ``timeout`` s."""
-        try:
-            task = self._done.get(timeout=timeout)
-        except queue.Empty:
-            return
-        self._done.put(task)  # ``poll`` takes it
+        if not self._done:
+            self._done_signal.wait(timeout)
+        self._done_signal.clear()
 
     def host_slots_held(self) -> int:
         return self._held
@@ -199,7 +222,8 @@ class FileTier:
                 logger.exception("hicache file tier: %s failed", type(task).__name__)
             finally:
                 if task is not None:
-                    self._done.put(task)
+                    self._done.append(task)
+                    self._done_signal.set()
                 self._tasks.task_done()
 
     def _write(self, task: _Backup) -> None:

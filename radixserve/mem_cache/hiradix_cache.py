@@ -107,6 +107,7 @@ class HiRadixCache(RadixCache):
         self._load_stream = torch.cuda.Stream(device) if cuda else None
         self._writes: deque[_Transfer] = deque()
         self._loads: deque[_Transfer] = deque()
+        self._arrivals: list[list[int]] = []  # prompts to prefetch from file at the next poll
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, eviction_policy, kv_events)
 
     def reset(self) -> None:
@@ -115,6 +116,7 @@ class HiRadixCache(RadixCache):
         self.synchronize()
         super().reset()
         self.host.allocator.clear()
+        self._arrivals = []
         if self.storage is not None:
             self.storage.reset()
 
@@ -320,10 +322,12 @@ class HiRadixCache(RadixCache):
         """The file tier's blocks of ``key`` past what the device and host
         hold start coming into host memory at the request's arrival (as
         SGLang's storage prefetch does); ``fetch`` at its admission then finds
-        them in the tree or still in flight, rather than starting the read."""
+        them in the tree or still in flight, rather than starting the read.
+        The read starts at the next ``poll``, where every TP rank is at the
+        same point (under the TP Engine, rank 0 takes a request before the
+        other ranks have it)."""
         if self.storage is not None:
-            _, _, device_len, _, host_len = self._walk(key)
-            self.storage.prefetch(self, key, device_len + host_len)
+            self._arrivals.append(key)
 
     def _load_back(self, chain: list[TreeNode], device_node: TreeNode, n_tokens: int) -> _Transfer | None:
         self.inc_lock_ref(device_node)  # the load goes under it: keep it while evicting
@@ -364,6 +368,10 @@ class HiRadixCache(RadixCache):
                 self._finish(queue.popleft())
         if self.storage is not None:
             self.storage.poll(self)
+            arrivals, self._arrivals = self._arrivals, []
+            for key in arrivals:
+                _, _, device_len, _, host_len = self._walk(key)
+                self.storage.prefetch(self, key, device_len + host_len)
 
     def _finish(self, t: _Transfer) -> None:
         for bottom in t.nodes:  # a split may have put upper parts above it
@@ -390,6 +398,9 @@ class HiRadixCache(RadixCache):
             self._writes[0].event.synchronize()
 
     def close(self) -> None:
+        self.tp_group = None  # what is in flight is finished alone: the other ranks may be gone
+        if self.storage is not None:
+            self.storage.tp_group = None
         self.synchronize()
         if self.storage is not None:
             self.storage.close()
