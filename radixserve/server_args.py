@@ -231,7 +231,8 @@ class ServerArgs:
             raise ValueError(f"disaggregation_bootstrap_port must be a port, got {self.disaggregation_bootstrap_port}")
         if self.disaggregation_mode == "null":
             return
-        for flag, unsupported in (("--dp-size > 1", self.dp_size > 1), ("--tp-size > 1", self.tp_size > 1),
+        # any --tp-size: a peer server of another tp size is refused when the ranks pair (only they see it)
+        for flag, unsupported in (("--dp-size > 1", self.dp_size > 1),
                                   ("--enable-hierarchical-cache", self.enable_hierarchical_cache),
                                   ("--nnodes > 1", self.nnodes > 1)):
             if unsupported:

@@ -11,9 +11,9 @@ The transfer limits are set far above ``FAULT_DEADLINE_S``: a fault must be
 noticed, not waited out.
 
 Mid-transfer is made deterministic with real processes: a decode server's
-scheduler process (which also runs its KV receiving threads) is SIGSTOPped
+scheduler processes (which also run their KV receiving threads) are SIGSTOPped
 once it has reserved and registered its pages, so the prefill server's sends
-stay posted; a prefill server's scheduler (which hosts its KV store) is
+stay posted; a prefill server's schedulers (which host its KV stores) are
 SIGSTOPped so that nothing is sent. Where a request stands is read from
 ``/get_server_info``: ``prompt_tokens`` grows when the scheduler takes a
 request, ``kv_used`` when it reserves (decode) or prefills (prefill) its KV.
@@ -68,16 +68,19 @@ def pair():
 
 @contextmanager
 def stopped(srv: ServerProcess):
-    """SIGSTOP the server's scheduler process for the block (SIGCONT after, unless it was killed)."""
-    pid = srv.children()["scheduler"]
-    os.kill(pid, signal.SIGSTOP)
+    """SIGSTOP the server's scheduler processes (every TP rank's) for the
+    block (SIGCONT after, unless they were killed)."""
+    pids = [pid for role, pid in srv.children().items() if role.startswith("scheduler")]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
     try:
         yield
     finally:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
 
 class HangingUp:
@@ -197,18 +200,22 @@ def test_decode_client_hangs_up_while_the_kv_is_waited_for(pair):
     assert_serves(pair)
 
 
-def test_decode_abort_while_the_kv_is_sent(pair):
+def abort_decode_mid_transfer(pd: PDPair, body: dict) -> None:
     """/abort_request on the decode server while the prefill server's sends
-    are posted: the decode request ends as aborted, its pages come back, the
-    prefill server's transfer completes (into the receiver's own buffers)."""
-    body = pair.body(fresh_prompt(40), rid="decode-abort-mid-transfer")
+    (of ``body``, which names a rid) are posted: the decode request ends as
+    aborted, its pages come back, the prefill server's transfer completes
+    (into the receiver's own buffers)."""
     with ThreadPoolExecutor(2) as pool:
-        with kv_in_flight(pair, body, pool) as (decode, prefill):
-            assert httpx.post(pair.decode.url + "/abort_request", json={"rid": body["rid"]}, timeout=10).status_code == 200
+        with kv_in_flight(pd, body, pool) as (decode, prefill):
+            assert httpx.post(pd.decode.url + "/abort_request", json={"rid": body["rid"]}, timeout=10).status_code == 200
         assert abort_message(decode.result(timeout=FAULT_DEADLINE_S)) == "aborted by request"
         out = prefill.result(timeout=FAULT_DEADLINE_S)
     assert out.status_code == 200 and out.json()["meta_info"]["finish_reason"]["type"] == "length", out.text
-    assert_memory_ok(pair.prefill, pair.decode, timeout=FAULT_DEADLINE_S)
+    assert_memory_ok(pd.prefill, pd.decode, timeout=FAULT_DEADLINE_S)
+
+
+def test_decode_abort_while_the_kv_is_sent(pair):
+    abort_decode_mid_transfer(pair, pair.body(fresh_prompt(40), rid="decode-abort-mid-transfer"))
     assert_serves(pair)
 
 

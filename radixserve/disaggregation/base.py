@@ -245,8 +245,10 @@ class BaseKVSender(ABC):
     def failure_exception(self) -> None:
         """Raise the :class:`KVTransferError` that made ``poll()`` return Failed."""
 
-    def abort(self) -> None:
-        """Give the transfer up (client abort); ``poll()`` then returns Failed."""
+    def abort(self, reason: str | None = None) -> None:
+        """Give the transfer up (a client abort, or ``reason``, e.g. another
+        TP rank's half failed); ``poll()`` then returns Failed and the other
+        side is told. A half already Success or Failed stays as it is."""
 
     def clear(self) -> None:
         """Forget this room once the caller is done with it."""
@@ -273,8 +275,10 @@ class BaseKVReceiver(ABC):
     def failure_exception(self) -> None:
         """Raise the :class:`KVTransferError` that made ``poll()`` return Failed."""
 
-    def abort(self) -> None:
-        """Give the transfer up (client abort); ``poll()`` then returns Failed."""
+    def abort(self, reason: str | None = None) -> None:
+        """Give the transfer up (a client abort, or ``reason``, e.g. another
+        TP rank's half failed); ``poll()`` then returns Failed and the other
+        side is told. A half already Success or Failed stays as it is."""
 
     def clear(self) -> None:
         """Forget this room once the caller is done with it."""

@@ -3,8 +3,10 @@
 One :class:`DecodeLink` per prefill bootstrap address, shared by the receivers
 of every request bound there. Its thread does the handshake and then listens:
 
-1. ``GET /route?engine_rank=R`` on the bootstrap server: where prefill rank R's
-   ``TCPStore`` is, and its KV layout (which must equal ours);
+1. ``GET /route?engine_rank=R`` on the bootstrap server (R is this rank's TP
+   rank): where prefill rank R's ``TCPStore`` is, its tp size and its KV
+   layout (which must equal ours; a prefill server with fewer ranks never
+   registers R, and its rank 0's entry says so);
 2. connect to that store, take a pair number ``n`` (``add("pairs", 1)``) and
    push ``{"t": "pair", "pair": n}`` on its control queue; both sides then
    build pair group ``n`` (:class:`PairGroup`, decode is rank 1);
@@ -16,8 +18,10 @@ of every request bound there. Its thread does the handshake and then listens:
 A second thread pushes the receivers' messages (their pages, or an abort) to
 the prefill rank's control queue, so a receiver's ``init()`` never waits on
 the network. Any failure of the link (the store gone, the pair dead) fails
-every receiver on it; the manager then drops it, and the next receiver bound
-to that address forms a new link and a new pair.
+every receiver bound to it; the manager then drops it, and the next receiver
+bound to that address forms a new link and a new pair. A link refused at the
+handshake (a different tp size or KV layout) tells the prefill rank that its
+receivers' rooms will not come, so the prefill halves end at once too.
 """
 
 from __future__ import annotations
@@ -73,14 +77,15 @@ def pop_message(store: dist.TCPStore, key: str) -> dict | None:
 class DecodeLink:
     """See the module docstring. Built by the decode manager; starts its thread at once."""
 
-    def __init__(self, mgr: TorchDistKVManager, bootstrap_addr: str):
+    def __init__(self, mgr: TorchDistKVManager, bootstrap_addr: str, first: TorchDistKVReceiver):
         self.mgr = mgr
         self.bootstrap_addr = bootstrap_addr
         self.pair: PairGroup | None = None
+        self._route: dict | None = None  # the prefill rank's bootstrap entry, once looked up
         self._failure: str | None = None
         self._closed = False
         self._lock = threading.Lock()
-        self._receivers: dict[int, TorchDistKVReceiver] = {}
+        self._receivers: dict[int, TorchDistKVReceiver] = {first.room: first}  # bound, by room
         self._outbox: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"kv-link-{bootstrap_addr}", daemon=True)
         self._thread.start()
@@ -94,19 +99,22 @@ class DecodeLink:
         """Why the link is unusable, or None."""
         return self._failure or (self.pair.dead if self.pair is not None else None)
 
-    def register(self, rx: TorchDistKVReceiver, message: dict) -> None:
-        """Route announcements of ``rx``'s room to it and send ``message`` (its
-        pages) to the prefill rank, with this link's pair number added."""
+    def bind(self, rx: TorchDistKVReceiver) -> bool:
+        """Route announcements and failures of ``rx``'s room to it; False,
+        binding nothing, when the link has failed (the caller makes a new one)."""
         with self._lock:
+            if self.failure is not None:
+                return False
             self._receivers[rx.room] = rx
-        self._outbox.put(message)
+            return True
 
     def unregister(self, room: int) -> None:
         with self._lock:
             self._receivers.pop(room, None)
 
     def send(self, message: dict) -> None:
-        """Queue a control message for the prefill rank (never blocks)."""
+        """Queue a control message (a bound receiver's pages, an abort) for
+        the prefill rank, with this link's pair number added (never blocks)."""
         self._outbox.put(message)
 
     def _run(self) -> None:
@@ -114,14 +122,20 @@ class DecodeLink:
             self._connect()
         except Exception as e:  # noqa: BLE001  any failure to pair is this link's failure
             reason = e.reason if isinstance(e, KVTransferError) else short_error(e)
-            self.fail(f"could not pair with the prefill rank behind {self.bootstrap_addr}: {reason}")
+            rooms = self.fail(f"could not pair with the prefill rank behind {self.bootstrap_addr}: {reason}")
+            self._refuse(rooms, reason)
             return
         threading.Thread(target=self._push_loop, name=f"kv-link-{self.pair.pair_id}-out", daemon=True).start()
         self._listen_loop()
 
     def _connect(self) -> None:
         args, cfg = self.mgr.args, self.mgr.config
-        info = self._query_route()
+        info = self._route = self._query_route()
+        if info["tp_size"] != args.tp_size:
+            raise KVTransferError(
+                f"the prefill server runs at --tp-size {info['tp_size']} and this decode server at --tp-size "
+                f"{args.tp_size}; a prefill/decode pair needs the same tp size (radixserve does not transfer "
+                "KV between different tp sizes yet)")
         if info["layout"] != args.layout():
             raise KVTransferError(f"the prefill rank's KV layout {info['layout']} differs from ours {args.layout()}")
         host, port = info["rank_ip"], info["rank_port"]
@@ -141,15 +155,39 @@ class DecodeLink:
 
     def _query_route(self) -> dict:
         """The prefill rank's entry; a rank not registered yet (a prefill server
-        still starting) is asked again until ``connect_timeout_s`` has passed."""
+        still starting) is asked again until ``connect_timeout_s`` has passed.
+        While it is missing, prefill rank 0's entry is returned instead if it
+        names another tp size (a prefill server with fewer ranks)."""
         cfg, deadline = self.mgr.config, time.monotonic() + self.mgr.config.connect_timeout_s
+        rank, tp_size = self.mgr.args.engine_rank, self.mgr.args.tp_size
         while True:
             try:
-                return query_prefill_rank(self.bootstrap_addr, self.mgr.args.engine_rank, cfg.http_timeout_s)
+                return query_prefill_rank(self.bootstrap_addr, rank, cfg.http_timeout_s)
             except KVTransferError as e:
                 if "(404)" not in e.reason or time.monotonic() > deadline or self._closed:
                     raise
+            if rank != 0:
+                try:
+                    first = query_prefill_rank(self.bootstrap_addr, 0, cfg.http_timeout_s)
+                    if first["tp_size"] != tp_size:
+                        return first
+                except KVTransferError:
+                    pass
             time.sleep(0.2)
+
+    def _refuse(self, rooms: list[int], reason: str) -> None:
+        """Tell the prefill rank looked up that ``rooms`` will not be received
+        (the link failed before pairing), so its halves end now rather than at
+        their bootstrap timeout. Best effort: an unreachable rank is not told."""
+        if self._route is None or not rooms:
+            return
+        try:
+            store = open_store(self._route["rank_ip"], self._route["rank_port"], self.mgr.config.http_timeout_s)
+            for room in rooms:
+                store.queue_push(CONTROL_QUEUE, msgpack.packb({"t": "abort", "room": room, "reason": reason}))
+        except Exception as e:  # noqa: BLE001
+            logger.warning("could not tell the prefill rank behind %s that %d rooms will not come: %s",
+                           self.bootstrap_addr, len(rooms), short_error(e))
 
     def _push_loop(self) -> None:
         while (message := self._outbox.get()) is not None:
@@ -191,8 +229,9 @@ class DecodeLink:
             return
         self.pair.watch(works, self.mgr.config.transfer_timeout_s, rx.on_done if rx is not None else _discard)
 
-    def fail(self, reason: str) -> None:
-        """Fail the link and every receiver on it; the manager forgets it."""
+    def fail(self, reason: str) -> list[int]:
+        """Fail the link and every receiver bound to it; the manager forgets
+        it. Returns those receivers' rooms."""
         with self._lock:
             self._failure = self._failure or reason
             receivers = list(self._receivers.values())
@@ -202,6 +241,7 @@ class DecodeLink:
             rx.on_done(self._failure)
         self._outbox.put(None)
         self.mgr.forget_link(self)
+        return [rx.room for rx in receivers]
 
     def _wake_listener(self) -> None:
         """Unblock the listening thread's pop (a push does not wait for the store's answer)."""

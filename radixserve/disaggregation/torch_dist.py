@@ -72,15 +72,16 @@ class TorchDistKVManager(BaseKVManager):
         for link in list(self._links.values()):
             link.close()
 
-    def link(self, bootstrap_addr: str) -> DecodeLink:
+    def link(self, receiver: TorchDistKVReceiver, bootstrap_addr: str) -> DecodeLink:
         """Decode side: the live link to the prefill rank behind
-        ``bootstrap_addr`` (a new one after the last one failed)."""
+        ``bootstrap_addr`` (a new one after the last one failed), with
+        ``receiver`` bound to it."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the KV manager is closed")
             link = self._links.get(bootstrap_addr)
-            if link is None or link.failure is not None:
-                link = self._links[bootstrap_addr] = DecodeLink(self, bootstrap_addr)
+            if link is None or not link.bind(receiver):
+                link = self._links[bootstrap_addr] = DecodeLink(self, bootstrap_addr, receiver)
             return link
 
     def forget_link(self, link: DecodeLink) -> None:
@@ -204,11 +205,11 @@ class TorchDistKVSender(BaseKVSender):
     def failure_exception(self) -> None:
         raise self._failure or KVTransferError("the transfer has not failed", self.room)
 
-    def abort(self) -> None:
+    def abort(self, reason: str | None = None) -> None:
         """Give the room up. Before ``send()`` the decode side is told; after
         it, the room fails here only and what was sent is still delivered
         (the pages were copied out, so the caller may free them at once)."""
-        self._fail("the prefill side aborted the request")
+        self._fail(reason or "the prefill side aborted the request")
 
     def clear(self) -> None:
         self.mgr.control.forget_sender(self.room)
@@ -219,7 +220,6 @@ class TorchDistKVReceiver(BaseKVReceiver):
 
     def __init__(self, mgr: TorchDistKVManager, bootstrap_addr: str, bootstrap_room: int):
         self.mgr, self.room = mgr, check_room(bootstrap_room)
-        self.link = mgr.link(bootstrap_addr)
         self._created = time.monotonic()
         self._inited_at: float | None = None
         self._pages: torch.Tensor | None = None
@@ -228,6 +228,7 @@ class TorchDistKVReceiver(BaseKVReceiver):
         self._outcome = _PENDING
         self._failure: KVTransferError | None = None
         self._state = KVPoll.Bootstrapping
+        self.link = mgr.link(self, bootstrap_addr)  # last: the link's thread may call this receiver back at once
 
     @property
     def pair_id(self) -> int | None:
@@ -241,7 +242,7 @@ class TorchDistKVReceiver(BaseKVReceiver):
             raise RuntimeError(f"init() called twice for room {self.room}")
         self._pages = self.mgr.layout.check_pages(kv_indices)
         self._aux_index, self._inited_at = aux_index, time.monotonic()
-        self.link.register(self, {"t": "room", "room": self.room, "pages": self._pages.tolist()})
+        self.link.send({"t": "room", "room": self.room, "pages": self._pages.tolist()})
 
     def on_announced(self, message_pages: list[int], buffers: list[torch.Tensor], aux_bytes: int) -> None:
         """The link's thread: the receive buffers posted for this room."""
@@ -302,14 +303,14 @@ class TorchDistKVReceiver(BaseKVReceiver):
     def failure_exception(self) -> None:
         raise self._failure or KVTransferError("the transfer has not failed", self.room)
 
-    def abort(self) -> None:
+    def abort(self, reason: str | None = None) -> None:
         """Give the room up and tell the prefill side, before ``init()`` too:
         its request may be waiting for these pages (the decode side held back
         by a full pool), and it would otherwise wait out its bootstrap timeout."""
         if self._state in _TERMINAL:
             return
-        self.link.send({"t": "abort", "room": self.room, "reason": "the request was aborted"})
-        self._fail("the decode side aborted the request")
+        self.link.send({"t": "abort", "room": self.room, "reason": reason or "the request was aborted"})
+        self._fail(reason or "the decode side aborted the request")
 
     def clear(self) -> None:
         self.link.unregister(self.room)

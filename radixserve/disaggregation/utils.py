@@ -1,6 +1,6 @@
 """What the schedulers need around the transfer layer (SGLang's
 ``disaggregation/utils.py``): the KV pool as ``KVArgs``, the aux rows of
-requests in flight, page indices from slots, the time limits, a failure's text."""
+requests in flight, page indices from slots, the time limits, why a transfer failed."""
 
 from __future__ import annotations
 
@@ -41,20 +41,24 @@ def local_address(host: str) -> str:
     return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
 
 
-def pool_kv_args(token_to_kv_pool, page_size: int, metadata: MetadataBuffers, transfer_host: str) -> KVArgs:
-    """``KVArgs`` over an engine's ``MHATokenToKVPool``. The pool's buffers
-    have ``size + page_size`` rows; only whole pages are exposed."""
+def pool_kv_args(token_to_kv_pool, page_size: int, metadata: MetadataBuffers, transfer_host: str,
+                 tp_rank: int = 0, tp_size: int = 1) -> KVArgs:
+    """``KVArgs`` over TP rank ``tp_rank``'s ``MHATokenToKVPool`` (its KV
+    heads only). The pool's buffers have ``size + page_size`` rows; only
+    whole pages are exposed."""
     rows = token_to_kv_pool.k_buffer[0].shape[0] // page_size * page_size
     return KVArgs([b[:rows] for b in token_to_kv_pool.k_buffer], [b[:rows] for b in token_to_kv_pool.v_buffer],
-                  page_size=page_size, aux_buffers=metadata.buffers, transfer_host=transfer_host)
+                  page_size=page_size, aux_buffers=metadata.buffers, tp_rank=tp_rank, tp_size=tp_size,
+                  transfer_host=transfer_host)
 
 
-def transfer_failure(kv_half) -> str:
-    """The text of a failed sender's or receiver's ``KVTransferError``."""
+def failure_reason(kv_half) -> str:
+    """Why a failed sender or receiver failed (its ``KVTransferError``'s
+    reason, without the room)."""
     try:
         kv_half.failure_exception()
     except KVTransferError as exc:
-        return str(exc)
+        return exc.reason
     return "the KV transfer failed"
 
 

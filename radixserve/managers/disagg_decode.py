@@ -19,6 +19,13 @@ A request that names a bootstrap room is not prefilled here. It goes through:
    freed (the receiver never writes them after Failed).
 
 Requests without a room are served here from start to end, as on a plain server.
+
+Under tensor parallelism every rank's scheduler holds these queues and a
+KV manager of its own: rank r pairs with the prefill server's rank r and
+receives its KV heads. The pools' slots are the same on every rank, so each
+reserves the same pages; the receivers' states are agreed over the TP group
+(``agree_polls``), so a request is reserved for, joins the running batch or
+ends in the same step on every rank.
 """
 
 from __future__ import annotations
@@ -29,8 +36,8 @@ import torch
 
 from radixserve.disaggregation.base import DisaggregationMode, KVPoll
 from radixserve.disaggregation.torch_dist import TorchDistKVReceiver
-from radixserve.disaggregation.utils import slots_to_pages, transfer_failure
-from radixserve.managers.disagg_queues import DisaggregationQueues
+from radixserve.disaggregation.utils import slots_to_pages
+from radixserve.managers.disagg_queues import DisaggregationQueues, agree_polls
 from radixserve.managers.schedule_batch import FinishReason, Req
 from radixserve.managers.schedule_policy import PrefillAdder
 from radixserve.mem_cache import page_aligned
@@ -63,12 +70,13 @@ class DecodeDisaggregation(DisaggregationQueues):
         """Reserve KV for paired requests (in order, while it fits), and move
         finished transfers on. Returns the requests that got their first
         token or ended."""
+        polled, first = list(self.transfer_queue), len(self.prealloc_queue)  # those reserved below: from the next step
+        polls = agree_polls(self.s.tp_group, [r.kv_receiver for r in self.prealloc_queue + polled])
         out, waiting, blocked = [], [], False
         budget = self._kv_budget()
-        for req in self.prealloc_queue:
-            state = req.kv_receiver.poll()
+        for req, (state, failure) in zip(self.prealloc_queue, polls):
             if state == KVPoll.Failed:
-                out.append(self._end_decode_transfer(req, FinishReason.aborted(transfer_failure(req.kv_receiver))))
+                out.append(self._end_decode_transfer(req, FinishReason.aborted(failure)))
             elif state == KVPoll.Bootstrapping or blocked:
                 waiting.append(req)
             elif self._reserve_prompt_kv(req, budget):
@@ -78,15 +86,14 @@ class DecodeDisaggregation(DisaggregationQueues):
                 waiting.append(req)
         self.prealloc_queue = waiting
         transferring = []
-        for req in self.transfer_queue:
-            state = req.kv_receiver.poll()
+        for req, (state, failure) in zip(polled, polls[first:]):
             if state == KVPoll.Success:
                 out.append(self._join_running(req))
             elif state == KVPoll.Failed:
-                out.append(self._end_decode_transfer(req, FinishReason.aborted(transfer_failure(req.kv_receiver))))
+                out.append(self._end_decode_transfer(req, FinishReason.aborted(failure)))
             else:
                 transferring.append(req)
-        self.transfer_queue = transferring
+        self.transfer_queue = transferring + self.transfer_queue[len(polled):]
         return out
 
     def _kv_budget(self) -> PrefillAdder:

@@ -18,6 +18,12 @@ A request that names a bootstrap room goes through:
    given to the cache (``cache_finished_req``).
 
 Requests without a room are served here from start to end, as on a plain server.
+
+Under tensor parallelism every rank's scheduler holds these queues, with a
+KV manager of its own registered under its TP rank; each rank sends its KV
+heads to the decode server's rank of the same TP rank. The senders' states
+are agreed over the TP group (``agree_polls``) wherever a request moves on,
+so that the ranks' queues and batches stay the same.
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ import logging
 from radixserve.disaggregation.base import DisaggregationMode, KVPoll
 from radixserve.disaggregation.bootstrap import join_address
 from radixserve.disaggregation.torch_dist import TorchDistKVSender
-from radixserve.disaggregation.utils import local_address, slots_to_pages, transfer_failure
-from radixserve.managers.disagg_queues import DisaggregationQueues
+from radixserve.disaggregation.utils import local_address, slots_to_pages
+from radixserve.managers.disagg_queues import DisaggregationQueues, agree_polls
 from radixserve.managers.schedule_batch import FinishReason, Req
 
 logger = logging.getLogger(__name__)
@@ -60,29 +66,27 @@ class PrefillDisaggregation(DisaggregationQueues):
     def poll(self) -> list[Req]:
         """Bootstrapped requests to the waiting queue; finished transfers
         end their requests. Returns the requests that ended."""
+        polls = agree_polls(self.s.tp_group, [r.kv_sender for r in self.bootstrap_queue + self.inflight_queue])
         out, bootstrapping = [], []
-        for req in self.bootstrap_queue:
-            state = req.kv_sender.poll()
+        for req, (state, failure) in zip(self.bootstrap_queue, polls):
             if state == KVPoll.Failed:
-                self._end_prefill_transfer(req, FinishReason.aborted(transfer_failure(req.kv_sender)))
+                self._end_prefill_transfer(req, FinishReason.aborted(failure))
                 out.append(req)
             elif state == KVPoll.Bootstrapping:
                 bootstrapping.append(req)
             else:
                 self.s.enqueue(req)
-        self.bootstrap_queue = bootstrapping
         in_flight = []
-        for req in self.inflight_queue:
-            state = req.kv_sender.poll()
+        for req, (state, failure) in zip(self.inflight_queue, polls[len(self.bootstrap_queue):]):
             if state == KVPoll.Success:
                 self._end_inflight(req, req.disagg_finish)
             elif state == KVPoll.Failed:
-                self._end_inflight(req, FinishReason.aborted(transfer_failure(req.kv_sender)))
+                self._end_inflight(req, FinishReason.aborted(failure))
             else:
                 in_flight.append(req)
                 continue
             out.append(req)
-        self.inflight_queue = in_flight
+        self.bootstrap_queue, self.inflight_queue = bootstrapping, in_flight
         return out
 
     def hand_off_prefilled(self, updated: list[Req], prefilled: list[Req]) -> list[Req]:
@@ -90,23 +94,23 @@ class PrefillDisaggregation(DisaggregationQueues):
         prefilled, and keep them, unfinished, in the in-flight queue (the
         caller caches their prompts); returns ``updated`` without them."""
         prefilled_ids = {id(r) for r in prefilled}
-        leaving = []
+        ready = []
         for req in updated:
             if req.kv_sender is None:
                 continue
             if not req.output_ids or (req.finished() and req.finished_reason.type == "abort"):
                 req.kv_sender.abort()  # nothing to send: the decode side is told
                 req.kv_sender.clear()
-                continue
-            if id(req) not in prefilled_ids:
-                continue
-            if req.kv_sender.poll() == KVPoll.Failed:  # e.g. the decode side gave the room up meanwhile
-                self._end_prefill_transfer(req, FinishReason.aborted(transfer_failure(req.kv_sender)))
-                continue  # it stays in ``updated``, finished: the caller caches its KV
-            self._send_prompt_kv(req)
-            leaving.append(req)
-        leaving_ids = {id(r) for r in leaving}
-        return [r for r in updated if id(r) not in leaving_ids]
+            elif id(req) in prefilled_ids:
+                ready.append(req)
+        # polled once more: the decode side may have given the room up meanwhile
+        for req, (state, failure) in zip(ready, agree_polls(self.s.tp_group, [r.kv_sender for r in ready])):
+            if state == KVPoll.Failed:  # it stays in ``updated``, finished: the caller caches its KV
+                self._end_prefill_transfer(req, FinishReason.aborted(failure))
+            else:
+                self._send_prompt_kv(req)  # unfinished until the transfer ends
+        leaving = {id(r) for r in ready if not r.finished()}
+        return [r for r in updated if id(r) not in leaving]
 
     def _send_prompt_kv(self, req: Req) -> None:
         tok = req.output_ids[-1]

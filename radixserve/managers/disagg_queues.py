@@ -1,13 +1,20 @@
 """What the prefill and decode servers' parts of a Scheduler share
-(``disagg_prefill.py``, ``disagg_decode.py``; docs/disaggregation.md)."""
+(``disagg_prefill.py``, ``disagg_decode.py``; docs/disaggregation.md):
+the KV manager and aux rows, and how the TP ranks agree on where each
+transfer stands (``agree_polls``)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from radixserve.disaggregation.base import DisaggregationMode, MetadataBuffers
+import msgpack
+
+from radixserve.disaggregation.base import DisaggregationMode, KVPoll, KVTransferError, MetadataBuffers
 from radixserve.disaggregation.torch_dist import TorchDistKVManager
-from radixserve.disaggregation.utils import AuxRows, advertised_host, pool_kv_args, transfer_config_from_env
+from radixserve.disaggregation.utils import (
+    AuxRows, advertised_host, failure_reason, pool_kv_args, transfer_config_from_env,
+)
+from radixserve.distributed import TPGroup
 from radixserve.managers.io_struct import MAX_TOP_LOGPROBS
 from radixserve.managers.schedule_batch import Req
 
@@ -15,8 +22,9 @@ from radixserve.managers.schedule_batch import Req
 class DisaggregationQueues(ABC):
     """A Scheduler's (``s``) requests in transfer, the rows of their first
     tokens' metadata, and the rank's KV manager (over the scheduler's KV
-    pool). Subclasses hold the queues and say which of their requests hold
-    KV (``holding``) and which are in any queue (``queued``)."""
+    pool, its KV heads; under TP it pairs with the peer server's rank of the
+    same TP rank). Subclasses hold the queues and say which of their
+    requests hold KV (``holding``) and which are in any queue (``queued``)."""
 
     mode: DisaggregationMode
 
@@ -25,7 +33,8 @@ class DisaggregationQueues(ABC):
         rows = s.req_to_token_pool.size  # every request in transfer also holds a request row
         # the first token's top logprobs: as many as any request may ask (io_struct, a 400 beyond), so none is cut
         self.metadata, self.aux_rows = MetadataBuffers(rows, MAX_TOP_LOGPROBS), AuxRows(rows)
-        kv_args = pool_kv_args(s.model_runner.token_to_kv_pool, s.page_size, self.metadata, advertised_host(s.args.host))
+        kv_args = pool_kv_args(s.model_runner.token_to_kv_pool, s.page_size, self.metadata, advertised_host(s.args.host),
+                               s.tp_group.rank, s.tp_group.size)
         self.kv_manager = TorchDistKVManager(kv_args, self.mode, transfer_config_from_env(), bootstrap_addr=bootstrap_addr)
 
     @abstractmethod
@@ -36,3 +45,32 @@ class DisaggregationQueues(ABC):
 
     def close(self) -> None:
         self.kv_manager.close()
+
+
+def agree_polls(tp: TPGroup, halves: list) -> list[tuple[KVPoll, str | None]]:
+    """Each sender's or receiver's state, the same on every TP rank
+    (SGLang's ``poll_and_all_reduce``), with the text of a failure.
+
+    The state is the lowest any rank polled (Failed lowest), so every rank
+    moves a request on in the same step and the ranks' batches stay the
+    same; a half whose transfer failed on one rank (a timeout, a lost peer,
+    an abort its transfer thread noticed) fails on all. Such a half is given
+    up on the other ranks too, which tells their peers, with the reason of
+    the lowest rank that failed, sent over the group. Every rank calls it
+    with the same requests' halves, in the same order."""
+    if not halves:
+        return []
+    # (state, rank) as one number: the minimum is the lowest state and, among
+    # the ranks that polled it, the lowest rank, whose reason a failure takes
+    mins = tp.agree_mins([int(half.poll()) * tp.size + tp.rank for half in halves])
+    states, ranks = [KVPoll(m // tp.size) for m in mins], [m % tp.size for m in mins]
+    failed = [i for i, st in enumerate(states) if st == KVPoll.Failed]
+    reasons = {}
+    for src in sorted({ranks[i] for i in failed}):
+        ids = [i for i in failed if ranks[i] == src]
+        mine = msgpack.packb([failure_reason(halves[i]) for i in ids]) if tp.rank == src else None
+        reasons.update(zip(ids, msgpack.unpackb(tp.broadcast_bytes(mine, src))))
+    for i in failed:  # a no-op where it failed (or succeeded) already; elsewhere this rank's peer is told
+        halves[i].abort(reasons[i])
+    return [(st, str(KVTransferError(reasons[i], halves[i].room)) if i in reasons else None)
+            for i, st in enumerate(states)]
