@@ -232,9 +232,7 @@ class ServerArgs:
         if self.disaggregation_mode == "null":
             return
         # any --tp-size: a peer server of another tp size is refused when the ranks pair (only they see it)
-        for flag, unsupported in (("--dp-size > 1", self.dp_size > 1),
-                                  ("--enable-hierarchical-cache", self.enable_hierarchical_cache),
-                                  ("--nnodes > 1", self.nnodes > 1)):
+        for flag, unsupported in (("--dp-size > 1", self.dp_size > 1), ("--nnodes > 1", self.nnodes > 1)):
             if unsupported:
                 raise ValueError(f"disaggregation_mode: {self.disaggregation_mode} is not supported with {flag} yet")
 

@@ -75,6 +75,33 @@ def test_decode_output_equals_colocated(servers):
     assert_memory_ok(servers["prefill"], servers["decode"])
 
 
+def test_pair_with_the_hierarchical_cache_on_both_servers(servers):
+    """Both servers with a host tier under pools smaller than the prompts'
+    shared prefixes (as SGLang runs HiCache on prefill servers): a prefix
+    that went down to the host comes back for the next request of its group,
+    and the decode server's output is the colocated server's."""
+    heads = [[(13 * g + 7 * j) % 500 + 1 for j in range(96)] for g in range(4)]
+    prompts = [h + [g + 1, 2 * g + 3, 5] for visit in range(2) for g, h in enumerate(heads)]
+    tiers = ("--enable-hierarchical-cache", "--hicache-ratio", "4")
+    bootstrap_port = free_port()
+    started = {}
+    try:
+        started["prefill"] = ServerProcess(*model_args(256), *tiers, *prefill_args(bootstrap_port), env=TIMEOUTS)
+        started["decode"] = ServerProcess(*model_args(256), *tiers, *DECODE_ARGS, env=TIMEOUTS)
+        pair = PDPair(started["prefill"], started["decode"], bootstrap_port)
+        for ids in prompts:
+            expected = generate(servers["colocated"].url, {"input_ids": ids, "sampling_params": GREEDY}).json()
+            prefill, decode = pair.generate(ids)
+            assert decode.status_code == 200, decode.text
+            assert decode.json()["output_ids"] == expected["output_ids"]
+        assert_memory_ok(pair.prefill, pair.decode)
+        assert pair.prefill.state()["hicache_loaded_back"] > 0
+    finally:
+        for name in ("decode", "prefill"):
+            if name in started:
+                assert started[name].stop() == 0, f"the {name} server shuts down cleanly"
+
+
 def assert_same_logprobs(got: list, want: list) -> None:
     """Two servers' logprob entries (``[logprob, token id, text]``, or per
     position a list of them or None for top logprobs): the same token ids,
