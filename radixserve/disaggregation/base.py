@@ -222,20 +222,11 @@ class BaseKVManager(ABC):
         """Stop this manager's threads and connections; its transfers fail."""
 
 
-class BaseKVSender(ABC):
-    """The prefill half of one request's transfer."""
+class _KVHalf(ABC):
+    """What a request's two halves of a transfer share."""
 
     @abstractmethod
     def __init__(self, mgr: BaseKVManager, bootstrap_addr: str, bootstrap_room: int): ...
-
-    @abstractmethod
-    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
-        """The number of pages that ``send`` will send, and the aux row to send with them."""
-
-    @abstractmethod
-    def send(self, kv_indices: torch.Tensor) -> None:
-        """Send the KV of these pages (and the aux row). Call once, after
-        ``poll()`` returned WaitingForInput. The pool is not read after it returns."""
 
     @abstractmethod
     def poll(self) -> KVPoll:
@@ -254,11 +245,21 @@ class BaseKVSender(ABC):
         """Forget this room once the caller is done with it."""
 
 
-class BaseKVReceiver(ABC):
-    """The decode half of one request's transfer."""
+class BaseKVSender(_KVHalf):
+    """The prefill half of one request's transfer."""
 
     @abstractmethod
-    def __init__(self, mgr: BaseKVManager, bootstrap_addr: str, bootstrap_room: int): ...
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        """The number of pages that ``send`` will send, and the aux row to send with them."""
+
+    @abstractmethod
+    def send(self, kv_indices: torch.Tensor) -> None:
+        """Send the KV of these pages (and the aux row). Call once, after
+        ``poll()`` returned WaitingForInput. The pool is not read after it returns."""
+
+
+class BaseKVReceiver(_KVHalf):
+    """The decode half of one request's transfer."""
 
     @abstractmethod
     def init(self, kv_indices: torch.Tensor, aux_index: int | None = None) -> None:
@@ -270,18 +271,6 @@ class BaseKVReceiver(ABC):
         """Where the transfer stands; never blocks. Success means the KV and
         aux data are in place. After Failed the pool is never written again
         for this request, so its pages may be freed at once."""
-
-    @abstractmethod
-    def failure_exception(self) -> None:
-        """Raise the :class:`KVTransferError` that made ``poll()`` return Failed."""
-
-    def abort(self, reason: str | None = None) -> None:
-        """Give the transfer up (a client abort, or ``reason``, e.g. another
-        TP rank's half failed); ``poll()`` then returns Failed and the other
-        side is told. A half already Success or Failed stays as it is."""
-
-    def clear(self) -> None:
-        """Forget this room once the caller is done with it."""
 
 
 class BaseKVBootstrapServer(ABC):
