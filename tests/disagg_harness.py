@@ -1,11 +1,13 @@
 """Prefill and decode worker processes for tests/test_disagg_transfer.py.
 
-Each worker owns a tiny KV pool (2 layers x 64 slots x 2 heads x 8 dims,
-fp32, pages of 2 slots, on the CPU unless given a CUDA device), aux rows with
-up to 4 top logprobs, and a TorchDistKVManager, and obeys commands sent
-over a pipe: make a sender or receiver for a room, init, send, poll until a
-state, abort, return its pool. The prefill pool is filled with seeded random
-values, the decode pool with zeros, so a transfer's effect is visible.
+Each worker owns a tiny KV pool (2 layers x 64 slots x 8 dims, fp32, pages
+of 2 slots, on the CPU unless given a CUDA device) holding its TP rank's
+share of the model's KV heads (2 unless told), aux rows with up to 4 top
+logprobs, and a TorchDistKVManager, and obeys commands sent over a pipe:
+make a sender or receiver for a room, init, send, poll until a state, abort,
+return its pool. A prefill rank's pool is its heads of one seeded random
+model-wide pool (:func:`model_kv`), a decode pool is zeros, so a transfer's
+effect is visible, head by head.
 """
 
 from __future__ import annotations
@@ -22,31 +24,37 @@ LAYERS, SLOTS, HEADS, DIM, PAGE_SIZE, AUX_ROWS, TOP_LOGPROBS = 2, 64, 2, 8, 2, 1
 STARTUP_TIMEOUT_S = 60.0
 
 
-def make_kv_args(role: str, seed: int, device: str = "cpu"):
-    from radixserve.disaggregation import KVArgs, MetadataBuffers
-
+def model_kv(seed: int, num_kv_heads: int = HEADS) -> list[torch.Tensor]:
+    """The K buffers then the V buffers of a seeded pool with every KV head."""
     gen = torch.Generator().manual_seed(seed)
+    return [torch.randn((SLOTS, num_kv_heads, DIM), generator=gen) for _ in range(2 * LAYERS)]
 
-    def buf():
-        if role == "prefill":
-            return torch.randn((SLOTS, HEADS, DIM), generator=gen).to(device)
-        return torch.zeros((SLOTS, HEADS, DIM), device=device)
 
+def make_kv_args(role: str, seed: int, device: str = "cpu", tp_rank: int = 0, tp_size: int = 1,
+                 num_kv_heads: int = HEADS):
+    from radixserve.disaggregation import KVArgs, MetadataBuffers
+    from radixserve.disaggregation.head_map import rank_kv_heads
+
+    heads = rank_kv_heads(num_kv_heads, tp_size, tp_rank)
+    if role == "prefill":
+        bufs = [b[:, heads.start : heads.stop].contiguous().to(device) for b in model_kv(seed, num_kv_heads)]
+    else:
+        bufs = [torch.zeros((SLOTS, len(heads), DIM), device=device) for _ in range(2 * LAYERS)]
     meta = MetadataBuffers(AUX_ROWS, TOP_LOGPROBS)
-    args = KVArgs([buf() for _ in range(LAYERS)], [buf() for _ in range(LAYERS)], page_size=PAGE_SIZE,
-                  aux_buffers=meta.buffers)
+    args = KVArgs(bufs[:LAYERS], bufs[LAYERS:], page_size=PAGE_SIZE, aux_buffers=meta.buffers, tp_rank=tp_rank,
+                  tp_size=tp_size, num_kv_heads=num_kv_heads)
     return args, meta
 
 
 class _Worker:
-    def __init__(self, role: str, bootstrap_addr: str, config: dict, seed: int, device: str):
+    def __init__(self, role: str, bootstrap_addr: str, config: dict, seed: int, device: str, tp: tuple):
         from radixserve.disaggregation import KVTransferConfig
         from radixserve.disaggregation.torch_dist import TorchDistKVManager
 
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
         self.role = role
-        self.args, self.meta = make_kv_args(role, seed, device)
+        self.args, self.meta = make_kv_args(role, seed, device, *tp)
         self.mgr = TorchDistKVManager(self.args, role, KVTransferConfig(**config),
                                       bootstrap_addr=bootstrap_addr if role == "prefill" else None)
         self.halves = {}
@@ -91,7 +99,7 @@ class _Worker:
 
     def info(self, room):
         half = self.halves[room]
-        return {"messages_sent": getattr(half, "messages_sent", None), "pair_id": getattr(half, "pair_id", None)}
+        return {"messages_sent": getattr(half, "messages_sent", None), "pair_ids": getattr(half, "pair_ids", None)}
 
     def kv(self):
         return [b.cpu() for b in self.args.kv_buffers], [b.clone() for b in self.meta.buffers]
@@ -101,10 +109,10 @@ class _Worker:
         return self.meta.get(index)
 
 
-def worker_main(conn, role: str, bootstrap_addr: str, config: dict, seed: int, device: str) -> None:
+def worker_main(conn, role: str, bootstrap_addr: str, config: dict, seed: int, device: str, tp: tuple) -> None:
     """A worker process: build the manager, then answer commands until "exit"."""
     logging.basicConfig(level=logging.WARNING, format=f"{role}[%(process)d] %(name)s: %(message)s")
-    worker = _Worker(role, bootstrap_addr, config, seed, device)
+    worker = _Worker(role, bootstrap_addr, config, seed, device, tp)
     conn.send(("ok", os.getpid()))
     while True:
         cmd, kwargs = conn.recv()
@@ -120,12 +128,15 @@ def worker_main(conn, role: str, bootstrap_addr: str, config: dict, seed: int, d
 
 
 class Worker:
-    """The test's handle on one worker process."""
+    """The test's handle on one worker process; ``tp`` is its (TP rank, tp
+    size, the model's KV heads)."""
 
-    def __init__(self, ctx, role: str, bootstrap_addr: str, config: dict, seed: int = 0, device: str = "cpu"):
+    def __init__(self, ctx, role: str, bootstrap_addr: str, config: dict, seed: int = 0, device: str = "cpu",
+                 tp: tuple[int, int, int] = (0, 1, HEADS)):
         self.role = role
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=worker_main, args=(child, role, bootstrap_addr, config, seed, device), daemon=True)
+        self.proc = ctx.Process(target=worker_main, args=(child, role, bootstrap_addr, config, seed, device, tp),
+                                daemon=True)
         self.proc.start()
         child.close()
         self.pid = self._reply(STARTUP_TIMEOUT_S)

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from disagg_harness import PAGE_SIZE, Worker, make_kv_args
+from disagg_harness import PAGE_SIZE, Worker, make_kv_args, model_kv
 from radixserve.disaggregation import KVPoll, KVTransferConfig, KVTransferError
 from radixserve.disaggregation.bootstrap import (
     KVBootstrapServer, check_health, query_prefill_rank, register_prefill_rank,
@@ -86,16 +86,31 @@ def first_token_aux(token: int) -> tuple[int, float, list[tuple[float, int]]]:
     return token, -0.25 * (token % 7), [(-0.5 * k, token + k) for k in range(token % 5)]
 
 
-def handshake(prefill: Worker, decode: Worker, addr: str, room: int, src: list, dst: list, aux=(0, 0, 0)):
-    """Both halves of ``room`` up to the point where the prefill side may send."""
-    aux_src, aux_dst, token = aux
+def make_sender(prefill: Worker, addr: str, room: int, num_pages: int, aux=(0, 0, 0)) -> None:
+    aux_src, _, token = aux
     _, logprob, top = first_token_aux(token)
-    prefill.call("sender", room=room, bootstrap_addr=addr, num_pages=len(src), aux_index=aux_src, token=token,
+    prefill.call("sender", room=room, bootstrap_addr=addr, num_pages=num_pages, aux_index=aux_src, token=token,
                  logprob=logprob, top=top)
+
+
+def register(decode: Worker, addr: str, room: int, dst: list, aux_index: int = 0) -> None:
+    """A receiver of ``room`` that pairs and names its pages."""
     decode.call("receiver", room=room, bootstrap_addr=addr)
     assert decode.call("wait", room=room, states=["WaitingForInput", "Failed"], timeout=20)[0] == "WaitingForInput"
-    decode.call("init", room=room, pages=dst, aux_index=aux_dst)
-    assert prefill.call("wait", room=room, states=["WaitingForInput", "Failed"], timeout=20)[0] == "WaitingForInput"
+    decode.call("init", room=room, pages=dst, aux_index=aux_index)
+
+
+def handshake(prefill: Worker | list[Worker], decode: Worker | list[Worker], addr: str, room: int, src: list,
+              dst: list, aux=(0, 0, 0)):
+    """Both halves of ``room`` up to the point where the prefill side may
+    send; either side one worker, or a server's ranks."""
+    prefills = prefill if isinstance(prefill, list) else [prefill]
+    for rank in prefills:
+        make_sender(rank, addr, room, len(src), aux)
+    for rank in decode if isinstance(decode, list) else [decode]:
+        register(rank, addr, room, dst, aux[1])
+    for rank in prefills:
+        assert rank.call("wait", room=room, states=["WaitingForInput", "Failed"], timeout=20)[0] == "WaitingForInput"
 
 
 def transfer_ok(prefill: Worker, decode: Worker, addr: str, src: list, dst: list) -> int:
@@ -107,7 +122,7 @@ def transfer_ok(prefill: Worker, decode: Worker, addr: str, src: list, dst: list
     assert prefill.call("wait", room=room, states=["Success", "Failed"], timeout=20)[0] == "Success"
     (p_kv, _), (d_kv, _) = prefill.call("kv"), decode.call("kv")
     assert all(torch.equal(p[slots(src)], d[slots(dst)]) for p, d in zip(p_kv, d_kv))
-    return decode.call("info", room=room)["pair_id"]
+    return decode.call("info", room=room)["pair_ids"]
 
 
 def test_kv_and_aux_of_several_requests_arrive_exactly_in_few_messages(workers, bootstrap):
@@ -162,7 +177,7 @@ def test_a_receiver_held_back_past_the_bootstrap_timeout_says_so_and_tells_the_p
     addr, room = bootstrap.address, new_room()
     decode.call("receiver", room=room, bootstrap_addr=addr)
     assert decode.call("wait", room=room, states=["WaitingForInput", "Failed"], timeout=20)[0] == "WaitingForInput"
-    pair = decode.call("info", room=room)["pair_id"]
+    pair = decode.call("info", room=room)["pair_ids"]
     time.sleep(CONFIG["bootstrap_timeout_s"] / 2)
     prefill.call("sender", room=room, bootstrap_addr=addr, num_pages=2, aux_index=0, token=1, logprob=0.0)
     state, _, failure = decode.call("wait", room=room, states=["Failed", "Success"], timeout=20)
@@ -199,7 +214,7 @@ def test_decode_killed_after_registering_fails_the_sender_and_the_prefill_keeps_
         prefill.call("send", room=room, pages=[3, 4])  # its receives were never posted: this cannot complete
         state, waited, failure = prefill.call("wait", room=room, states=["Failed", "Success"], timeout=20)
         assert state == "Failed" and waited <= CONFIG["transfer_timeout_s"] + SLACK_S
-        assert "with the decode rank" in failure
+        assert "with decode rank" in failure
     finally:
         doomed.stop()
     transfer_ok(prefill, decode, addr, [3, 4], [5, 6])
@@ -209,7 +224,7 @@ def test_prefill_that_hangs_times_out_the_receiver_and_the_pair_survives(workers
     prefill, decode = workers
     addr, room = bootstrap.address, new_room()
     handshake(prefill, decode, addr, room, [1, 2], [3, 4])
-    pair = decode.call("info", room=room)["pair_id"]
+    pair = decode.call("info", room=room)["pair_ids"]
     with paused(prefill):
         state, waited, failure = decode.call("wait", room=room, states=["Failed", "Success"], timeout=20)
     assert state == "Failed" and CONFIG["waiting_timeout_s"] - 0.5 <= waited <= CONFIG["waiting_timeout_s"] + SLACK_S
@@ -224,7 +239,7 @@ def test_an_abort_on_either_side_ends_the_other_half_at_once_and_keeps_the_pair(
     prefill, decode = workers
     addr, by_decode, by_prefill = bootstrap.address, new_room(), new_room()
     handshake(prefill, decode, addr, by_decode, [1, 2], [3, 4])
-    pair = decode.call("info", room=by_decode)["pair_id"]
+    pair = decode.call("info", room=by_decode)["pair_ids"]
     decode.call("abort", room=by_decode)
     state, waited, failure = prefill.call("wait", room=by_decode, states=["Failed", "Success"], timeout=10)
     assert state == "Failed" and waited < 1.0 and "decode side gave the transfer up: the request was aborted" in failure
@@ -273,6 +288,126 @@ def test_prefill_killed_mid_transfer_fails_the_receiver_then_a_new_prefill_serve
             transfer_ok(successor, decode, addr, src, dst)
         finally:
             successor.stop()
+
+
+# -- servers of different tp sizes -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tp2_decode(ctx, bootstrap):
+    """A decode server's two TP ranks (one KV head each) for the tp-1 prefill worker."""
+    started = []
+    try:
+        for rank in range(2):
+            started.append(Worker(ctx, "decode", bootstrap.address, CONFIG, tp=(rank, 2, 2)))
+        yield started
+    finally:
+        for w in started:
+            w.stop()
+
+
+def test_two_decode_ranks_take_a_head_each_of_one_prefill_rank(workers, tp2_decode, bootstrap):
+    prefill, decodes, room = workers[0], tp2_decode, new_room()
+    src, dst = [12, 2, 25], [7, 30, 16]
+    handshake(prefill, decodes, bootstrap.address, room, src, dst, (3, 1, 77))
+    prefill.call("send", room=room, pages=src)
+    for rank in decodes:
+        assert rank.call("wait", room=room, states=["Success", "Failed"], timeout=20)[::2] == ("Success", None)
+    assert prefill.call("wait", room=room, states=["Success", "Failed"], timeout=20)[0] == "Success"
+    p_kv, _ = prefill.call("kv")
+    for head, rank in enumerate(decodes):
+        d_kv, _ = rank.call("kv")
+        assert all(torch.equal(p[slots(src)][:, head : head + 1], d[slots(dst)]) for p, d in zip(p_kv, d_kv))
+        assert rank.call("aux", index=1) == first_token_aux(77)  # each decode rank needs the first token
+    assert prefill.call("info", room=room)["messages_sent"] == 2 * (1 + 1)  # per decode rank: its head, the aux row
+
+
+def test_a_decode_rank_that_gives_up_ends_its_peer_rank_s_half_too(workers, tp2_decode, bootstrap):
+    """Both decode ranks registered the room; rank 0 gives it up before the
+    prefill request came: the prefill rank tells rank 1 at once, and answers
+    the prefill request, when it comes, with the abort."""
+    prefill, decodes, addr, room = workers[0], tp2_decode, bootstrap.address, new_room()
+    for rank in decodes:
+        register(rank, addr, room, [1, 2])
+    decodes[0].call("abort", room=room)
+    state, waited, failure = decodes[1].call("wait", room=room, states=["Failed", "Success"], timeout=10)
+    assert state == "Failed" and waited < 1.0, failure
+    assert "the decode side gave the transfer up: the request was aborted" in failure
+    make_sender(prefill, addr, room, 2)
+    state, _, failure = prefill.call("wait", room=room, states=["Failed", "Success"], timeout=10)
+    assert state == "Failed" and "the decode side gave the transfer up" in failure, failure
+
+
+# -- a prefill server of more ranks than the decode server -----------------------------
+
+
+@pytest.fixture(scope="module")
+def tp4_prefill(ctx):
+    """A prefill server's four TP ranks over a model of 2 KV heads (each head
+    on two ranks), behind their own bootstrap server, and a decode rank at tp
+    1: it takes head 0 from rank 0 (with the aux row), head 1 from rank 2, and
+    tells ranks 1 and 3 of its rooms only (head_map.py)."""
+    with KVBootstrapServer("127.0.0.1", 0) as server:
+        started = []
+        try:
+            for rank in range(4):
+                started.append(Worker(ctx, "prefill", server.address, CONFIG, seed=5, tp=(rank, 4, 2)))
+            started.append(Worker(ctx, "decode", server.address, CONFIG, tp=(0, 1, 2)))
+            yield started[:4], started[4], server.address
+        finally:
+            for w in started:
+                w.stop()
+
+
+def test_a_decode_rank_assembles_its_heads_from_the_prefill_ranks_that_hold_them(tp4_prefill):
+    prefills, decode, addr = tp4_prefill
+    room, src, dst = new_room(), [17, 3, 29, 8, 11], [5, 22, 9, 30, 1]
+    handshake(prefills, decode, addr, room, src, dst, (1, 2, 104))
+    for rank in prefills:
+        rank.call("send", room=room, pages=src)
+    assert decode.call("wait", room=room, states=["Success", "Failed"], timeout=20)[::2] == ("Success", None)
+    for rank in prefills:
+        assert rank.call("wait", room=room, states=["Success", "Failed"], timeout=20)[0] == "Success"
+    d_kv, _ = decode.call("kv")
+    assert all(torch.equal(want[slots(src)], got[slots(dst)]) for want, got in zip(model_kv(5, 2), d_kv))
+    assert decode.call("aux", index=2) == first_token_aux(104)
+    # one KV message of 5 pages of one head from each rank read, the aux row from rank 0, nothing from the others
+    assert [rank.call("info", room=room)["messages_sent"] for rank in prefills] == [2, 0, 1, 0]
+
+
+def test_one_prefill_rank_that_gives_up_fails_the_decode_half_at_once(tp4_prefill):
+    prefills, decode, addr = tp4_prefill
+    room = new_room()
+    handshake(prefills, decode, addr, room, [1, 2], [3, 4])
+    prefills[3].call("abort", room=room)  # a rank that sends no heads: the room fails all the same
+    state, waited, failure = decode.call("wait", room=room, states=["Failed", "Success"], timeout=10)
+    assert state == "Failed" and waited < 1.0 and "prefill side gave the transfer up" in failure, failure
+    for rank in prefills[:3]:
+        rank.call("abort", room=room)
+
+
+def test_one_prefill_rank_killed_mid_transfer_fails_the_decode_half_and_leaves_its_pages_alone(tp4_prefill):
+    """The last of the tp-4 tests: prefill rank 2 dies with its KV in flight;
+    the decode rank fails the room at once, naming it, and never writes the
+    reserved pages, which its caller may free; the other ranks' halves end."""
+    prefills, decode, addr = tp4_prefill
+    room, dst = new_room(), [20, 21, 22]
+    handshake(prefills, decode, addr, room, [6, 7, 8], dst)
+    before, _ = decode.call("kv")
+    with paused(decode):  # so the announced messages are still in flight when rank 2 dies
+        for rank in prefills:
+            rank.call("send", room=room, pages=[6, 7, 8])
+        assert prefills[2].call("poll", room=room) == KVPoll.Transferring
+        prefills[2].kill()
+        resumed = time.monotonic()
+    state, _, failure = decode.call("wait", room=room, states=["Failed", "Success"], timeout=20)
+    assert state == "Failed" and time.monotonic() - resumed < SLACK_S, failure
+    assert f"room {room} failed" in failure and "prefill rank 2" in failure, failure
+    after, _ = decode.call("kv")
+    assert all(torch.equal(old[slots(dst)], new[slots(dst)]) for old, new in zip(before, after))
+    for rank in (0, 1, 3):
+        assert prefills[rank].call("wait", room=room, states=["Success", "Failed"],
+                                   timeout=CONFIG["transfer_timeout_s"] + SLACK_S)[0] in ("Success", "Failed")
 
 
 def _silent_listener() -> socket.socket:

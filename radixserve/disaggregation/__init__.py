@@ -3,9 +3,10 @@ to a decode engine (SGLang's ``disaggregation/`` package, our own code).
 
 This package is the transfer layer: the interface (``base``), the
 bootstrap server (``bootstrap``), the one backend that runs on our
-machines, torch.distributed point-to-point (``torch_dist``), and what the
-schedulers' mixins (``managers/scheduler_disagg_*_mixin.py``) need around
-it (``utils``). See docs/disaggregation.md.
+machines, torch.distributed point-to-point (``torch_dist``), which KV heads
+a decode rank takes from which prefill ranks (``head_map``), and what the
+schedulers' parts (``managers/disagg_*.py``) need around it (``utils``).
+See docs/disaggregation.md.
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from radixserve.disaggregation.head_map import rank_kv_heads
+
 MAX_BOOTSTRAP_ROOM = 2**63  # rooms are 63-bit ints, picked at random by the router
 
 
@@ -71,11 +73,14 @@ class KVArgs:
     """What a KV manager needs to know about its engine rank's KV pool.
 
     ``k_buffers[l]`` and ``v_buffers[l]`` are layer ``l``'s buffers, shaped
-    ``[num_slots, heads, dim]`` (the pool's ``k_buffer``/``v_buffer`` lists);
-    the manager reads and writes them in place. ``aux_buffers`` are indexed by
-    a request's ``aux_index`` on dim 0 (see :class:`MetadataBuffers`).
-    ``transfer_host``/``transfer_port`` is where this rank can be reached by its
-    peer (on the prefill side it listens there; port 0 picks a free one).
+    ``[num_slots, heads, dim]`` (the pool's ``k_buffer``/``v_buffer`` lists):
+    this TP rank's heads of the model's ``num_kv_heads`` (None: this rank's
+    heads times ``tp_size``, no replication), split as the model's layers
+    split them (``head_map.rank_kv_heads``). The manager reads and writes
+    them in place. ``aux_buffers`` are indexed by a request's ``aux_index``
+    on dim 0 (see :class:`MetadataBuffers`). ``transfer_host``/``transfer_port``
+    is where this rank can be reached by its peers (on the prefill side it
+    listens there; port 0 picks a free one).
     """
 
     k_buffers: list[torch.Tensor]
@@ -86,6 +91,7 @@ class KVArgs:
     tp_size: int = 1
     transfer_host: str = "127.0.0.1"
     transfer_port: int = 0
+    num_kv_heads: int | None = None
 
     def __post_init__(self):
         bufs = self.kv_buffers
@@ -93,12 +99,23 @@ class KVArgs:
             raise ValueError(f"need one K and one V buffer per layer, got {len(self.k_buffers)} K and {len(self.v_buffers)} V")
         if len({(b.shape[0], b.dtype, b.device) for b in bufs}) != 1 or not all(b.is_contiguous() for b in bufs):
             raise ValueError("K and V buffers must be contiguous, with one slot count, dtype and device")
+        k_shapes, v_shapes = {b.shape[1:] for b in self.k_buffers}, {b.shape[1:] for b in self.v_buffers}
+        if any(b.dim() != 3 for b in bufs) or len(k_shapes) != 1 or len(v_shapes) != 1 \
+                or k_shapes.pop()[0] != v_shapes.pop()[0]:
+            raise ValueError("K and V buffers must be [slots, heads, dim]: one shape for every K, one for every V, "
+                             "the same heads in both")
         if self.page_size < 1 or self.num_slots % self.page_size:
             raise ValueError(f"page_size {self.page_size} must divide the {self.num_slots} slots")
         if not all(b.is_contiguous() for b in self.aux_buffers):
             raise ValueError("aux buffers must be contiguous")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.local_kv_heads * self.tp_size
+        held = len(rank_kv_heads(self.num_kv_heads, self.tp_size, self.tp_rank))
+        if held != self.local_kv_heads:
+            raise ValueError(f"TP rank {self.tp_rank} of {self.tp_size} holds {held} of {self.num_kv_heads} KV heads, "
+                             f"but its buffers have {self.local_kv_heads}")
 
     @property
     def kv_buffers(self) -> list[torch.Tensor]:
@@ -106,8 +123,12 @@ class KVArgs:
 
     @property
     def engine_rank(self) -> int:
-        """The rank a peer pairs with: prefill rank r sends to decode rank r."""
+        """The rank this one registers as, or is, to its peers (its TP rank)."""
         return self.tp_rank
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.k_buffers[0].shape[1]
 
     @property
     def num_slots(self) -> int:
@@ -122,14 +143,25 @@ class KVArgs:
         return self.k_buffers[0].device
 
     def layout(self) -> dict:
-        """What both sides must agree on for their pages to be interchangeable."""
+        """What both sides must agree on for their pages to be interchangeable
+        (head by head: the tp sizes may differ)."""
         return {
             "dtype": str(self.k_buffers[0].dtype),
             "page_size": self.page_size,
-            "slot_shapes": [list(b.shape[1:]) for b in self.kv_buffers],
+            "num_layers": len(self.k_buffers),
+            "num_kv_heads": self.num_kv_heads,
+            "k_head_dim": self.k_buffers[0].shape[2],
+            "v_head_dim": self.v_buffers[0].shape[2],
             "aux_row_bytes": [b[0].numel() * b.element_size() for b in self.aux_buffers],
-            "tp_size": self.tp_size,
         }
+
+
+def layout_mismatch(prefill: dict, decode: dict) -> str | None:
+    """How a prefill server's ``KVArgs.layout()`` differs from a decode
+    server's, in words, or None when the decode server can receive its KV."""
+    diffs = [f"{key} {prefill.get(key)} on the prefill server, {value} on the decode server"
+             for key, value in decode.items() if prefill.get(key) != value]
+    return "; ".join(diffs) or None
 
 
 class MetadataBuffers:

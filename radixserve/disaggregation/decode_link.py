@@ -1,35 +1,42 @@
-"""A decode rank's link to one prefill rank, for the torch.distributed backend.
+"""A decode rank's link to one prefill server, for the torch.distributed backend.
 
 One :class:`DecodeLink` per prefill bootstrap address, shared by the receivers
 of every request bound there. Its thread does the handshake and then listens:
 
-1. ``GET /route?engine_rank=R`` on the bootstrap server (R is this rank's TP
-   rank): where prefill rank R's ``TCPStore`` is, its tp size and its KV
-   layout (which must equal ours; a prefill server with fewer ranks never
-   registers R, and its rank 0's entry says so);
-2. connect to that store, take a pair number ``n`` (``add("pairs", 1)``) and
-   push ``{"t": "pair", "pair": n}`` on its control queue; both sides then
-   build pair group ``n`` (:class:`PairGroup`, decode is rank 1);
-3. listen on the announcement queue ``pair/n/ann``: for each announced room,
-   post the receives (in announcement order, which is the prefill side's
-   send order) and hand them to the pair's waiter, which calls the room's
-   receiver back.
+1. ``GET /route?engine_rank=0`` on the bootstrap server: the prefill server's
+   tp size and KV layout, which must fit ours (``layout_mismatch``: dtype,
+   page size, layers, head dims, the model's KV heads); then this decode
+   rank's *sources* (``head_map.decode_sources``): the prefill ranks it takes
+   heads from, and those it only tells of its rooms;
+2. for each source, ``GET /route?engine_rank=R``; connect to that rank's
+   ``TCPStore``, take a pair number ``n`` (``add("pairs", 1)``) and push
+   ``{"t": "pair", "pair": n, "rank": ours}`` on its control queue; both
+   sides then build pair group ``n`` (:class:`PairGroup`, decode is rank 1);
+3. one thread per source listens on its announcement queue ``pair/n/ann``:
+   for each announced room, post the receives (in announcement order, which
+   is that prefill rank's send order) and hand them to the pair's waiter,
+   which calls the room's receiver back with the source's rank.
 
-A second thread pushes the receivers' messages (their pages, or an abort) to
-the prefill rank's control queue, so a receiver's ``init()`` never waits on
-the network. Any failure of the link (the store gone, the pair dead) fails
-every receiver bound to it; the manager then drops it, and the next receiver
-bound to that address forms a new link and a new pair. A link refused at the
-handshake (a different tp size or KV layout) tells the prefill rank that its
-receivers' rooms will not come, so the prefill halves end at once too.
+A second thread pushes the receivers' messages (a room's pages, an abort) to
+every source's control queue, a room's registration with what that source
+sends (its heads, the aux row or not) and how many decode ranks register the
+room there, so a receiver's ``init()`` never waits on the network. Any
+failure of the link (a store gone, a pair dead) fails every receiver bound
+to it; the manager then drops it, and the next receiver bound to that
+address forms a new link and new pairs. A link refused at the handshake (a
+KV layout that cannot be received here) tells prefill rank 0 that its
+receivers' rooms will not come; the prefill server's ranks agree on it, so
+the prefill halves end at once too.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -37,8 +44,9 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from radixserve.disaggregation.base import KVTransferError
+from radixserve.disaggregation.base import KVTransferError, layout_mismatch
 from radixserve.disaggregation.bootstrap import query_prefill_rank
+from radixserve.disaggregation.head_map import HeadSlice, decode_sources, registrations_expected
 from radixserve.disaggregation.pair_group import DECODE_RANK, PairGroup, short_error
 
 if TYPE_CHECKING:
@@ -74,30 +82,61 @@ def pop_message(store: dist.TCPStore, key: str) -> dict | None:
         raise
 
 
+@dataclass
+class _Source:
+    """The link's connection to one prefill rank: what it sends this decode
+    rank, how many decode ranks register each room there, its stores
+    (one to push, one to listen on) and the pair."""
+
+    heads: HeadSlice
+    expect: int
+    name: str
+    out_store: dist.TCPStore
+    ann_store: dist.TCPStore
+    pair: PairGroup
+
+    def registration(self, message: dict) -> dict:
+        """A receiver's message as this source gets it."""
+        out = {**message, "pair": self.pair.pair_id}
+        if message["t"] == "room":
+            out.update(heads=[self.heads.src_start, self.heads.count], aux=self.heads.aux, expect=self.expect)
+        return out
+
+
 class DecodeLink:
     """See the module docstring. Built by the decode manager; starts its thread at once."""
 
     def __init__(self, mgr: TorchDistKVManager, bootstrap_addr: str, first: TorchDistKVReceiver):
         self.mgr = mgr
         self.bootstrap_addr = bootstrap_addr
-        self.pair: PairGroup | None = None
-        self._route: dict | None = None  # the prefill rank's bootstrap entry, once looked up
+        self._sources: list[_Source] = []  # grows as pairs form
+        self._paired = False  # every source's pair formed
+        self._route: dict | None = None  # prefill rank 0's bootstrap entry, once looked up
         self._failure: str | None = None
         self._closed = False
         self._lock = threading.Lock()
         self._receivers: dict[int, TorchDistKVReceiver] = {first.room: first}  # bound, by room
         self._outbox: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=f"kv-link-{bootstrap_addr}", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"kv-link-{bootstrap_addr}", daemon=True)]
+        self._threads[0].start()
 
     @property
     def ready(self) -> bool:
-        return self.pair is not None and self.failure is None
+        return self._paired and self.failure is None
 
     @property
     def failure(self) -> str | None:
         """Why the link is unusable, or None."""
-        return self._failure or (self.pair.dead if self.pair is not None else None)
+        return self._failure or next((s.pair.dead for s in self._sources if s.pair.dead), None)
+
+    @property
+    def sources(self) -> list[HeadSlice]:
+        """What each prefill rank sends this decode rank (all of them once ``ready``)."""
+        return [s.heads for s in self._sources]
+
+    @property
+    def pair_ids(self) -> tuple[int, ...] | None:
+        return tuple(s.pair.pair_id for s in self._sources) if self._paired else None
 
     def bind(self, rx: TorchDistKVReceiver) -> bool:
         """Route announcements and failures of ``rx``'s room to it; False,
@@ -114,7 +153,7 @@ class DecodeLink:
 
     def send(self, message: dict) -> None:
         """Queue a control message (a bound receiver's pages, an abort) for
-        the prefill rank, with this link's pair number added (never blocks)."""
+        every source (never blocks)."""
         self._outbox.put(message)
 
     def _run(self) -> None:
@@ -122,62 +161,71 @@ class DecodeLink:
             self._connect()
         except Exception as e:  # noqa: BLE001  any failure to pair is this link's failure
             reason = e.reason if isinstance(e, KVTransferError) else short_error(e)
-            rooms = self.fail(f"could not pair with the prefill rank behind {self.bootstrap_addr}: {reason}")
+            rooms = self.fail(f"could not pair with the prefill server behind {self.bootstrap_addr}: {reason}")
             self._refuse(rooms, reason)
             return
-        threading.Thread(target=self._push_loop, name=f"kv-link-{self.pair.pair_id}-out", daemon=True).start()
-        self._listen_loop()
+        threading.Thread(target=self._push_loop, name=f"kv-link-{self.bootstrap_addr}-out", daemon=True).start()
+        for source in self._sources[1:]:
+            listener = threading.Thread(target=self._listen_loop, args=(source,), daemon=True,
+                                        name=f"kv-link-{source.pair.pair_id}-in")
+            self._threads.append(listener)
+            listener.start()
+        self._listen_loop(self._sources[0])
 
     def _connect(self) -> None:
         args, cfg = self.mgr.args, self.mgr.config
-        info = self._route = self._query_route()
-        if info["tp_size"] != args.tp_size:
-            raise KVTransferError(
-                f"the prefill server runs at --tp-size {info['tp_size']} and this decode server at --tp-size "
-                f"{args.tp_size}; a prefill/decode pair needs the same tp size (radixserve does not transfer "
-                "KV between different tp sizes yet)")
-        if info["layout"] != args.layout():
-            raise KVTransferError(f"the prefill rank's KV layout {info['layout']} differs from ours {args.layout()}")
-        host, port = info["rank_ip"], info["rank_port"]
-        self._out_store = open_store(host, port, cfg.connect_timeout_s)
-        pair_id = self._out_store.add("pairs", 1)
-        self._out_store.queue_push(CONTROL_QUEUE, msgpack.packb({"t": "pair", "pair": pair_id}))
-        self._ann_store = open_store(host, port, cfg.connect_timeout_s)
-        self._ann_store.set_timeout(timedelta(seconds=LISTEN_TIMEOUT_S))
-        pair = PairGroup(pair_id, open_store(host, port, cfg.connect_timeout_s), DECODE_RANK, args.device,
-                         args.transfer_host, cfg.connect_timeout_s, on_dead=self._wake_listener)
+        deadline = time.monotonic() + cfg.connect_timeout_s
+        server = self._route = self._query_route(0, deadline)
+        mismatch = layout_mismatch(server["layout"], args.layout())
+        if mismatch:
+            raise KVTransferError(f"the prefill server's KV does not fit the decode server's: {mismatch}")
+        prefill_tp = server["tp_size"]
+        for heads in decode_sources(args.num_kv_heads, prefill_tp, args.tp_size, args.engine_rank):
+            rank = heads.prefill_rank
+            route = server if rank == 0 else self._query_route(rank, deadline)
+            if (route["tp_size"], route["layout"]) != (prefill_tp, server["layout"]):
+                raise KVTransferError(f"prefill rank {rank} registered tp size {route['tp_size']} and KV layout "
+                                      f"{route['layout']}, prefill rank 0 {prefill_tp} and {server['layout']}")
+            source = self._pair_with(heads, route, registrations_expected(args.num_kv_heads, prefill_tp,
+                                                                         args.tp_size, rank))
+            with self._lock:
+                self._sources.append(source)
+                if self._closed:
+                    raise RuntimeError("the KV manager was closed")
         with self._lock:
-            self.pair = pair
-            closed = self._closed
-        if closed:
-            pair.close()
-        logger.info("paired with prefill rank %d at %s:%d (pair %d)", args.engine_rank, host, port, pair_id)
+            self._paired = True
+        logger.info("decode rank %d paired with prefill ranks %s behind %s (pairs %s)", args.engine_rank,
+                    [s.heads.prefill_rank for s in self._sources], self.bootstrap_addr, self.pair_ids)
 
-    def _query_route(self) -> dict:
-        """The prefill rank's entry; a rank not registered yet (a prefill server
-        still starting) is asked again until ``connect_timeout_s`` has passed.
-        While it is missing, prefill rank 0's entry is returned instead if it
-        names another tp size (a prefill server with fewer ranks)."""
-        cfg, deadline = self.mgr.config, time.monotonic() + self.mgr.config.connect_timeout_s
-        rank, tp_size = self.mgr.args.engine_rank, self.mgr.args.tp_size
+    def _pair_with(self, heads: HeadSlice, route: dict, expect: int) -> _Source:
+        """Form the pair with the prefill rank of ``route`` (blocks until it joined)."""
+        args, cfg = self.mgr.args, self.mgr.config
+        host, port = route["rank_ip"], route["rank_port"]
+        name = f"prefill rank {heads.prefill_rank} behind {self.bootstrap_addr}"
+        out_store = open_store(host, port, cfg.connect_timeout_s)
+        pair_id = out_store.add("pairs", 1)
+        out_store.queue_push(CONTROL_QUEUE, msgpack.packb({"t": "pair", "pair": pair_id, "rank": args.engine_rank}))
+        ann_store = open_store(host, port, cfg.connect_timeout_s)
+        ann_store.set_timeout(timedelta(seconds=LISTEN_TIMEOUT_S))
+        pair = PairGroup(pair_id, open_store(host, port, cfg.connect_timeout_s), DECODE_RANK, args.device,
+                         args.transfer_host, cfg.connect_timeout_s, name,
+                         on_dead=lambda: _wake_listener(out_store, pair_id))
+        return _Source(heads, expect, name, out_store, ann_store, pair)
+
+    def _query_route(self, rank: int, deadline: float) -> dict:
+        """Prefill rank ``rank``'s entry; a rank not registered yet (a prefill
+        server still starting) is asked again until ``deadline``."""
         while True:
             try:
-                return query_prefill_rank(self.bootstrap_addr, rank, cfg.http_timeout_s)
+                return query_prefill_rank(self.bootstrap_addr, rank, self.mgr.config.http_timeout_s)
             except KVTransferError as e:
                 if "(404)" not in e.reason or time.monotonic() > deadline or self._closed:
                     raise
-            if rank != 0:
-                try:
-                    first = query_prefill_rank(self.bootstrap_addr, 0, cfg.http_timeout_s)
-                    if first["tp_size"] != tp_size:
-                        return first
-                except KVTransferError:
-                    pass
             time.sleep(0.2)
 
     def _refuse(self, rooms: list[int], reason: str) -> None:
-        """Tell the prefill rank looked up that ``rooms`` will not be received
-        (the link failed before pairing), so its halves end now rather than at
+        """Tell prefill rank 0 that ``rooms`` will not be received (the link
+        failed before pairing), so the prefill halves end now rather than at
         their bootstrap timeout. Best effort: an unreachable rank is not told."""
         if self._route is None or not rooms:
             return
@@ -186,81 +234,85 @@ class DecodeLink:
             for room in rooms:
                 store.queue_push(CONTROL_QUEUE, msgpack.packb({"t": "abort", "room": room, "reason": reason}))
         except Exception as e:  # noqa: BLE001
-            logger.warning("could not tell the prefill rank behind %s that %d rooms will not come: %s",
+            logger.warning("could not tell the prefill server behind %s that %d rooms will not come: %s",
                            self.bootstrap_addr, len(rooms), short_error(e))
 
     def _push_loop(self) -> None:
         while (message := self._outbox.get()) is not None:
-            try:
-                self._out_store.queue_push(CONTROL_QUEUE, msgpack.packb({**message, "pair": self.pair.pair_id}))
-            except Exception as e:  # noqa: BLE001
-                self.fail(f"lost the prefill rank behind {self.bootstrap_addr}: {short_error(e)}")
-                return
+            for source in self._sources:
+                try:
+                    source.out_store.queue_push(CONTROL_QUEUE, msgpack.packb(source.registration(message)))
+                except Exception as e:  # noqa: BLE001
+                    self.fail(f"lost {source.name}: {short_error(e)}")
+                    return
 
-    def _listen_loop(self) -> None:
-        key = announcement_queue(self.pair.pair_id)
+    def _listen_loop(self, source: _Source) -> None:
+        key = announcement_queue(source.pair.pair_id)
         while not self._closed and self.failure is None:
             try:
-                message = pop_message(self._ann_store, key)
+                message = pop_message(source.ann_store, key)
             except Exception as e:  # noqa: BLE001
-                self.fail(f"lost the prefill rank behind {self.bootstrap_addr}: {short_error(e)}")
+                self.fail(f"lost {source.name}: {short_error(e)}")
                 return
             if message is not None and message != STOP:
-                self._on_announcement(message)
+                self._on_announcement(source, message)
         if self.failure is not None:
-            self.fail(self.failure)  # the pair died under a transfer: fail the receivers and leave the table
+            self.fail(self.failure)  # a pair died under a transfer: fail the receivers and leave the table
 
-    def _on_announcement(self, message: dict) -> None:
+    def _on_announcement(self, source: _Source, message: dict) -> None:
+        rank = source.heads.prefill_rank
         with self._lock:
             rx = self._receivers.get(message["room"])
         if not message["ok"]:
             if rx is not None:
-                rx.on_done(f"the prefill side gave the transfer up: {message['reason']}")
+                rx.on_done(rank, f"the prefill side gave the transfer up: {message['reason']}")
             return
         layout = self.mgr.layout
-        sizes = [layout.message_bytes(n) for n in message["pages"]] + ([message["aux"]] if message["aux"] else [])
+        sizes = [layout.message_bytes(n, source.heads.count) for n in message["pages"]]
+        sizes += [message["aux"]] if message["aux"] else []
         buffers = [torch.empty(n, dtype=torch.uint8, device=self.mgr.args.device) for n in sizes]
         if rx is not None:
-            rx.on_announced(message["pages"], buffers, message["aux"])
+            rx.on_announced(rank, message["pages"], buffers, message["aux"])
         try:  # a room without a receiver (cleared) still takes its messages, to keep the pair in step
-            works = self.pair.post(buffers, send=False, first_tag=message["tag"])
+            works = source.pair.post(buffers, send=False, first_tag=message["tag"])
         except RuntimeError as e:
             self.fail(str(e))
             return
-        self.pair.watch(works, self.mgr.config.transfer_timeout_s, rx.on_done if rx is not None else _discard)
+        on_done = functools.partial(rx.on_done, rank) if rx is not None else _discard
+        source.pair.watch(works, self.mgr.config.transfer_timeout_s, on_done)
 
     def fail(self, reason: str) -> list[int]:
-        """Fail the link and every receiver bound to it; the manager forgets
-        it. Returns those receivers' rooms."""
+        """Fail the link: its receivers fail at their next poll, and the
+        manager forgets it. Returns their rooms."""
         with self._lock:
             self._failure = self._failure or reason
-            receivers = list(self._receivers.values())
-        if self.pair is not None:
-            self.pair.fail(self._failure)
-        for rx in receivers:
-            rx.on_done(self._failure)
+            rooms = list(self._receivers)
+        for source in self._sources:
+            source.pair.fail(self._failure)
         self._outbox.put(None)
         self.mgr.forget_link(self)
-        return [rx.room for rx in receivers]
-
-    def _wake_listener(self) -> None:
-        """Unblock the listening thread's pop (a push does not wait for the store's answer)."""
-        try:
-            self._out_store.queue_push(announcement_queue(self.pair.pair_id), msgpack.packb(STOP))
-        except Exception:  # noqa: BLE001  a lost store has woken it already
-            pass
+        return rooms
 
     def close(self) -> None:
-        """Stop the threads and drop the pair (its transfers fail with "closed")."""
+        """Stop the threads and drop the pairs (their transfers fail with "closed")."""
         with self._lock:
             self._closed = True
             self._failure = self._failure or "the KV manager was closed"
-        if self.pair is not None:
-            self._wake_listener()
+        for source in self._sources:
+            _wake_listener(source.out_store, source.pair.pair_id)
         self._outbox.put(None)
-        self._thread.join(timeout=5)
-        if self.pair is not None:
-            self.pair.close(self._failure)
+        for thread in self._threads:
+            thread.join(timeout=5)
+        for source in self._sources:
+            source.pair.close(self._failure)
+
+
+def _wake_listener(store: dist.TCPStore, pair_id: int) -> None:
+    """Unblock the listening thread's pop (a push does not wait for the store's answer)."""
+    try:
+        store.queue_push(announcement_queue(pair_id), msgpack.packb(STOP))
+    except Exception:  # noqa: BLE001  a lost store has woken it already
+        pass
 
 
 def _discard(reason: str | None) -> None:

@@ -61,16 +61,17 @@ def _new_group(store: dist.Store, rank: int, device: torch.device, host: str, ti
 
 
 class PairGroup:
-    """The two-rank group ``pair_id`` and its waiter thread.
+    """The two-rank group ``pair_id`` and its waiter thread; ``peer`` names
+    the other side's rank in messages ("decode rank 1").
 
     The constructor blocks until the peer has joined and a warm-up message
     went through (at most ``timeout_s``): call it from a background thread.
     """
 
     def __init__(self, pair_id: int, store: dist.Store, rank: int, device: torch.device, host: str, timeout_s: float,
-                 on_dead: Callable[[], None] | None = None):
+                 peer: str, on_dead: Callable[[], None] | None = None):
         self.pair_id = pair_id
-        self.name = f"pair {pair_id} with the {'decode' if rank == PREFILL_RANK else 'prefill'} rank"
+        self.name = f"pair {pair_id} with {peer}"
         self._on_dead = on_dead
         self.rank = rank
         self.peer = 1 - rank

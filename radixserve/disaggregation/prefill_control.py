@@ -5,10 +5,14 @@
 the protocol), registers that address with the bootstrap server, and runs a
 thread that pops the control queue, where decode ranks push:
 
-- ``{"t": "pair", "pair": n}``: form pair group ``n`` as rank 0 (in a thread
-  of its own, since forming blocks until the decode rank joins);
-- ``{"t": "room", "room", "pair", "pages"}``: a decode receiver's reserved
-  pages for a room; kept until that room's sender claims it;
+- ``{"t": "pair", "pair": n, "rank"}``: form pair group ``n`` with decode
+  rank ``rank``, as rank 0 of the group (in a thread of its own, since
+  forming blocks until the decode rank joins);
+- ``{"t": "room", "room", "pair", "pages", "heads", "aux", "expect"}``: a
+  decode rank's registration of a room: its reserved pages, which of this
+  rank's heads it wants (``[start, count]``, count 0 for none), whether it
+  wants the aux row, and how many decode ranks register the room here
+  (``head_map.registrations_expected``); kept until the room's sender claims it;
 - ``{"t": "abort", "room", "reason"}``: the decode side gave the room up.
 
 The senders of this rank (in torch_dist.py) read it from the caller's thread
@@ -48,7 +52,7 @@ class PrefillControl:
         self._lock = threading.Lock()
         self._closed = False
         self._pairs: dict[int, PairGroup | str] = {}  # a formed pair, or why it did not form
-        self._rooms: dict[int, tuple[dict, float]] = {}  # rooms the decode side registered, not yet claimed
+        self._rooms: dict[int, tuple[list[dict], float]] = {}  # registrations no sender claimed yet, since when
         self._senders: dict[int, TorchDistKVSender] = {}
         self._gone: dict[int, tuple[str, float]] = {}  # rooms given up on either side: why, when
         self._store = dist.TCPStore(args.transfer_host, args.transfer_port, is_master=True, wait_for_workers=False,
@@ -91,28 +95,33 @@ class PrefillControl:
     def _dispatch(self, message: dict) -> None:
         kind, room = message["t"], message.get("room")
         if kind == "pair":
-            threading.Thread(target=self._form_pair, args=(message["pair"],), daemon=True).start()
+            threading.Thread(target=self._form_pair, args=(message["pair"], message["rank"]), daemon=True).start()
         elif kind == "room":
             with self._lock:
                 gone = self._gone.get(room)
                 if gone is None:
-                    self._rooms[room] = (message, time.monotonic())
+                    self._rooms.setdefault(room, ([], time.monotonic()))[0].append(message)
             if gone is not None:
                 self.announce_abort(message["pair"], room, gone[0])
         elif kind == "abort":
+            reason = f"the decode side gave the transfer up: {message['reason']}"
             with self._lock:
-                self._rooms.pop(room, None)
-                self._gone[room] = (f"the decode side gave the transfer up: {message['reason']}", time.monotonic())
+                registrations, _ = self._rooms.pop(room, ([], None))
+                self._gone[room] = (reason, time.monotonic())
+            for other in registrations:  # the other decode ranks that registered it here, not claimed yet
+                if other["pair"] != message.get("pair"):
+                    self.announce_abort(other["pair"], room, reason)
 
-    def _form_pair(self, pair_id: int) -> None:
+    def _form_pair(self, pair_id: int, decode_rank: int) -> None:
         try:
             store = open_store(self.args.transfer_host, self.port, self.config.connect_timeout_s)
             pair = PairGroup(pair_id, store, PREFILL_RANK, self.args.device, self.args.transfer_host,
-                             self.config.connect_timeout_s, on_dead=lambda: self._forget_pair(pair_id))
+                             self.config.connect_timeout_s, f"decode rank {decode_rank}",
+                             on_dead=lambda: self._forget_pair(pair_id))
         except Exception as e:  # noqa: BLE001
             logger.warning("KV transfer pair %d did not form: %s", pair_id, short_error(e))
             with self._lock:
-                self._pairs[pair_id] = f"pair {pair_id} with the decode rank did not form: {short_error(e)}"
+                self._pairs[pair_id] = f"pair {pair_id} with decode rank {decode_rank} did not form: {short_error(e)}"
             return
         with self._lock:
             self._pairs[pair_id] = pair
@@ -136,13 +145,14 @@ class PrefillControl:
             return
         self._last_expiry = now
         with self._lock:
-            stale = [(r, m) for r, (m, t) in self._rooms.items() if now - t > limit and r not in self._senders]
+            stale = [(r, regs) for r, (regs, t) in self._rooms.items() if now - t > limit and r not in self._senders]
             for room, _ in stale:
                 del self._rooms[room]
             for room in [r for r, (_, t) in self._gone.items() if now - t > limit]:
                 del self._gone[room]
-        for room, message in stale:
-            self.announce_abort(message["pair"], room, f"the prefill server had no request for it within {limit:.0f} s")
+        for room, registrations in stale:
+            for message in registrations:
+                self.announce_abort(message["pair"], room, f"the prefill server had no request for it within {limit:.0f} s")
 
     def announce_abort(self, pair_id: int, room: int, reason: str) -> None:
         """Tell the decode side on pair ``pair_id`` that ``room`` will not be sent."""
@@ -151,19 +161,19 @@ class PrefillControl:
         except Exception as e:  # noqa: BLE001  our own store; the decode side then times out instead
             logger.warning("could not announce the abort of room %d: %s", room, short_error(e))
 
-    def claim_room(self, sender: TorchDistKVSender) -> tuple[dict | None, str | None]:
-        """The room's registration (pages, pair) once the decode side sent it,
-        and why the room was given up, if it was."""
+    def claim_room(self, sender: TorchDistKVSender) -> tuple[list[dict], str | None]:
+        """The room's registrations that decode ranks sent since the last
+        claim, and why the room was given up, if it was."""
         self._expire_rooms()
         with self._lock:
             self._senders[sender.room] = sender
             gone = self._gone.get(sender.room)
             entry = self._rooms.pop(sender.room, None)
-        return (entry[0] if entry else None), (gone[0] if gone else None)
+        return (entry[0] if entry else []), (gone[0] if gone else None)
 
     def give_up_room(self, room: int, reason: str) -> None:
-        """Remember a room given up before its registration arrived, so the
-        registration is answered with an abort when it comes."""
+        """Remember a room given up, so registrations that arrive later are
+        answered with an abort."""
         with self._lock:
             self._gone[room] = (reason, time.monotonic())
 

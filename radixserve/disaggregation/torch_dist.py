@@ -7,19 +7,26 @@ Protocol (docs/disaggregation.md has the whole picture):
   transfer address, registers it with the bootstrap server and pops the
   store's control queue (pair requests, rooms' pages, aborts).
 - A decode rank keeps one :class:`DecodeLink` per bootstrap address: the
-  handshake, the pair group, the announcement listener.
-- A sender whose room has been registered, on a formed pair, is ready
-  (WaitingForInput). ``send()`` gathers the pages into a few messages, pushes
-  an announcement ``{room, tag, pages per message, aux bytes}`` on the pair's
-  announcement queue and posts the sends, both under the pair's lock, so the
-  decode side posts its receives in the same order. The aux message (row
-  ``aux_index`` of the aux buffers) goes last.
-- The decode receiver scatters the messages into its pages in ``poll()``,
-  on the caller's thread, and only on success.
+  handshake, a pair group with each prefill rank it takes KV heads from (or
+  only tells of its rooms, ``head_map.decode_sources``), their listeners.
+  With the same tp size on both servers that is prefill rank r for decode
+  rank r, with all its heads.
+- A sender is ready (WaitingForInput) once as many decode ranks as the
+  registrations say have registered its room, on formed pairs. ``send()``
+  gathers, for each of them, the heads it asked for of the pages into a few
+  contiguous messages, pushes an announcement ``{room, tag, pages per
+  message, aux bytes}`` on that pair's announcement queue and posts the
+  sends, both under the pair's lock, so the decode rank posts its receives
+  in the same order. The aux message (row ``aux_index`` of the aux buffers)
+  goes last, to the decode ranks that asked for it.
+- The decode receiver, once every source delivered, scatters the messages
+  into its pages' heads in ``poll()``, on the caller's thread, and only on success.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import threading
 import time
@@ -73,7 +80,7 @@ class TorchDistKVManager(BaseKVManager):
             link.close()
 
     def link(self, receiver: TorchDistKVReceiver, bootstrap_addr: str) -> DecodeLink:
-        """Decode side: the live link to the prefill rank behind
+        """Decode side: the live link to the prefill server behind
         ``bootstrap_addr`` (a new one after the last one failed), with
         ``receiver`` bound to it."""
         with self._lock:
@@ -91,18 +98,20 @@ class TorchDistKVManager(BaseKVManager):
 
 
 class TorchDistKVSender(BaseKVSender):
-    """The prefill half of room ``bootstrap_room`` (see the module docstring).
-    ``messages_sent`` counts the messages ``send()`` posted."""
+    """The prefill half of room ``bootstrap_room`` (see the module docstring):
+    it waits for every decode rank that registers the room with this rank
+    (each registration says how many will) and sends each the heads it asked
+    for. ``messages_sent`` counts the messages ``send()`` posted."""
 
     def __init__(self, mgr: TorchDistKVManager, bootstrap_addr: str, bootstrap_room: int):
         self.mgr, self.room = mgr, check_room(bootstrap_room)
         self._created = time.monotonic()
         self._num_pages: int | None = None
         self._aux_index: int | None = None
-        self._registration: dict | None = None
-        self._pair: PairGroup | None = None
+        self._registrations: list[dict] = []
+        self._pairs: list[PairGroup] = []  # one per registration, once all formed
         self._sent_at: float | None = None
-        self._outcome = _PENDING
+        self._outcomes: list = []  # per registration, once sent
         self._failure: KVTransferError | None = None
         self._state = KVPoll.Bootstrapping
         self.messages_sent = 0
@@ -115,22 +124,25 @@ class TorchDistKVSender(BaseKVSender):
             return self._state
         if self._sent_at is not None:
             return self._poll_transfer()
-        registration, gone = self.mgr.control.claim_room(self)
+        new, gone = self.mgr.control.claim_room(self)
+        self._registrations += new
         if gone is not None:
-            return self._fail(gone, notify=False)
-        if self._registration is None:
-            self._registration = registration
-            if registration is None:
-                return self._wait_bootstrap("no decode rank registered for it")
-            mismatch = self._check_registration()
-            if mismatch:
-                return self._fail(mismatch)
-        pair = self.mgr.control.pair(self._registration["pair"])
-        if isinstance(pair, str) or (pair is not None and pair.dead):
-            return self._fail(pair if isinstance(pair, str) else pair.dead, notify=False)
-        if pair is None:
-            return self._wait_bootstrap(f"pair {self._registration['pair']} with the decode rank did not form")
-        self._pair, self._state = pair, KVPoll.WaitingForInput
+            return self._fail(gone)
+        mismatch = self._check_registrations() if new else None
+        if mismatch:
+            return self._fail(mismatch)
+        regs = self._registrations
+        if not regs:
+            return self._wait_bootstrap("no decode rank registered for it")
+        if len(regs) < regs[0]["expect"]:
+            return self._wait_bootstrap(f"{len(regs)} of the {regs[0]['expect']} decode ranks registered for it")
+        pairs = [self.mgr.control.pair(r["pair"]) for r in regs]
+        for pair in pairs:
+            if isinstance(pair, str) or (pair is not None and pair.dead):
+                return self._fail(pair if isinstance(pair, str) else pair.dead)
+        if None in pairs:
+            return self._wait_bootstrap("the pairs with the decode ranks did not form")
+        self._pairs, self._state = pairs, KVPoll.WaitingForInput
         return self._state
 
     def _wait_bootstrap(self, what: str) -> KVPoll:
@@ -138,10 +150,17 @@ class TorchDistKVSender(BaseKVSender):
             return self._fail(f"{what} within {self.mgr.config.bootstrap_timeout_s:.1f} s")
         return KVPoll.Bootstrapping
 
-    def _check_registration(self) -> str | None:
-        pages = len(self._registration["pages"])
-        if self._num_pages is not None and pages != self._num_pages:
-            return f"the decode side reserved {pages} pages for {self._num_pages} pages of KV"
+    def _check_registrations(self) -> str | None:
+        regs, expect = self._registrations, self._registrations[0]["expect"]
+        if len(regs) > expect or any(r["expect"] != expect for r in regs):
+            return f"the decode ranks disagree on how many of them register the room: {[r['expect'] for r in regs]}"
+        for reg in regs:
+            if self._num_pages is not None and len(reg["pages"]) != self._num_pages:
+                return f"the decode side reserved {len(reg['pages'])} pages for {self._num_pages} pages of KV"
+            try:
+                self.mgr.layout.check_heads(range(reg["heads"][0], sum(reg["heads"])))
+            except ValueError as e:
+                return f"a decode rank asked for {e}"
         return None
 
     def send(self, kv_indices) -> None:
@@ -149,57 +168,69 @@ class TorchDistKVSender(BaseKVSender):
             return
         if self._state != KVPoll.WaitingForInput:
             raise RuntimeError(f"send() on room {self.room} in state {self._state.name}; poll() must return WaitingForInput first")
-        layout, pair, reg = self.mgr.layout, self._pair, self._registration
         try:
-            pages = layout.check_pages(kv_indices)
+            pages = self.mgr.layout.check_pages(kv_indices)
         except ValueError as e:
             self._fail(f"bad page indices: {e}")
             raise
-        if pages.numel() != len(reg["pages"]):
-            self._fail(f"send() got {pages.numel()} pages for the {len(reg['pages'])} the decode side reserved")
+        reserved = len(self._registrations[0]["pages"])
+        if pages.numel() != reserved:
+            self._fail(f"send() got {pages.numel()} pages for the {reserved} the decode side reserved")
             return
-        counts = layout.message_pages(pages.numel())
-        starts = [sum(counts[:i]) for i in range(len(counts))]
-        messages = [layout.gather(pages[s : s + n]) for s, n in zip(starts, counts)]
-        aux = self._aux_index is not None and layout.aux_bytes > 0
+        self._outcomes = [_PENDING] * len(self._registrations)
+        for i, (reg, pair) in enumerate(zip(self._registrations, self._pairs)):
+            messages, announcement = self._messages(pages, reg)
+            try:
+                works = pair.post(messages, send=True, announce=functools.partial(self._announce, pair, announcement))
+            except RuntimeError as e:  # that pair died; the ranks not sent to yet are told
+                for later in self._registrations[i + 1 :]:
+                    self.mgr.control.announce_abort(later["pair"], self.room, str(e))
+                self._fail(str(e), notify=False)
+                return
+            self.messages_sent += len(messages)
+            pair.watch(works, self.mgr.config.transfer_timeout_s, functools.partial(self._on_done, i))
+        self._sent_at, self._state = time.monotonic(), KVPoll.Transferring
+
+    def _messages(self, pages: torch.Tensor, reg: dict) -> tuple[list[torch.Tensor], dict]:
+        """What one registration gets: its heads of the pages in a few
+        messages, the aux row if it asked, and the announcement of them."""
+        layout, heads = self.mgr.layout, range(reg["heads"][0], sum(reg["heads"]))
+        counts = layout.message_pages(pages.numel(), len(heads))
+        starts = itertools.accumulate(counts, initial=0)
+        messages = [layout.gather(pages[s : s + n], heads) for s, n in zip(starts, counts)]
+        aux = reg["aux"] and self._aux_index is not None and layout.aux_bytes > 0
         if aux:
             messages.append(layout.pack_aux(self._aux_index))
-        announcement = {"room": self.room, "ok": True, "pages": counts, "aux": layout.aux_bytes if aux else 0}
-        try:
-            works = pair.post(messages, send=True,
-                              announce=lambda tag: self.mgr.control.push_announcement(pair.pair_id, {**announcement, "tag": tag}))
-        except RuntimeError as e:
-            self._fail(str(e), notify=False)
-            return
-        self.messages_sent = len(messages)
-        self._sent_at, self._state = time.monotonic(), KVPoll.Transferring
-        pair.watch(works, self.mgr.config.transfer_timeout_s, self._on_done)
+        return messages, {"room": self.room, "ok": True, "pages": counts, "aux": layout.aux_bytes if aux else 0}
 
-    def _on_done(self, reason: str | None) -> None:  # the pair's waiter thread
-        self._outcome = reason
+    def _announce(self, pair: PairGroup, announcement: dict, tag: int) -> None:
+        self.mgr.control.push_announcement(pair.pair_id, {**announcement, "tag": tag})
+
+    def _on_done(self, index: int, reason: str | None) -> None:  # a pair's waiter thread
+        self._outcomes[index] = reason
 
     def _poll_transfer(self) -> KVPoll:
-        outcome = self._outcome
-        if outcome is None:
+        outcomes = list(self._outcomes)
+        failed = next((o for o in outcomes if o is not None and o is not _PENDING), None)
+        if failed is not None:
+            self._fail(failed, notify=False)
+        elif all(o is None for o in outcomes):
             self._state = KVPoll.Success
-        elif outcome is not _PENDING:
-            self._fail(outcome, notify=False)
-        elif time.monotonic() - self._sent_at > self.mgr.config.transfer_timeout_s + 1.0:  # the waiter should have said
+        elif time.monotonic() - self._sent_at > self.mgr.config.transfer_timeout_s + 1.0:  # the waiters should have said
             self._fail(f"not delivered within {self.mgr.config.transfer_timeout_s:.1f} s", notify=False)
         return self._state
 
     def _fail(self, reason: str, notify: bool = True) -> KVPoll:
-        """Fail the room; with ``notify``, tell the decode side (now, or when
-        its registration comes) unless the data already went out."""
+        """Fail the room; with ``notify``, unless the data already went out,
+        tell the decode ranks that registered it, and those that register it later."""
         if self._state in _TERMINAL:
             return self._state
         self._failure, self._state = KVTransferError(reason, self.room), KVPoll.Failed
         logger.info("%s", self._failure)
         if notify and self._sent_at is None:
-            if self._registration is not None:
-                self.mgr.control.announce_abort(self._registration["pair"], self.room, reason)
-            else:
-                self.mgr.control.give_up_room(self.room, reason)
+            for reg in self._registrations:
+                self.mgr.control.announce_abort(reg["pair"], self.room, reason)
+            self.mgr.control.give_up_room(self.room, reason)
         return self._state
 
     def failure_exception(self) -> None:
@@ -216,7 +247,9 @@ class TorchDistKVSender(BaseKVSender):
 
 
 class TorchDistKVReceiver(BaseKVReceiver):
-    """The decode half of room ``bootstrap_room`` (see the module docstring)."""
+    """The decode half of room ``bootstrap_room`` (see the module docstring):
+    it takes its heads from each source of its link (a prefill rank each),
+    and succeeds once every one of them has delivered."""
 
     def __init__(self, mgr: TorchDistKVManager, bootstrap_addr: str, bootstrap_room: int):
         self.mgr, self.room = mgr, check_room(bootstrap_room)
@@ -224,16 +257,16 @@ class TorchDistKVReceiver(BaseKVReceiver):
         self._inited_at: float | None = None
         self._pages: torch.Tensor | None = None
         self._aux_index: int | None = None
-        self._incoming: tuple[list[int], list[torch.Tensor], int] | None = None
-        self._outcome = _PENDING
+        self._incoming: dict[int, tuple[list[int], list[torch.Tensor], int]] = {}  # by prefill rank
+        self._outcomes: dict[int, str | None] = {}  # by prefill rank: None once delivered, else why not
         self._failure: KVTransferError | None = None
         self._state = KVPoll.Bootstrapping
         self.link = mgr.link(self, bootstrap_addr)  # last: the link's thread may call this receiver back at once
 
     @property
-    def pair_id(self) -> int | None:
-        """The pair group this transfer goes over, once formed."""
-        return self.link.pair.pair_id if self.link.pair is not None else None
+    def pair_ids(self) -> tuple[int, ...] | None:
+        """The pair groups this transfer goes over (one per source), once formed."""
+        return self.link.pair_ids
 
     def init(self, kv_indices, aux_index: int | None = None) -> None:
         if self._state in _TERMINAL:
@@ -244,30 +277,31 @@ class TorchDistKVReceiver(BaseKVReceiver):
         self._aux_index, self._inited_at = aux_index, time.monotonic()
         self.link.send({"t": "room", "room": self.room, "pages": self._pages.tolist()})
 
-    def on_announced(self, message_pages: list[int], buffers: list[torch.Tensor], aux_bytes: int) -> None:
-        """The link's thread: the receive buffers posted for this room."""
-        self._incoming = (message_pages, buffers, aux_bytes)
+    def on_announced(self, prefill_rank: int, message_pages: list[int], buffers: list[torch.Tensor],
+                     aux_bytes: int) -> None:
+        """The link's thread: the receive buffers posted for this room's messages from ``prefill_rank``."""
+        self._incoming[prefill_rank] = (message_pages, buffers, aux_bytes)
 
-    def on_done(self, reason: str | None) -> None:
-        """The pair's waiter or the link: the messages arrived (None), or why not."""
-        if self._outcome is _PENDING:
-            self._outcome = reason
+    def on_done(self, prefill_rank: int, reason: str | None) -> None:
+        """A pair's waiter or the link: ``prefill_rank``'s messages arrived (None), or why not."""
+        self._outcomes.setdefault(prefill_rank, reason)
 
     def poll(self) -> KVPoll:
         if self._state in _TERMINAL:
             return self._state
-        cfg, outcome = self.mgr.config, self._outcome
-        if outcome is None:
+        cfg, outcomes = self.mgr.config, list(self._outcomes.values())
+        failed = next((o for o in outcomes if o is not None), None)
+        if failed is not None:
+            return self._fail(failed)
+        if self.link.ready and len(outcomes) == len(self.link.sources):
             return self._finish()
-        if outcome is not _PENDING:
-            return self._fail(outcome)
         if self.link.failure is not None:
             return self._fail(self.link.failure)
         if self._inited_at is None:
             if time.monotonic() - self._created <= cfg.bootstrap_timeout_s:
                 return KVPoll.WaitingForInput if self.link.ready else KVPoll.Bootstrapping
             if not self.link.ready:
-                return self._fail(f"no pair with the prefill rank within {cfg.bootstrap_timeout_s:.1f} s")
+                return self._fail(f"no pair with the prefill ranks within {cfg.bootstrap_timeout_s:.1f} s")
             # Paired, but the caller never reserved the pages (a decode server
             # holds a request back while its pool is full); by now the prefill
             # side has given the room up too, unless it came later: tell it.
@@ -279,24 +313,27 @@ class TorchDistKVReceiver(BaseKVReceiver):
             reason = f"no KV arrived within {cfg.waiting_timeout_s:.1f} s"
             self.link.send({"t": "abort", "room": self.room, "reason": reason})
             return self._fail(reason)
-        return KVPoll.Transferring if self._incoming is not None else KVPoll.WaitingForInput
+        return KVPoll.Transferring if self._incoming else KVPoll.WaitingForInput
 
     def _finish(self) -> KVPoll:
-        message_pages, buffers, aux_bytes = self._incoming
-        if sum(message_pages) != self._pages.numel():
-            return self._fail(f"the prefill side sent {sum(message_pages)} pages for the {self._pages.numel()} reserved")
-        start = 0
-        for count, buf in zip(message_pages, buffers):
-            self.mgr.layout.scatter(self._pages[start : start + count], buf)
-            start += count
-        if aux_bytes and self._aux_index is not None:
-            self.mgr.layout.unpack_aux(self._aux_index, buffers[-1])
-        self._incoming, self._state = None, KVPoll.Success
+        """Every source delivered: check what each sent, then write it all into the pool."""
+        pages, layout = self._pages, self.mgr.layout
+        for source in self.link.sources:
+            sent, due = sum(self._incoming[source.prefill_rank][0]), pages.numel() if source.count else 0
+            if sent != due:
+                return self._fail(f"prefill rank {source.prefill_rank} sent {sent} pages where {due} were due")
+        for source in self.link.sources:
+            message_pages, buffers, aux_bytes = self._incoming[source.prefill_rank]
+            for start, count, buf in zip(itertools.accumulate(message_pages, initial=0), message_pages, buffers):
+                layout.scatter(pages[start : start + count], buf, source.dst_heads)
+            if aux_bytes and self._aux_index is not None:
+                layout.unpack_aux(self._aux_index, buffers[-1])
+        self._incoming, self._state = {}, KVPoll.Success
         return self._state
 
     def _fail(self, reason: str) -> KVPoll:
         self._failure, self._state = KVTransferError(reason, self.room), KVPoll.Failed
-        self._incoming = None
+        self._incoming = {}
         logger.info("%s", self._failure)
         return self._state
 

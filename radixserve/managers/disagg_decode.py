@@ -21,9 +21,11 @@ A request that names a bootstrap room is not prefilled here. It goes through:
 Requests without a room are served here from start to end, as on a plain server.
 
 Under tensor parallelism every rank's scheduler holds these queues and a
-KV manager of its own: rank r pairs with the prefill server's rank r and
-receives its KV heads. The pools' slots are the same on every rank, so each
-reserves the same pages; the receivers' states are agreed over the TP group
+KV manager of its own: each rank pairs with the prefill ranks that hold its
+KV heads, whatever the prefill server's tp size (``disaggregation/head_map.py``;
+at equal sizes, the prefill rank of the same TP rank), and receives its heads
+from each. The pools' slots are the same on every rank, so each reserves the
+same pages; the receivers' states are agreed over the TP group
 (``agree_polls``), so a request is reserved for, joins the running batch or
 ends in the same step on every rank.
 """

@@ -20,10 +20,11 @@ A request that names a bootstrap room goes through:
 Requests without a room are served here from start to end, as on a plain server.
 
 Under tensor parallelism every rank's scheduler holds these queues, with a
-KV manager of its own registered under its TP rank; each rank sends its KV
-heads to the decode server's rank of the same TP rank. The senders' states
-are agreed over the TP group (``agree_polls``) wherever a request moves on,
-so that the ranks' queues and batches stay the same.
+KV manager of its own registered under its TP rank; each rank sends the
+decode ranks that register a room with it the KV heads each asked for (at
+equal tp sizes, all its heads to the decode rank of the same TP rank). The
+senders' states are agreed over the TP group (``agree_polls``) wherever a
+request moves on, so that the ranks' queues and batches stay the same.
 """
 
 from __future__ import annotations

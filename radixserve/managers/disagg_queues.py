@@ -22,9 +22,10 @@ from radixserve.managers.schedule_batch import Req
 class DisaggregationQueues(ABC):
     """A Scheduler's (``s``) requests in transfer, the rows of their first
     tokens' metadata, and the rank's KV manager (over the scheduler's KV
-    pool, its KV heads; under TP it pairs with the peer server's rank of the
-    same TP rank). Subclasses hold the queues and say which of their
-    requests hold KV (``holding``) and which are in any queue (``queued``)."""
+    pool, its KV heads; under TP a decode rank pairs with the prefill ranks
+    that hold its heads, whatever the two servers' tp sizes). Subclasses hold
+    the queues and say which of their requests hold KV (``holding``) and
+    which are in any queue (``queued``)."""
 
     mode: DisaggregationMode
 
@@ -33,8 +34,9 @@ class DisaggregationQueues(ABC):
         rows = s.req_to_token_pool.size  # every request in transfer also holds a request row
         # the first token's top logprobs: as many as any request may ask (io_struct, a 400 beyond), so none is cut
         self.metadata, self.aux_rows = MetadataBuffers(rows, MAX_TOP_LOGPROBS), AuxRows(rows)
-        kv_args = pool_kv_args(s.model_runner.token_to_kv_pool, s.page_size, self.metadata, advertised_host(s.args.host),
-                               s.tp_group.rank, s.tp_group.size)
+        runner = s.model_runner
+        kv_args = pool_kv_args(runner.token_to_kv_pool, s.page_size, self.metadata, advertised_host(s.args.host),
+                               runner.model_config.num_key_value_heads, s.tp_group.rank, s.tp_group.size)
         self.kv_manager = TorchDistKVManager(kv_args, self.mode, transfer_config_from_env(), bootstrap_addr=bootstrap_addr)
 
     @abstractmethod
