@@ -102,15 +102,21 @@ def test_two_replicas_serve_one_replicas_tokens(one_replica_outputs, method):
 
 
 @pytest.mark.slow
-def test_replicas_of_two_tp_ranks_each():
-    """--dp-size 2 --tp-size 2: four scheduler processes, two process groups."""
+def test_replicas_of_two_tp_ranks_each(tmp_path):
+    """--dp-size 2 --tp-size 2: four scheduler processes, two process groups;
+    a profile writes one trace per process."""
     srv = ServerProcess(*TINY, "--dp-size", "2", "--tp-size", "2")
     try:
         assert len([k for k in srv.children() if k.startswith("scheduler")]) == 4
+        profile = {"output_dir": str(tmp_path), "profile_id": "p"}
+        assert httpx.post(srv.url + "/start_profile", json=profile, timeout=30).status_code == 200
         body = {"input_ids": PROMPTS[:4], "sampling_params": GREEDY}
         outs = httpx.post(srv.url + "/generate", json=body, timeout=60).json()
         assert len(outs) == 4 and all(len(o["output_ids"]) == 6 for o in outs)
         assert all(s["prompt_tokens"] for s in _states(srv))
+        assert httpx.post(srv.url + "/stop_profile", timeout=60).status_code == 200
+        assert sorted(f.name for f in tmp_path.iterdir()) == [
+            f"p-DP-{d}-TP-{t}.trace.json.gz" for d in (0, 1) for t in (0, 1)]
     finally:
         assert srv.stop() == 0
 

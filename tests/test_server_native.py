@@ -259,3 +259,60 @@ def test_per_prompt_logprob_settings_and_stream_interval(client):
     body = {"text": PROMPT, "stream": True, "sampling_params": {**GREEDY, "ignore_eos": True, "stream_interval": 4}}
     events = sse_events(client.post("/generate", json=body).text)
     assert [len(e["output_ids"]) for e in events] == [4, 8, 12, 16]
+
+
+def test_profile_start_stop_writes_a_trace(client, tmp_path):
+    """SGLang's /start_profile and /stop_profile: a trace per rank that
+    holds the steps run in between; a second start, a stop with nothing
+    running, and bad options are 400s naming the field."""
+    assert client.post("/stop_profile").status_code == 400
+    body = {"output_dir": str(tmp_path), "profile_id": "p", "record_shapes": True}
+    assert client.post("/start_profile", json=body).status_code == 200
+    again = client.post("/start_profile", json=body)
+    assert again.status_code == 400 and "already in progress" in again.json()["error"]["message"]
+    assert client.post("/generate", json={"text": PROMPT, "sampling_params": GREEDY}).status_code == 200
+    stopped = client.post("/stop_profile")
+    assert stopped.status_code == 200 and "p-TP-0.trace.json.gz" in stopped.text
+    import gzip
+
+    trace = json.loads(gzip.open(tmp_path / "p-TP-0.trace.json.gz").read())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any("aten::" in n for n in names), "the forward's operators are in the trace"
+
+
+def test_profile_num_steps_answers_once_the_trace_is_written(server, tmp_path):
+    """As SGLang: a start with num_steps (here as its bench_serving sends it:
+    steps as strings, unset options as null or []) returns when the profile
+    has run its steps and written the trace."""
+    body = {"output_dir": str(tmp_path), "profile_id": "n", "num_steps": "3", "start_step": "0", "activities": [],
+            "profile_by_stage": None, "profile_stages": None, "profile_prefix": "pre-"}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers(), timeout=120) as ac:
+            started = asyncio.create_task(ac.post("/start_profile", json=body))
+            await asyncio.sleep(0.5)
+            assert not started.done(), "no step ran yet: the start is still waiting"
+            assert (await ac.get("/get_server_info")).status_code == 200, "other control calls are not held up"
+            await ac.post("/generate", json={"text": PROMPT, "sampling_params": GREEDY})
+            return await started
+
+    reply = asyncio.run(run())
+    assert reply.status_code == 200 and (tmp_path / "pre-n-TP-0.trace.json.gz").exists(), reply.text
+    assert "pre-n-TP-0.trace.json.gz" in reply.text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"activities": ["GPU"]}, "activities"),  # a CPU server
+    ({"activities": ["CUDA_PROFILER"]}, "activities"),
+    ({"activities": "CPU"}, "activities"),
+    ({"num_steps": 0}, "num_steps"),
+    ({"num_steps": "five"}, "num_steps"),
+    ({"start_step": -1}, "start_step"),
+    ({"profile_by_stage": True}, "profile_by_stage"),
+    ({"with_stack": "yes"}, "with_stack"),
+    ({"profile_id": "../x"}, "profile_id"),
+])
+def test_profile_bad_options_are_400_by_field(client, body, param):
+    r = client.post("/start_profile", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert client.post("/stop_profile").status_code == 400, "nothing was started"

@@ -32,6 +32,7 @@ from radixserve.entrypoints.launcher import EngineProcesses, start_engine_proces
 from radixserve.entrypoints.openai.adapters import validation_error_to_openai, value_error_to_openai
 from radixserve.entrypoints.streaming import peek, sse_stream
 from radixserve.managers.io_struct import GenerateReqInput
+from radixserve.managers.profiler import check_profile_options
 from radixserve.managers.tokenizer_manager import EngineDeadError, RequestTimeoutError, ServerBusyError
 from radixserve.server_args import ServerArgs
 from radixserve.validation import FIELD_PREFIX, first_error
@@ -182,6 +183,25 @@ def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
         if tm.num_running_requests() or not await tm.flush_cache():
             return error_response("cannot flush the cache while requests are running", 400)
         return Response("Cache flushed.\n", status_code=200)
+
+    @app.api_route("/start_profile", methods=["GET", "POST"])
+    async def start_profile(request: Request):
+        """SGLang's profiler endpoint: the torch profiler on every scheduler
+        rank (options: output_dir, num_steps, activities, with_stack,
+        record_shapes, profile_id)."""
+        body = await read_json(request) if await request.body() else {}
+        if not isinstance(body, dict):
+            return error_response("body: a JSON object of profiler options", 400)
+        bad = check_profile_options(body, args.resolved_device())
+        if bad is not None:
+            return error_response(bad[1], 400, bad[0])
+        ok, message = await tm.profile("start", body)
+        return Response(message, 200) if ok else error_response(message, 400)
+
+    @app.api_route("/stop_profile", methods=["GET", "POST"])
+    async def stop_profile():
+        ok, message = await tm.profile("stop", {})
+        return Response(message, 200) if ok else error_response(message, 400)
 
     @app.post("/abort_request")
     async def abort_request(request: Request):

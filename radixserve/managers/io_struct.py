@@ -268,6 +268,24 @@ class GetInternalStateReqOutput:
 
 
 @dataclass
+class ProfileReq:
+    """Start (with the options of ``/start_profile``) or stop the profiler on
+    every rank; the reply carries ``req_id`` (a start with ``num_steps`` is
+    answered when its profile ends, possibly after later requests)."""
+
+    req_id: int
+    action: str  # "start" or "stop"
+    options: dict
+
+
+@dataclass
+class ProfileReqOutput:
+    req_id: int
+    success: bool
+    message: str
+
+
+@dataclass
 class SchedulerStats:
     """The scheduler's load and cache figures, sent every so often while it
     works and when it goes idle; ``/metrics`` and ``/get_load`` serve the latest."""
@@ -303,7 +321,7 @@ _TYPES = {
     cls.__name__: cls
     for cls in (
         TokenizedGenerateReqInput, AbortReq, FlushCacheReq, FlushCacheReqOutput, GetInternalStateReq,
-        GetInternalStateReqOutput, SchedulerStats, BatchTokenIDOut, BatchStrOut,
+        GetInternalStateReqOutput, ProfileReq, ProfileReqOutput, SchedulerStats, BatchTokenIDOut, BatchStrOut,
     )
 }
 

@@ -24,12 +24,14 @@ from radixserve.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    ProfileReq,
     SchedulerStats,
     TokenizedGenerateReqInput,
     decode,
     encode,
     pipeline_sockets,
 )
+from radixserve.managers.profiler import StepProfiler
 from radixserve.managers.schedule_batch import FinishReason, Req
 from radixserve.managers.scheduler import Scheduler
 from radixserve.sampling.sampling_params import SamplingParams
@@ -83,6 +85,8 @@ class SchedulerProcess:
             self.recv, self.send = pipeline_sockets(zmq_context(), recv_addr, send_addr)
         self.sent: dict[str, tuple[int, int]] = {}  # rid -> (output ids sent, logprobs sent)
         self._stats_at = 0.0
+        replica = f"DP-{dp_rank}-" if scheduler.args.dp_size > 1 else ""
+        self.profiler = StepProfiler(f"{replica}TP-{self.tp.rank}", scheduler.device)
 
     def event_loop(self) -> None:
         while True:
@@ -100,6 +104,7 @@ class SchedulerProcess:
                 outputs = self.scheduler.step()
                 if self.leader:
                     self.send_outputs(outputs)
+                self.send_replies(self.profiler.step())
             if self.leader:
                 self.report_stats(became_idle=not idle and self.scheduler.is_idle())
 
@@ -131,13 +136,24 @@ class SchedulerProcess:
             self.scheduler.abort_request(msg.rid)
         elif isinstance(msg, FlushCacheReq):
             flushed = self.scheduler.flush_cache()  # on every rank: the caches stay the same
-            if self.leader:
-                self.send.send(encode(FlushCacheReqOutput(flushed)))
+            self.send_replies([FlushCacheReqOutput(flushed)])
+        elif isinstance(msg, ProfileReq):  # every rank profiles itself
+            start = msg.action == "start"
+            self.send_replies(self.profiler.start(msg.options, msg.req_id) if start else self.profiler.stop(msg.req_id))
         elif isinstance(msg, GetInternalStateReq):
             if self.leader:
                 self.send.send(encode(GetInternalStateReqOutput(self.internal_state())))
         else:
             logger.error("dropped a %s: not a message for the scheduler", type(msg).__name__)
+
+    def send_replies(self, replies: list) -> None:
+        """Control replies (rank 0 answers for every rank, once every rank
+        is done: each computes the same replies, so all reach the barrier)."""
+        if replies:
+            self.tp.barrier()  # e.g. every rank's trace written before the answer
+        if self.leader:
+            for reply in replies:
+                self.send.send(encode(reply))
 
     def add(self, msg: TokenizedGenerateReqInput) -> None:
         try:

@@ -7,6 +7,7 @@ error when the engine's processes die."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -23,6 +24,8 @@ from radixserve.managers.io_struct import (
     BatchStrOut,
     FlushCacheReq,
     FlushCacheReqOutput,
+    ProfileReq,
+    ProfileReqOutput,
     GenerateReqInput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
@@ -118,6 +121,7 @@ class TokenizerManager:
         self.states: dict[str, ReqState] = {}
         self.control: dict[type, tuple[asyncio.Future, list]] = {}  # reply type -> (future, replies so far)
         self._control_lock: asyncio.Lock | None = None
+        self._profile_ids = 0
         self.metrics = ServerMetrics()
         self.replica_stats: dict[int, dict] = {}  # each replica's latest SchedulerStats, by dp rank
         self.dead: str | None = None  # why the engine stopped serving, once it has
@@ -390,11 +394,11 @@ class TokenizerManager:
         elif isinstance(msg, SchedulerStats):
             self.replica_stats[int(msg.state.get("dp_rank", 0))] = msg.state
             self.metrics.update_from_state(self.last_stats)
-        elif type(msg) in self.control:  # a control reply: complete once every replica has answered
-            fut, replies = self.control[type(msg)]
+        elif (key := _control_key(msg)) in self.control:  # a control reply: complete once every replica has answered
+            fut, replies = self.control[key]
             replies.append(msg)
             if len(replies) == len(self.sends) and not fut.done():
-                self.control.pop(type(msg))
+                self.control.pop(key)
                 fut.set_result(replies)
 
     def _on_outputs(self, out: BatchStrOut) -> None:
@@ -421,26 +425,39 @@ class TokenizerManager:
                 st.queued = True
                 st.queue.put_nowait(st)
 
-    async def _control(self, request, reply_type: type, timeout: float = 30.0) -> list:
-        """Send a control request to every replica and await their replies (one request at a time)."""
+    async def _control(self, request, reply_type: type, timeout: float | None = 30.0) -> list:
+        """Send a control request to every replica and await their replies.
+        One request of a reply type at a time, unless its replies carry the
+        request's id (``req_id``): those may overlap."""
         self.start()
+        key = _control_key(request, reply_type)
         self._control_lock = self._control_lock or asyncio.Lock()
-        async with self._control_lock:
+        async with self._control_lock if key == reply_type else contextlib.nullcontext():
             self._check_alive()
             fut = asyncio.get_running_loop().create_future()
-            self.control[reply_type] = (fut, [])
+            self.control[key] = (fut, [])
             for sock in self.sends:
                 sock.send(encode(request), zmq.NOBLOCK)
             try:
                 return await asyncio.wait_for(fut, timeout)
             finally:
-                self.control.pop(reply_type, None)
+                self.control.pop(key, None)
 
     async def flush_cache(self) -> bool:
         replies: list[FlushCacheReqOutput] = await self._control(FlushCacheReq(), FlushCacheReqOutput)
         if all(r.success for r in replies):
             self.dp.cache_flushed()
         return all(r.success for r in replies)
+
+    async def profile(self, action: str, options: dict) -> tuple[bool, str]:
+        """Start or stop the profiler on every replica: ``(ok, message)``,
+        the first failing replica's message if one failed."""
+        self._profile_ids += 1
+        request = ProfileReq(self._profile_ids, action, options)
+        # a start with num_steps is answered when its profile ends: no time limit
+        replies: list[ProfileReqOutput] = await self._control(request, ProfileReqOutput, timeout=None)
+        failed = [r for r in replies if not r.success]
+        return not failed, (failed or replies)[0].message
 
     async def get_internal_states(self) -> list[dict]:
         """Each replica's internal state, in dp-rank order."""
@@ -454,6 +471,12 @@ class TokenizerManager:
         """Stop the tokenizer threads and close the sockets (the process is exiting)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.ctx.destroy(linger=0)
+
+
+def _control_key(msg, reply_type: type | None = None):
+    """What a control reply is matched by: its type, and its request's id if it has one."""
+    reply_type = reply_type or type(msg)
+    return (reply_type, msg.req_id) if hasattr(msg, "req_id") else reply_type
 
 
 # Figures that add up over replicas; the others are recomputed from them.

@@ -1,0 +1,157 @@
+"""The torch profiler around a scheduler's steps, started and stopped over
+HTTP (SGLang's ``/start_profile`` and ``/stop_profile``, with its fields).
+
+Each TP rank profiles its own process and writes one Chrome trace,
+``{output_dir}/{profile_prefix}{profile_id}-TP-{rank}.trace.json.gz``
+(``-DP-{replica}-TP-{rank}`` under ``--dp-size``), which
+Perfetto and ``chrome://tracing`` open. With ``start_step`` the profile
+starts at that scheduler step (counted since launch); with ``num_steps`` it
+stops by itself after that many steps, and the start request is answered
+only then, once the traces are written (as SGLang does, so that a script
+can read them when the call returns); otherwise at ``/stop_profile``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from radixserve.managers.io_struct import ProfileReqOutput
+
+logger = logging.getLogger(__name__)
+
+ACTIVITIES = ("CPU", "GPU", "MEM")
+DEFAULT_DIR_ENV = "SGLANG_TORCH_PROFILER_DIR"  # SGLang's variable, so its scripts find the traces
+_STRINGS = ("output_dir", "profile_id", "profile_prefix")
+_FLAGS = ("with_stack", "record_shapes")
+_STEPS = ("num_steps", "start_step")
+_OFF = (None, False, [], "")  # SGLang's clients send these for options they leave unset
+
+
+def default_output_dir() -> str:
+    return os.environ.get(DEFAULT_DIR_ENV) or os.path.join(os.path.sep, "tmp")
+
+
+def _steps(value) -> int | None:
+    """A step count given as an integer or, as SGLang's bench_serving sends it, a string of digits."""
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def check_profile_options(options: dict, device: str) -> tuple[str, str] | None:
+    """``(field, message)`` for the first invalid option of a start request
+    on a server whose model runs on ``device``, or None."""
+    for name, value in options.items():
+        if name not in (*_STRINGS, *_FLAGS, *_STEPS, "activities") and value not in _OFF:
+            return name, f"{name}: not supported by radixserve's profiler"
+    activities = options.get("activities")
+    if activities not in _OFF:
+        if not isinstance(activities, list) or not all(isinstance(a, str) for a in activities):
+            return "activities", "activities: a list of 'CPU', 'GPU', 'MEM'"
+        for name in activities:
+            if name not in ACTIVITIES:
+                return "activities", f"activities: {name!r} is not supported here (supported: {', '.join(ACTIVITIES)})"
+        if "GPU" in activities and not device.startswith("cuda"):
+            return "activities", f"activities: 'GPU' needs a CUDA device; this server runs on {device}"
+    for name in _STEPS:
+        value = options.get(name)
+        if value is not None and (_steps(value) is None or _steps(value) < (1 if name == "num_steps" else 0)):
+            return name, f"{name}: a {'positive' if name == 'num_steps' else 'non-negative'} integer"
+    for name in _FLAGS:
+        if options.get(name) is not None and not isinstance(options[name], bool):
+            return name, f"{name}: true or false"
+    for name in _STRINGS:
+        if options.get(name) is not None and not isinstance(options[name], str):
+            return name, f"{name}: a string"
+    for name in ("profile_id", "profile_prefix"):
+        value = options.get(name)
+        if value and (os.path.sep in value or value.startswith(".")):
+            return name, f"{name}: a file name part (no path separators)"
+    return None
+
+
+class StepProfiler:
+    """One rank's profiler. ``start``, ``step`` and ``stop`` return the
+    replies due now (``ProfileReqOutput``), each carrying its request's id."""
+
+    def __init__(self, rank_name: str, device: torch.device):
+        self.rank_name = rank_name  # "TP-0", or "DP-1-TP-0"
+        self.device = device
+        self.steps = 0  # scheduler steps since launch
+        self._options: dict | None = None  # the profile asked for, until it stops
+        self._prof: torch.profiler.profile | None = None
+        self._start_at = self._stop_at = None
+        self._path = ""
+        self._waiting_id: int | None = None  # a start request answered when the profile stops
+
+    def start(self, options: dict, req_id: int) -> list[ProfileReqOutput]:
+        if self._options is not None:
+            return [ProfileReqOutput(req_id, False, "profiling is already in progress: call /stop_profile first")]
+        bad = check_profile_options(options, self.device.type)
+        if bad is not None:
+            return [ProfileReqOutput(req_id, False, bad[1])]
+        output_dir = options.get("output_dir") or default_output_dir()
+        try:
+            os.makedirs(output_dir, exist_ok=True)
+        except OSError as exc:
+            return [ProfileReqOutput(req_id, False, f"output_dir: cannot create {output_dir!r}: {exc.strerror}")]
+        if not os.access(output_dir, os.W_OK):
+            return [ProfileReqOutput(req_id, False, f"output_dir: {output_dir!r} is not writable")]
+        name = (options.get("profile_prefix") or "") + (options.get("profile_id") or str(time.time()))
+        self._path = os.path.join(output_dir, f"{name}-{self.rank_name}.trace.json.gz")
+        self._options = options
+        start_step, num_steps = _steps(options.get("start_step")), _steps(options.get("num_steps"))
+        self._start_at = max(start_step, self.steps) if start_step is not None else self.steps
+        self._stop_at = self._start_at + num_steps if num_steps else None
+        if self._stop_at is not None:
+            self._waiting_id = req_id
+        if self._start_at <= self.steps:
+            self._begin()
+        if self._waiting_id is not None:
+            return []
+        return [ProfileReqOutput(req_id, True, "Start profiling.\n")]
+
+    def _begin(self) -> None:
+        default = ["CPU", "GPU"] if self.device.type == "cuda" else ["CPU"]
+        names = self._options.get("activities") or default
+        kinds = {"CPU": torch.profiler.ProfilerActivity.CPU, "GPU": torch.profiler.ProfilerActivity.CUDA}
+        self._prof = torch.profiler.profile(
+            activities=[kinds[n] for n in names if n in kinds] or [kinds["CPU"]],
+            record_shapes=bool(self._options.get("record_shapes")),
+            with_stack=bool(self._options.get("with_stack")),
+            profile_memory="MEM" in names,
+        )
+        self._prof.start()
+        logger.info("profiling started (%s), trace to %s", ", ".join(names), self._path)
+
+    def step(self) -> list[ProfileReqOutput]:
+        """After a scheduler step: start a profile due at this step, or end one that has run its steps."""
+        self.steps += 1
+        if self._options is None:
+            return []
+        if self._prof is None and self.steps >= self._start_at:
+            self._begin()
+        if self._stop_at is not None and self.steps >= self._stop_at:
+            return self._end()
+        return []
+
+    def stop(self, req_id: int) -> list[ProfileReqOutput]:
+        if self._options is None:
+            return [ProfileReqOutput(req_id, False, "profiling is not in progress: call /start_profile first")]
+        return self._end(req_id)
+
+    def _end(self, stop_id: int | None = None) -> list[ProfileReqOutput]:
+        """Write the trace (if the profile began) and answer the waiting start and the stop."""
+        prof, self._prof, self._options = self._prof, None, None
+        message = "Stop profiling: no step ran, no trace written.\n"
+        if prof is not None:
+            prof.stop()
+            prof.export_chrome_trace(self._path)
+            logger.info("profiling stopped, trace written to %s", self._path)
+            message = f"Stop profiling. Trace written to {self._path}\n"
+        replies = [ProfileReqOutput(i, True, message) for i in (self._waiting_id, stop_id) if i is not None]
+        self._waiting_id = None
+        return replies
