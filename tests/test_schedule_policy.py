@@ -40,10 +40,11 @@ class Pools:
         present = self.cache.insert(key, slots)
         self.alloc.free(slots[:present])
 
-    def adder(self, running=(), ratio=0.5, max_prefill=10_000, chunk=-1, max_new_reqs=16, available=None):
+    def adder(self, running=(), ratio=0.5, max_prefill=10_000, chunk=-1, max_new_reqs=16, available=None,
+              decode_tokens=0):
         available = self.alloc.available_size() if available is None else available
         return PrefillAdder(self.cache, available, list(running), ratio, max_prefill, chunk, max_new_reqs,
-                            self.page_size)
+                            self.page_size, decode_tokens)
 
 
 def req(ids, max_new_tokens=16, rid=None, output=0):
@@ -248,6 +249,22 @@ def test_a_long_prompt_is_cut_at_whole_pages_and_continues_next_round():
     cont.add_chunked_req(long)
     assert (long.extend_input_len, long.is_chunked, cont.new_chunked_req) == (22, False, None)
     assert cont.can_run == [long]
+
+
+def test_decodes_riding_a_mixed_step_take_their_share_of_the_chunk_and_prefill_budget():
+    p = Pools(page_size=4)
+    running = [req(seq(8, 5000 + 100 * i), output=1) for i in range(10)]
+    long = req(seq(100, 1000))
+    adder = p.adder(running=running, chunk=40, decode_tokens=len(running))
+    adder.add_one_req(long)
+    assert long.extend_input_len == 28  # 40 - 10 riders = 30, cut to whole pages
+    capped = p.adder(running=running, max_prefill=30, decode_tokens=len(running))
+    assert capped.add_one_req(req(seq(16, 2000))) == AddResult.CONTINUE  # 30 - 10 riders: 20 prompt tokens
+    assert capped.add_one_req(req(seq(8, 3000))) == AddResult.OTHER  # 4 left
+    crowded = p.adder(running=running, chunk=8, decode_tokens=len(running))
+    other = req(seq(100, 4000))
+    crowded.add_one_req(other)
+    assert other.extend_input_len == 4, "more riders than the chunk: the prompt still advances a page a step"
 
 
 def test_every_cut_of_a_chunked_prompt_is_page_aligned():

@@ -141,7 +141,13 @@ class AddResult(enum.Enum):
 class PrefillAdder:
     """Admits waiting requests into one prefill batch within the KV budget
     (free + evictable, minus the estimated future output of running
-    requests), ``max_prefill_tokens`` and ``chunked_prefill_size``."""
+    requests), ``max_prefill_tokens`` and ``chunked_prefill_size``.
+
+    ``decode_tokens`` is the number of running requests that will decode in
+    the same forward (``--enable-mixed-chunk``): as in SGLang, they take
+    their share of the step's token budget, so the prompt tokens shrink by as
+    many (down to one page, so that prompts still advance under a running
+    batch as large as the chunk)."""
 
     def __init__(
         self,
@@ -153,6 +159,7 @@ class PrefillAdder:
         chunked_prefill_size: int,
         max_new_reqs: int,
         page_size: int,
+        decode_tokens: int = 0,
     ):
         self.tree_cache = tree_cache
         self.page_size = page_size
@@ -160,8 +167,9 @@ class PrefillAdder:
         self.rem_total = available_tokens + tree_cache.evictable_size()
         self.rem_total -= sum(self.future_tokens(r) + page_size for r in running)
         self.idle = not running
-        self.rem_input = max_prefill_tokens
-        self.rem_chunk = chunked_prefill_size if chunked_prefill_size > 0 else 1 << 62
+        self.rem_input = max(max_prefill_tokens - decode_tokens, page_size)
+        chunk = chunked_prefill_size if chunked_prefill_size > 0 else 1 << 62
+        self.rem_chunk = max(chunk - decode_tokens, page_size)
         self.max_new_reqs = max_new_reqs
         self.can_run: list[Req] = []
         self.new_chunked_req: Req | None = None

@@ -214,9 +214,10 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
         # last decode is in flight still hold their rows.
         free_rows = (self.max_running - len(self.running_batch) - len(self._deferred)
                      - len(self.disagg.holding() if self.disagg is not None else []))
+        riders = len(self.running_batch) if self.args.enable_mixed_chunk else 0  # see PrefillAdder
         adder = PrefillAdder(
             self.tree_cache, self.allocator.available_size(), self.running_batch.reqs, self.new_token_ratio,
-            self.args.max_prefill_tokens, self.chunk_size, max(free_rows, 0), self.page_size,
+            self.args.max_prefill_tokens, self.chunk_size, max(free_rows, 0), self.page_size, riders,
         )
         continuing = self.chunked_req
         if continuing is not None:
