@@ -91,11 +91,6 @@ def build_scheduler(args: ServerArgs, tp_rank: int = 0, dist_init_method: str | 
     model_config = resolve_model(args.model_path, args.load_format, args.dtype, device, args.tokenizer_path,
                                  args.model_overrides())
     runner = build_model_runner(args, model_config, tp_rank, dist_init_method, dp_rank)
-    if device != "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # The host only builds batches from here on: small tensor ops that
-        # torch would spread over every core, where one descheduled thread
-        # stalls the op for milliseconds while the GPU waits (as vLLM, one thread).
-        torch.set_num_threads(1)
     tokenizer = load_tokenizer(model_config)
     publisher = kv_event_publisher(args, tp_rank, dp_rank)
     return Scheduler(args, runner, tokenizer, eos_token_ids(model_config, tokenizer), publisher)

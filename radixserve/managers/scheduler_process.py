@@ -11,9 +11,11 @@ decisions. Only rank 0 answers and sends tokens to the detokenizer."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import msgpack
+import torch
 import zmq
 
 from radixserve.managers.child_process import ParentWatch, zmq_context
@@ -229,6 +231,12 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str | None, send_a
         from radixserve.managers.scheduler_factory import build_scheduler
 
         scheduler = build_scheduler(server_args, tp_rank, dist_init_method, dp_rank)
+        if scheduler.device.type != "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # The host only builds batches from here on: small tensor ops that
+            # torch would spread over every core, which this server's other
+            # processes also use; one descheduled thread stalls such an op for
+            # milliseconds while the GPU waits. One thread, as vLLM's workers.
+            torch.set_num_threads(1)
         proc = SchedulerProcess(scheduler, recv_addr, send_addr, watch, dp_rank)
         runner = scheduler.model_runner
         ready.send({
