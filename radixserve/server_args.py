@@ -231,7 +231,7 @@ class ServerArgs:
             raise ValueError(f"disaggregation_bootstrap_port must be a port, got {self.disaggregation_bootstrap_port}")
         if self.disaggregation_mode == "null":
             return
-        # any --tp-size: a peer server of another tp size is refused when the ranks pair (only they see it)
+        # any --tp-size: each server its own (disaggregation/head_map.py maps the KV heads between them)
         for flag, unsupported in (("--dp-size > 1", self.dp_size > 1), ("--nnodes > 1", self.nnodes > 1)):
             if unsupported:
                 raise ValueError(f"disaggregation_mode: {self.disaggregation_mode} is not supported with {flag} yet")
