@@ -8,7 +8,7 @@ import json
 
 import torch
 
-from radixserve.managers.profiler import StepProfiler, check_profile_options
+from radixserve.managers.profiler import StepProfiler, check_profile_options, phase
 
 
 def work():
@@ -58,3 +58,20 @@ def test_options_sglang_clients_leave_unset_are_accepted_and_real_ones_it_lacks_
     assert check_profile_options({"profile_stages": ["prefill"]}, "cpu")[0] == "profile_stages"
     assert check_profile_options({"activities": ["GPU"]}, "cuda:0") is None
     assert check_profile_options({"profile_prefix": "a/b"}, "cpu")[0] == "profile_prefix"
+
+
+def test_phases_are_named_in_the_trace_only_while_a_profile_records(tmp_path):
+    @phase("scheduler.test_phase")
+    def step_work(x):
+        work()
+        return x + 1
+
+    with torch.profiler.profile() as outside:  # someone else's profile: our phases stay unnamed
+        assert step_work(1) == 2
+    assert "scheduler.test_phase" not in {e.name for e in outside.events()}
+    prof = StepProfiler("TP-0", torch.device("cpu"))
+    prof.start({"output_dir": str(tmp_path), "profile_id": "ph", "num_steps": 1}, 1)
+    assert step_work(2) == 3
+    prof.step()
+    trace = json.loads(gzip.open(tmp_path / "ph-TP-0.trace.json.gz").read())
+    assert "scheduler.test_phase" in {e.get("name") for e in trace["traceEvents"]}

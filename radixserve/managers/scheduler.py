@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-from torch.profiler import record_function
 
 from radixserve.managers.decode_sampling import DecodeSamplingState
 from radixserve.managers.disagg_decode import DecodeDisaggregation
 from radixserve.managers.disagg_prefill import PrefillDisaggregation
 from radixserve.managers.grammar_queue import GrammarQueue
+from radixserve.managers.profiler import phase
 from radixserve.managers.schedule_batch import KVPools, Req, ScheduleBatch
 from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
 from radixserve.managers.scheduler_input_mixin import SchedulerInputMixin
@@ -193,7 +193,7 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
             return True
         return self.allocator.available_size() < self.pools.decode_pages_needed(self.running_batch.reqs)
 
-    @record_function("scheduler.next_batch")  # names the phase in /start_profile traces
+    @phase("scheduler.next_batch")
     def _next_batch(self) -> ScheduleBatch | None:
         """A prefill if one can be admitted, else a decode of the running requests."""
         batch = self._get_new_batch_prefill()
@@ -277,7 +277,7 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
             self._finished_outside_batch.append(cut)
 
     # -- running a batch ----------------------------------------------------------
-    @record_function("scheduler.launch_forward")  # names the phase in /start_profile traces
+    @phase("scheduler.launch_forward")
     def _launch_forward(self, schedule_batch: ScheduleBatch) -> Launched:
         """Queue the forward of a prepared batch (``_launch_sample`` follows).
         A decode's sampling state is the running batch's; a mixed batch's is
@@ -309,7 +309,7 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
         self.stats.forward_ct += 1
         return Launched(reqs, forward, decoding_ids)
 
-    @record_function("scheduler.launch_sample")  # names the phase in /start_profile traces
+    @phase("scheduler.launch_sample")
     def _launch_sample(self, launched: Launched) -> None:
         """Queue the sampling of a launched forward. A batch with grammars
         gets its token mask here, from the matchers as they are now (see ``step``)."""

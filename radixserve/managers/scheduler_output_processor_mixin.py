@@ -7,11 +7,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from torch.profiler import record_function
-
 from radixserve.layers.sampler import SampleOutput
 from radixserve.managers.disagg_prefill import PrefillDisaggregation
 from radixserve.managers.input_logprobs import record_input_logprobs
+from radixserve.managers.profiler import phase
 from radixserve.managers.schedule_batch import FinishReason, Req
 from radixserve.managers.tp_worker import QueuedForward, QueuedSample
 from radixserve.model_executor.forward_batch_info import ForwardMode
@@ -37,7 +36,7 @@ class Launched:
 class SchedulerOutputProcessorMixin:
     """Result processing of :class:`Scheduler` (whose state it uses)."""
 
-    @record_function("scheduler.process")  # names the phase in /start_profile traces
+    @phase("scheduler.process")
     def _process(self, launched: Launched) -> list[Req]:
         """Wait for a launched batch and apply its results to its requests."""
         next_ids = launched.sampled.wait()
