@@ -231,10 +231,10 @@ class ServerArgs:
             raise ValueError(f"disaggregation_bootstrap_port must be a port, got {self.disaggregation_bootstrap_port}")
         if self.disaggregation_mode == "null":
             return
-        # any --tp-size: each server its own (disaggregation/head_map.py maps the KV heads between them)
-        for flag, unsupported in (("--dp-size > 1", self.dp_size > 1), ("--nnodes > 1", self.nnodes > 1)):
-            if unsupported:
-                raise ValueError(f"disaggregation_mode: {self.disaggregation_mode} is not supported with {flag} yet")
+        # any --tp-size and --dp-size: each server its own (disaggregation/head_map.py maps the KV heads
+        # between the tp sizes; a prefill server serves room r on replica r % dp_size, where the decode side looks)
+        if self.nnodes > 1:
+            raise ValueError(f"disaggregation_mode: {self.disaggregation_mode} is not supported with --nnodes > 1 yet")
 
     def local_tp_ranks(self) -> range:
         """The TP ranks this node runs (rank 0, which talks to the tokenizer

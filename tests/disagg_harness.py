@@ -31,7 +31,7 @@ def model_kv(seed: int, num_kv_heads: int = HEADS) -> list[torch.Tensor]:
 
 
 def make_kv_args(role: str, seed: int, device: str = "cpu", tp_rank: int = 0, tp_size: int = 1,
-                 num_kv_heads: int = HEADS):
+                 num_kv_heads: int = HEADS, dp_rank: int = 0, dp_size: int = 1):
     from radixserve.disaggregation import KVArgs, MetadataBuffers
     from radixserve.disaggregation.head_map import rank_kv_heads
 
@@ -42,19 +42,19 @@ def make_kv_args(role: str, seed: int, device: str = "cpu", tp_rank: int = 0, tp
         bufs = [torch.zeros((SLOTS, len(heads), DIM), device=device) for _ in range(2 * LAYERS)]
     meta = MetadataBuffers(AUX_ROWS, TOP_LOGPROBS)
     args = KVArgs(bufs[:LAYERS], bufs[LAYERS:], page_size=PAGE_SIZE, aux_buffers=meta.buffers, tp_rank=tp_rank,
-                  tp_size=tp_size, num_kv_heads=num_kv_heads)
+                  tp_size=tp_size, num_kv_heads=num_kv_heads, dp_rank=dp_rank, dp_size=dp_size)
     return args, meta
 
 
 class _Worker:
-    def __init__(self, role: str, bootstrap_addr: str, config: dict, seed: int, device: str, tp: tuple):
+    def __init__(self, role: str, bootstrap_addr: str, config: dict, seed: int, device: str, tp: tuple, dp: tuple):
         from radixserve.disaggregation import KVTransferConfig
         from radixserve.disaggregation.torch_dist import TorchDistKVManager
 
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
         self.role = role
-        self.args, self.meta = make_kv_args(role, seed, device, *tp)
+        self.args, self.meta = make_kv_args(role, seed, device, *tp, *dp)
         self.mgr = TorchDistKVManager(self.args, role, KVTransferConfig(**config),
                                       bootstrap_addr=bootstrap_addr if role == "prefill" else None)
         self.halves = {}
@@ -109,10 +109,11 @@ class _Worker:
         return self.meta.get(index)
 
 
-def worker_main(conn, role: str, bootstrap_addr: str, config: dict, seed: int, device: str, tp: tuple) -> None:
+def worker_main(conn, role: str, bootstrap_addr: str, config: dict, seed: int, device: str, tp: tuple,
+                dp: tuple) -> None:
     """A worker process: build the manager, then answer commands until "exit"."""
     logging.basicConfig(level=logging.WARNING, format=f"{role}[%(process)d] %(name)s: %(message)s")
-    worker = _Worker(role, bootstrap_addr, config, seed, device, tp)
+    worker = _Worker(role, bootstrap_addr, config, seed, device, tp, dp)
     conn.send(("ok", os.getpid()))
     while True:
         cmd, kwargs = conn.recv()
@@ -129,13 +130,13 @@ def worker_main(conn, role: str, bootstrap_addr: str, config: dict, seed: int, d
 
 class Worker:
     """The test's handle on one worker process; ``tp`` is its (TP rank, tp
-    size, the model's KV heads)."""
+    size, the model's KV heads), ``dp`` its (dp group, dp size)."""
 
     def __init__(self, ctx, role: str, bootstrap_addr: str, config: dict, seed: int = 0, device: str = "cpu",
-                 tp: tuple[int, int, int] = (0, 1, HEADS)):
+                 tp: tuple[int, int, int] = (0, 1, HEADS), dp: tuple[int, int] = (0, 1)):
         self.role = role
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=worker_main, args=(child, role, bootstrap_addr, config, seed, device, tp),
+        self.proc = ctx.Process(target=worker_main, args=(child, role, bootstrap_addr, config, seed, device, tp, dp),
                                 daemon=True)
         self.proc.start()
         child.close()

@@ -7,6 +7,7 @@ scheduler's figures that say where a request stands."""
 from __future__ import annotations
 
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -71,10 +72,29 @@ def abort_message(out: httpx.Response) -> str:
     return reason["message"]
 
 
+def replica_states(srv: ServerProcess) -> list[dict]:
+    """The scheduler state of each of the server's ``--dp-size`` replicas, in dp-rank order."""
+    return httpx.get(srv.url + "/get_server_info", headers=srv.headers(), timeout=10).json()["internal_states"]
+
+
+def kv_used(srv: ServerProcess) -> int:
+    """The KV tokens the server's replicas hold, together."""
+    return sum(state["kv_used"] for state in replica_states(srv))
+
+
+def scheduler_pids(srv: ServerProcess) -> list[int]:
+    """The server's scheduler processes in launch order: replica by replica, each's TP ranks in order."""
+    return [pid for role, pid in srv.children().items() if role.startswith("scheduler")]
+
+
 def assert_memory_ok(*procs: ServerProcess, timeout: float = 60) -> None:
-    """Each server goes idle within ``timeout`` s (nothing running, waiting
-    or in transfer) with its memory invariant holding."""
+    """Every replica of each server goes idle within ``timeout`` s (nothing
+    running, waiting or in transfer) with its memory invariant holding."""
     for proc in procs:
-        state = proc.wait_idle(timeout)
-        assert state["memory_check"] == "ok", (proc.url, state["memory_check"])
-        assert state["running"] == state["waiting"] == 0, (proc.url, state)
+        deadline, states = time.monotonic() + timeout, replica_states(proc)
+        while any(state["memory_check"] == "busy" for state in states) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            states = replica_states(proc)
+        for state in states:
+            assert state["memory_check"] == "ok", (proc.url, state.get("dp_rank"), state["memory_check"])
+            assert state["running"] == state["waiting"] == 0, (proc.url, state)

@@ -59,6 +59,22 @@ def test_cache_aware_falls_back_to_the_shortest_queue_when_unbalanced():
     assert placed[33] != placed[0], "then the loads are unbalanced and the idle replica takes the next"
 
 
+def test_a_prefill_server_sends_a_room_to_replica_room_mod_dp_size():
+    """Whatever the method: the decode server computes the replica from the
+    room. Requests without a room, and rooms on other servers, follow the method."""
+    for method in ("round_robin", "shortest_queue", "cache_aware"):
+        dp = DataParallelController(3, method, by_room=True)
+        rooms, prompts = [5, 7, 9, 11, 2**63 - 1], [PREFIXES[1]] + [PREFIXES[0]] * 4
+        assert [dp.dispatch(f"r{i}", ids, room) for i, (ids, room) in enumerate(zip(prompts, rooms))] == [2, 1, 0, 2, 1]
+        assert dp.in_flight == [1, 2, 2] and dp.replica_of("r3") == 2
+        if method == "shortest_queue":
+            assert dp.dispatch("no-room", [1, 2]) == 0
+        if method == "cache_aware":  # the index learnt where room 5's prompt went (not the shortest queue)
+            assert dp.dispatch("no-room", PREFIXES[1] + [9]) == 2
+    dp = DataParallelController(3, "round_robin")  # a decode (or plain) server: rooms do not choose
+    assert [dp.dispatch(f"d{i}", [1], room) for i, room in enumerate([5, 5, 5, 5])] == [0, 1, 2, 0]
+
+
 def test_block_keys_chain_whole_blocks_only():
     ids = list(range(BLOCK_TOKENS * 2 + 5))
     keys = block_keys(ids)

@@ -35,7 +35,8 @@ import httpx
 import pytest
 
 from disagg_server_harness import (
-    DECODE_ARGS, GREEDY, PAGE_SIZE, PDPair, abort_message, assert_memory_ok, generate, model_args, prefill_args,
+    DECODE_ARGS, GREEDY, PAGE_SIZE, PDPair, abort_message, assert_memory_ok, generate, kv_used, model_args,
+    prefill_args,
 )
 from server_harness import ServerProcess, free_port, start_all, wait_for
 
@@ -111,13 +112,13 @@ def kv_in_flight(pd: PDPair, body: dict, pool: ThreadPoolExecutor, to_prefill=No
     ``pool``) and wait until the prefill server has sent its KV. Yields both
     halves (futures, or what ``to_prefill`` returned) with the transfer in
     flight; the decode server resumes after the block, unless it was killed."""
-    used = pd.decode.state()["kv_used"]
+    used = kv_used(pd.decode)
     decode = pool.submit(generate, pd.decode.url, body)
-    wait_state(pd.decode, lambda s: s["kv_used"] > used, "the decode server reserving the KV")
+    wait_for(lambda: kv_used(pd.decode) > used, FAULT_DEADLINE_S, "the decode server reserving the KV")
     with stopped(pd.decode):
-        used = pd.prefill.state()["kv_used"]
+        used = kv_used(pd.prefill)
         prefill = (to_prefill or (lambda url, b: pool.submit(generate, url, b)))(pd.prefill.url, body)
-        wait_state(pd.prefill, lambda s: s["kv_used"] > used, "the prefill server sending the KV")
+        wait_for(lambda: kv_used(pd.prefill) > used, FAULT_DEADLINE_S, "the prefill server sending the KV")
         assert not decode.done(), "the transfer is in flight"
         yield decode, prefill
 

@@ -98,12 +98,13 @@ def as_http(entries: list[tuple[float, int]]) -> list:
     return [[logprob, token, None] for logprob, token in entries]
 
 
-def assert_serves_tp1_output(pd: PDPair, tp1_outputs: list[dict]) -> None:
-    """The prompts through ``pd`` at once: the decode server's greedy output,
-    logprobs and top logprobs are the tp-1 engine's, and the prefill server
-    answers with the first token."""
+def assert_serves_tp1_output(pd: PDPair, tp1_outputs: list[dict],
+                             rooms: tuple[int | None, ...] = (None,) * len(PROMPTS)) -> None:
+    """The prompts through ``pd`` at once (in ``rooms``, new ones by
+    default): the decode server's greedy output, logprobs and top logprobs
+    are the tp-1 engine's, and the prefill server answers with the first token."""
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        replies = list(pool.map(lambda ids: pd.generate(ids, **LOGPROBS), PROMPTS))
+        replies = list(pool.map(lambda ids, room: pd.generate(ids, room=room, **LOGPROBS), PROMPTS, rooms))
     for want, (prefill, decode) in zip(tp1_outputs, replies):
         assert prefill.status_code == 200 and decode.status_code == 200, (prefill.text, decode.text)
         got = decode.json()

@@ -113,9 +113,10 @@ def handshake(prefill: Worker | list[Worker], decode: Worker | list[Worker], add
         assert rank.call("wait", room=room, states=["WaitingForInput", "Failed"], timeout=20)[0] == "WaitingForInput"
 
 
-def transfer_ok(prefill: Worker, decode: Worker, addr: str, src: list, dst: list) -> int:
-    """One whole transfer that must succeed with exact KV; returns its pair id."""
-    room = new_room()
+def transfer_ok(prefill: Worker, decode: Worker, addr: str, src: list, dst: list, room: int | None = None) -> tuple:
+    """One whole transfer (in ``room``, a new one by default) that must
+    succeed with exact KV; returns the ids of the pairs it went over."""
+    room = new_room() if room is None else room
     handshake(prefill, decode, addr, room, src, dst)
     prefill.call("send", room=room, pages=src)
     assert decode.call("wait", room=room, states=["Success", "Failed"], timeout=20)[::2] == ("Success", None)
@@ -452,12 +453,13 @@ def test_bootstrap_address_that_does_not_answer_gives_a_clear_error_in_bounded_t
 def test_bootstrap_routes():
     with KVBootstrapServer("127.0.0.1", 0) as server:
         assert check_health(server.address)
-        with pytest.raises(KVTransferError, match="has no prefill rank 1 .404"):
+        with pytest.raises(KVTransferError, match="has no prefill rank 1 of dp group 0 .404"):
             query_prefill_rank(server.address, 1)
         with pytest.raises(KVTransferError, match="refused the registration .400.*engine_rank 2 is not in"):
-            register_prefill_rank(server.address, {"engine_rank": 2, "tp_size": 2, "rank_ip": "127.0.0.1",
-                                                   "rank_port": 1234, "layout": {}})
-        entry = {"engine_rank": 1, "tp_size": 2, "rank_ip": "127.0.0.1", "rank_port": 1234, "layout": {"page_size": 2}}
+            register_prefill_rank(server.address, {"engine_rank": 2, "tp_size": 2, "dp_group": 0, "dp_size": 1,
+                                                   "rank_ip": "127.0.0.1", "rank_port": 1234, "layout": {}})
+        entry = {"engine_rank": 1, "tp_size": 2, "dp_group": 0, "dp_size": 1, "rank_ip": "127.0.0.1",
+                 "rank_port": 1234, "layout": {"page_size": 2}}
         register_prefill_rank(server.address, entry)
         register_prefill_rank(server.address, {**entry, "rank_port": 4321})  # a restarted rank replaces its entry
         assert query_prefill_rank(server.address, 1) == {"role": "Prefill", **entry, "rank_port": 4321}

@@ -80,7 +80,10 @@ class KVArgs:
     them in place. ``aux_buffers`` are indexed by a request's ``aux_index``
     on dim 0 (see :class:`MetadataBuffers`). ``transfer_host``/``transfer_port``
     is where this rank can be reached by its peers (on the prefill side it
-    listens there; port 0 picks a free one).
+    listens there; port 0 picks a free one). ``dp_rank`` of ``dp_size``: the
+    server's data-parallel replica this rank belongs to; a prefill rank
+    registers under it (its *dp group*), and a room's KV is on group
+    ``room % dp_size``.
     """
 
     k_buffers: list[torch.Tensor]
@@ -92,6 +95,8 @@ class KVArgs:
     transfer_host: str = "127.0.0.1"
     transfer_port: int = 0
     num_kv_heads: int | None = None
+    dp_rank: int = 0
+    dp_size: int = 1
 
     def __post_init__(self):
         bufs = self.kv_buffers
@@ -110,6 +115,8 @@ class KVArgs:
             raise ValueError("aux buffers must be contiguous")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank must be in [0, {self.dp_size}), got {self.dp_rank}")
         if self.num_kv_heads is None:
             self.num_kv_heads = self.local_kv_heads * self.tp_size
         held = len(rank_kv_heads(self.num_kv_heads, self.tp_size, self.tp_rank))

@@ -2,14 +2,17 @@
 and the client calls that prefill and decode ranks make to it.
 
 As in SGLang, it is a small HTTP server whose ``/route`` endpoint is a
-directory of prefill ranks:
+directory of prefill ranks, keyed by (dp group, TP rank): a prefill server
+of ``--dp-size`` D runs D replicas (dp groups) of ``--tp-size`` ranks each.
 
 - ``PUT /route`` (JSON body): a prefill rank registers where it listens:
-  ``{"role": "Prefill", "engine_rank", "tp_size", "rank_ip", "rank_port",
-  "layout"}``. A rank that registers again (a restarted process) replaces its
-  entry.
-- ``GET /route?engine_rank=R``: a decode rank looks up prefill rank R; the
-  answer is the registered JSON, 404 when R has not registered.
+  ``{"role": "Prefill", "engine_rank", "tp_size", "dp_group", "dp_size",
+  "rank_ip", "rank_port", "layout"}`` (``engine_rank``: its TP rank). A rank
+  that registers again (a restarted process) replaces its entry.
+- ``GET /route?engine_rank=R&target_dp_group=G`` (G is 0 when absent): a
+  decode rank looks up rank R of dp group G; the answer is the registered
+  JSON, 404 until it has registered. The entry of (0, 0) tells a decode rank
+  the prefill server's dp size, tp size and KV layout.
 - ``GET /health``: 200 ``OK``.
 
 The server runs on the standard library's ``ThreadingHTTPServer`` in a
@@ -33,7 +36,8 @@ from radixserve.disaggregation.base import BaseKVBootstrapServer, KVTransferErro
 
 logger = logging.getLogger(__name__)
 
-_REGISTRATION_FIELDS = {"engine_rank": int, "tp_size": int, "rank_ip": str, "rank_port": int, "layout": dict}
+_REGISTRATION_FIELDS = {"engine_rank": int, "tp_size": int, "dp_group": int, "dp_size": int, "rank_ip": str,
+                        "rank_port": int, "layout": dict}
 _MAX_BODY_BYTES = 1 << 20
 
 
@@ -53,7 +57,7 @@ class KVBootstrapServer(BaseKVBootstrapServer):
 
     def __init__(self, host: str, port: int):
         self._lock = threading.Lock()
-        self._ranks: dict[int, dict] = {}
+        self._ranks: dict[tuple[int, int], dict] = {}  # by (dp group, TP rank)
         self._httpd = (_V6Server if ":" in host else _Server)((host, port), _make_handler(self))
         self.host = host
         self.port = self._httpd.server_address[1]
@@ -79,12 +83,13 @@ class KVBootstrapServer(BaseKVBootstrapServer):
 
     def _register(self, info: dict) -> None:
         with self._lock:
-            self._ranks[info["engine_rank"]] = info
-        logger.info("prefill rank %d registered at %s:%d", info["engine_rank"], info["rank_ip"], info["rank_port"])
+            self._ranks[info["dp_group"], info["engine_rank"]] = info
+        logger.info("prefill rank %d of dp group %d registered at %s:%d", info["engine_rank"], info["dp_group"],
+                    info["rank_ip"], info["rank_port"])
 
-    def _lookup(self, engine_rank: int) -> dict | None:
+    def _lookup(self, dp_group: int, engine_rank: int) -> dict | None:
         with self._lock:
-            return self._ranks.get(engine_rank)
+            return self._ranks.get((dp_group, engine_rank))
 
 
 def _make_handler(server: KVBootstrapServer) -> type[BaseHTTPRequestHandler]:
@@ -97,13 +102,14 @@ def _make_handler(server: KVBootstrapServer) -> type[BaseHTTPRequestHandler]:
                 return self._reply(200, "OK")
             if url.path != "/route":
                 return self._reply(404, f"no route {url.path}")
+            query = parse_qs(url.query)
             try:
-                rank = int(parse_qs(url.query)["engine_rank"][0])
+                rank, group = int(query["engine_rank"][0]), int(query.get("target_dp_group", ["0"])[0])
             except (KeyError, ValueError):
-                return self._reply(400, "GET /route needs an integer engine_rank")
-            info = server._lookup(rank)
+                return self._reply(400, "GET /route needs an integer engine_rank (and target_dp_group, if any)")
+            info = server._lookup(group, rank)
             if info is None:
-                return self._reply(404, f"prefill rank {rank} has not registered")
+                return self._reply(404, f"{rank_name(rank, group)} has not registered")
             return self._reply(200, json.dumps(info), "application/json")
 
         def do_PUT(self):
@@ -139,11 +145,17 @@ def _validate_registration(info) -> dict:
     for name, kind in _REGISTRATION_FIELDS.items():
         if not isinstance(info.get(name), kind) or isinstance(info.get(name), bool):
             raise ValueError(f"{name} must be {kind.__name__}, got {info.get(name)!r}")
-    if not 0 <= info["engine_rank"] < info["tp_size"]:
-        raise ValueError(f"engine_rank {info['engine_rank']} is not in [0, {info['tp_size']})")
+    for rank, size in (("engine_rank", "tp_size"), ("dp_group", "dp_size")):
+        if not 0 <= info[rank] < info[size]:
+            raise ValueError(f"{rank} {info[rank]} is not in [0, {info[size]})")
     if not 0 < info["rank_port"] < 65536:
         raise ValueError(f"rank_port {info['rank_port']} is not a port")
     return {name: info[name] for name in ("role", *_REGISTRATION_FIELDS)}
+
+
+def rank_name(engine_rank: int, dp_group: int) -> str:
+    """How errors and logs name prefill rank ``engine_rank`` of ``dp_group``."""
+    return f"prefill rank {engine_rank} of dp group {dp_group}"
 
 
 def join_address(host: str, port: int) -> str:
@@ -190,16 +202,32 @@ def register_prefill_rank(addr: str, info: dict, timeout_s: float = 5.0) -> None
         raise KVTransferError(f"bootstrap server at {addr} refused the registration ({status}): {body.decode(errors='replace')}")
 
 
-def query_prefill_rank(addr: str, engine_rank: int, timeout_s: float = 5.0) -> dict:
-    """The entry prefill rank ``engine_rank`` registered at ``addr``."""
-    status, body = _request(addr, "GET", f"/route?engine_rank={int(engine_rank)}", None, timeout_s)
+def query_prefill_rank(addr: str, engine_rank: int, dp_group: int = 0, timeout_s: float = 5.0) -> dict:
+    """The entry prefill rank ``engine_rank`` of ``dp_group`` registered at ``addr``."""
+    path = f"/route?engine_rank={int(engine_rank)}&target_dp_group={int(dp_group)}"
+    status, body = _request(addr, "GET", path, None, timeout_s)
     if status != 200:
-        raise KVTransferError(f"bootstrap server at {addr} has no prefill rank {engine_rank} ({status}): {body.decode(errors='replace')}")
+        raise KVTransferError(f"bootstrap server at {addr} has no {rank_name(engine_rank, dp_group)} ({status}): "
+                              f"{body.decode(errors='replace')}")
     try:
         info = json.loads(body)
         return _validate_registration(info)
     except ValueError as e:
         raise KVTransferError(f"bootstrap server at {addr} answered with a bad entry: {e}") from None
+
+
+def wait_for_prefill_rank(addr: str, engine_rank: int, dp_group: int, deadline: float, http_timeout_s: float,
+                          stop=lambda: False) -> dict:
+    """:func:`query_prefill_rank`, asked again while the rank has not
+    registered (a prefill server still starting) until ``deadline``
+    (``time.monotonic()``) or ``stop()``; then its 404 is raised."""
+    while True:
+        try:
+            return query_prefill_rank(addr, engine_rank, dp_group, http_timeout_s)
+        except KVTransferError as e:
+            if "(404)" not in e.reason or time.monotonic() > deadline or stop():
+                raise
+        time.sleep(0.2)
 
 
 def check_health(addr: str, timeout_s: float = 5.0) -> bool:

@@ -1,14 +1,17 @@
-"""A decode rank's link to one prefill server, for the torch.distributed backend.
+"""A decode rank's link to one dp group of a prefill server, for the
+torch.distributed backend.
 
-One :class:`DecodeLink` per prefill bootstrap address, shared by the receivers
-of every request bound there. Its thread does the handshake and then listens:
+One :class:`DecodeLink` per prefill bootstrap address and dp group (the
+prefill server's replica that serves the rooms ``room % dp_size == group``;
+``decode_links.py`` keeps them), shared by the receivers of every request
+bound there. Its thread does the handshake and then listens:
 
-1. ``GET /route?engine_rank=0`` on the bootstrap server: the prefill server's
-   tp size and KV layout, which must fit ours (``layout_mismatch``: dtype,
-   page size, layers, head dims, the model's KV heads); then this decode
-   rank's *sources* (``head_map.decode_sources``): the prefill ranks it takes
-   heads from, and those it only tells of its rooms;
-2. for each source, ``GET /route?engine_rank=R``; connect to that rank's
+1. ``GET /route?engine_rank=0&target_dp_group=G`` on the bootstrap server:
+   the group's tp size and KV layout, which must fit ours
+   (``layout_mismatch``: dtype, page size, layers, head dims, the model's KV
+   heads); then this decode rank's *sources* (``head_map.decode_sources``):
+   the group's ranks it takes heads from, and those it only tells of its rooms;
+2. for each source, ``GET /route?engine_rank=R&target_dp_group=G``; connect to that rank's
    ``TCPStore``, take a pair number ``n`` (``add("pairs", 1)``) and push
    ``{"t": "pair", "pair": n, "rank": ours}`` on its control queue; both
    sides then build pair group ``n`` (:class:`PairGroup`, decode is rank 1);
@@ -23,10 +26,10 @@ sends (its heads, the aux row or not) and how many decode ranks register the
 room there, so a receiver's ``init()`` never waits on the network. Any
 failure of the link (a store gone, a pair dead) fails every receiver bound
 to it; the manager then drops it, and the next receiver bound to that
-address forms a new link and new pairs. A link refused at the handshake (a
-KV layout that cannot be received here) tells prefill rank 0 that its
-receivers' rooms will not come; the prefill server's ranks agree on it, so
-the prefill halves end at once too.
+group forms a new link and new pairs (the links to the server's other groups
+live on). A link refused at the handshake (a KV layout that cannot be
+received here) tells the group's rank 0 that its receivers' rooms will not
+come; the group's ranks agree on it, so the prefill halves end at once too.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from radixserve.disaggregation.base import KVTransferError, layout_mismatch
-from radixserve.disaggregation.bootstrap import query_prefill_rank
+from radixserve.disaggregation.bootstrap import rank_name, wait_for_prefill_rank
 from radixserve.disaggregation.head_map import HeadSlice, decode_sources, registrations_expected
 from radixserve.disaggregation.pair_group import DECODE_RANK, PairGroup, short_error
 
@@ -106,19 +109,24 @@ class _Source:
 class DecodeLink:
     """See the module docstring. Built by the decode manager; starts its thread at once."""
 
-    def __init__(self, mgr: TorchDistKVManager, bootstrap_addr: str, first: TorchDistKVReceiver):
+    def __init__(self, mgr: TorchDistKVManager, bootstrap_addr: str, dp_group: int, dp_size: int,
+                 first: TorchDistKVReceiver):
         self.mgr = mgr
-        self.bootstrap_addr = bootstrap_addr
+        self.bootstrap_addr, self.dp_group, self.dp_size = bootstrap_addr, dp_group, dp_size
         self._sources: list[_Source] = []  # grows as pairs form
         self._paired = False  # every source's pair formed
-        self._route: dict | None = None  # prefill rank 0's bootstrap entry, once looked up
+        self._route: dict | None = None  # the group's rank 0's bootstrap entry, once looked up
         self._failure: str | None = None
         self._closed = False
         self._lock = threading.Lock()
         self._receivers: dict[int, TorchDistKVReceiver] = {first.room: first}  # bound, by room
         self._outbox: queue.Queue = queue.Queue()
-        self._threads = [threading.Thread(target=self._run, name=f"kv-link-{bootstrap_addr}", daemon=True)]
+        self._threads = [threading.Thread(target=self._run, name=f"kv-link-{bootstrap_addr}-{dp_group}", daemon=True)]
         self._threads[0].start()
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.bootstrap_addr, self.dp_group
 
     @property
     def ready(self) -> bool:
@@ -161,7 +169,8 @@ class DecodeLink:
             self._connect()
         except Exception as e:  # noqa: BLE001  any failure to pair is this link's failure
             reason = e.reason if isinstance(e, KVTransferError) else short_error(e)
-            rooms = self.fail(f"could not pair with the prefill server behind {self.bootstrap_addr}: {reason}")
+            rooms = self.fail(f"could not pair with the prefill server behind {self.bootstrap_addr} "
+                              f"(dp group {self.dp_group}): {reason}")
             self._refuse(rooms, reason)
             return
         threading.Thread(target=self._push_loop, name=f"kv-link-{self.bootstrap_addr}-out", daemon=True).start()
@@ -176,6 +185,9 @@ class DecodeLink:
         args, cfg = self.mgr.args, self.mgr.config
         deadline = time.monotonic() + cfg.connect_timeout_s
         server = self._route = self._query_route(0, deadline)
+        if server["dp_size"] != self.dp_size:  # a prefill server restarted with another --dp-size
+            raise KVTransferError(f"it runs {server['dp_size']} dp groups, not the {self.dp_size} its rooms were "
+                                  "assigned by")
         mismatch = layout_mismatch(server["layout"], args.layout())
         if mismatch:
             raise KVTransferError(f"the prefill server's KV does not fit the decode server's: {mismatch}")
@@ -184,8 +196,8 @@ class DecodeLink:
             rank = heads.prefill_rank
             route = server if rank == 0 else self._query_route(rank, deadline)
             if (route["tp_size"], route["layout"]) != (prefill_tp, server["layout"]):
-                raise KVTransferError(f"prefill rank {rank} registered tp size {route['tp_size']} and KV layout "
-                                      f"{route['layout']}, prefill rank 0 {prefill_tp} and {server['layout']}")
+                raise KVTransferError(f"{rank_name(rank, self.dp_group)} registered tp size {route['tp_size']} and "
+                                      f"KV layout {route['layout']}, its rank 0 {prefill_tp} and {server['layout']}")
             source = self._pair_with(heads, route, registrations_expected(args.num_kv_heads, prefill_tp,
                                                                          args.tp_size, rank))
             with self._lock:
@@ -194,14 +206,15 @@ class DecodeLink:
                     raise RuntimeError("the KV manager was closed")
         with self._lock:
             self._paired = True
-        logger.info("decode rank %d paired with prefill ranks %s behind %s (pairs %s)", args.engine_rank,
-                    [s.heads.prefill_rank for s in self._sources], self.bootstrap_addr, self.pair_ids)
+        logger.info("decode rank %d paired with prefill ranks %s of dp group %d behind %s (pairs %s)",
+                    args.engine_rank, [s.heads.prefill_rank for s in self._sources], self.dp_group,
+                    self.bootstrap_addr, self.pair_ids)
 
     def _pair_with(self, heads: HeadSlice, route: dict, expect: int) -> _Source:
         """Form the pair with the prefill rank of ``route`` (blocks until it joined)."""
         args, cfg = self.mgr.args, self.mgr.config
         host, port = route["rank_ip"], route["rank_port"]
-        name = f"prefill rank {heads.prefill_rank} behind {self.bootstrap_addr}"
+        name = f"{rank_name(heads.prefill_rank, self.dp_group)} behind {self.bootstrap_addr}"
         out_store = open_store(host, port, cfg.connect_timeout_s)
         pair_id = out_store.add("pairs", 1)
         out_store.queue_push(CONTROL_QUEUE, msgpack.packb({"t": "pair", "pair": pair_id, "rank": args.engine_rank}))
@@ -213,18 +226,13 @@ class DecodeLink:
         return _Source(heads, expect, name, out_store, ann_store, pair)
 
     def _query_route(self, rank: int, deadline: float) -> dict:
-        """Prefill rank ``rank``'s entry; a rank not registered yet (a prefill
-        server still starting) is asked again until ``deadline``."""
-        while True:
-            try:
-                return query_prefill_rank(self.bootstrap_addr, rank, self.mgr.config.http_timeout_s)
-            except KVTransferError as e:
-                if "(404)" not in e.reason or time.monotonic() > deadline or self._closed:
-                    raise
-            time.sleep(0.2)
+        """The entry of the group's rank ``rank`` (asked again until
+        ``deadline`` while it has not registered)."""
+        return wait_for_prefill_rank(self.bootstrap_addr, rank, self.dp_group, deadline,
+                                     self.mgr.config.http_timeout_s, stop=lambda: self._closed)
 
     def _refuse(self, rooms: list[int], reason: str) -> None:
-        """Tell prefill rank 0 that ``rooms`` will not be received (the link
+        """Tell the group's rank 0 that ``rooms`` will not be received (the link
         failed before pairing), so the prefill halves end now rather than at
         their bootstrap timeout. Best effort: an unreachable rank is not told."""
         if self._route is None or not rooms:
@@ -234,8 +242,8 @@ class DecodeLink:
             for room in rooms:
                 store.queue_push(CONTROL_QUEUE, msgpack.packb({"t": "abort", "room": room, "reason": reason}))
         except Exception as e:  # noqa: BLE001
-            logger.warning("could not tell the prefill server behind %s that %d rooms will not come: %s",
-                           self.bootstrap_addr, len(rooms), short_error(e))
+            logger.warning("could not tell dp group %d of the prefill server behind %s that %d rooms will not come: "
+                           "%s", self.dp_group, self.bootstrap_addr, len(rooms), short_error(e))
 
     def _push_loop(self) -> None:
         while (message := self._outbox.get()) is not None:

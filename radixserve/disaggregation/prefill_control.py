@@ -2,7 +2,8 @@
 
 :class:`PrefillControl` hosts the rank's ``TCPStore`` at its transfer address
 (the store every pair group of this rank rendezvouses on, and the queues of
-the protocol), registers that address with the bootstrap server, and runs a
+the protocol), registers that address with the bootstrap server under its
+dp group (its server's replica) and TP rank, and runs a
 thread that pops the control queue, where decode ranks push:
 
 - ``{"t": "pair", "pair": n, "rank"}``: form pair group ``n`` with decode
@@ -66,8 +67,9 @@ class PrefillControl:
         self._thread.start()
 
     def register_to_bootstrap(self) -> None:
-        info = {"engine_rank": self.args.engine_rank, "tp_size": self.args.tp_size, "rank_ip": self.args.transfer_host,
-                "rank_port": self.port, "layout": self.args.layout()}
+        args = self.args
+        info = {"engine_rank": args.engine_rank, "tp_size": args.tp_size, "dp_group": args.dp_rank,
+                "dp_size": args.dp_size, "rank_ip": args.transfer_host, "rank_port": self.port, "layout": args.layout()}
         register_prefill_rank(self.bootstrap_addr, info, self.config.http_timeout_s)
 
     def close(self) -> None:

@@ -4,10 +4,12 @@ prefill rank and a decode rank (gloo over TCP for CPU pools, NCCL for CUDA).
 Protocol (docs/disaggregation.md has the whole picture):
 
 - The prefill rank's :class:`PrefillControl` hosts a ``TCPStore`` at its
-  transfer address, registers it with the bootstrap server and pops the
-  store's control queue (pair requests, rooms' pages, aborts).
-- A decode rank keeps one :class:`DecodeLink` per bootstrap address: the
-  handshake, a pair group with each prefill rank it takes KV heads from (or
+  transfer address, registers it with the bootstrap server under its dp
+  group and TP rank, and pops the store's control queue (pair requests,
+  rooms' pages, aborts).
+- A decode rank keeps one :class:`DecodeLink` per bootstrap address and dp
+  group (room ``r`` lies on group ``r % dp_size``; :class:`DecodeLinks`): the
+  handshake, a pair group with each of the group's ranks it takes KV heads from (or
   only tells of its rooms, ``head_map.decode_sources``), their listeners.
   With the same tp size on both servers that is prefill rank r for decode
   rank r, with all its heads.
@@ -38,6 +40,7 @@ from radixserve.disaggregation.base import (
     KVTransferError, check_room,
 )
 from radixserve.disaggregation.decode_link import DecodeLink
+from radixserve.disaggregation.decode_links import DecodeLinks
 from radixserve.disaggregation.kv_messages import KVMessageLayout
 from radixserve.disaggregation.pair_group import PairGroup
 from radixserve.disaggregation.prefill_control import PrefillControl
@@ -57,10 +60,8 @@ class TorchDistKVManager(BaseKVManager):
         self.args, self.mode = args, DisaggregationMode(mode)
         self.config = config or KVTransferConfig()
         self.layout = KVMessageLayout(args, self.config.max_message_bytes)
-        self._lock = threading.Lock()
-        self._closed = False
         if self.mode == DisaggregationMode.DECODE:
-            self._links: dict[str, DecodeLink] = {}
+            self.links = DecodeLinks(self)
             return
         if self.mode != DisaggregationMode.PREFILL or bootstrap_addr is None:
             raise ValueError("a KV manager is for the prefill side (with a bootstrap_addr) or the decode side")
@@ -71,30 +72,14 @@ class TorchDistKVManager(BaseKVManager):
             self.control.register_to_bootstrap()
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
         if self.mode == DisaggregationMode.PREFILL:
             self.control.close()
-            return
-        for link in list(self._links.values()):
-            link.close()
-
-    def link(self, receiver: TorchDistKVReceiver, bootstrap_addr: str) -> DecodeLink:
-        """Decode side: the live link to the prefill server behind
-        ``bootstrap_addr`` (a new one after the last one failed), with
-        ``receiver`` bound to it."""
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the KV manager is closed")
-            link = self._links.get(bootstrap_addr)
-            if link is None or not link.bind(receiver):
-                link = self._links[bootstrap_addr] = DecodeLink(self, bootstrap_addr, receiver)
-            return link
+        else:
+            self.links.close()
 
     def forget_link(self, link: DecodeLink) -> None:
-        with self._lock:
-            if self._links.get(link.bootstrap_addr) is link:
-                del self._links[link.bootstrap_addr]
+        """Decode side: a failed link is never used again."""
+        self.links.forget(link)
 
 
 class TorchDistKVSender(BaseKVSender):
@@ -248,8 +233,10 @@ class TorchDistKVSender(BaseKVSender):
 
 class TorchDistKVReceiver(BaseKVReceiver):
     """The decode half of room ``bootstrap_room`` (see the module docstring):
-    it takes its heads from each source of its link (a prefill rank each),
-    and succeeds once every one of them has delivered."""
+    it takes its heads from each source of its link (a prefill rank each of
+    the room's dp group), and succeeds once every one of them has delivered.
+    Until the prefill server's dp size is known (``decode_links.py``) it has
+    no link yet; an abort given before then is sent once it has one."""
 
     def __init__(self, mgr: TorchDistKVManager, bootstrap_addr: str, bootstrap_room: int):
         self.mgr, self.room = mgr, check_room(bootstrap_room)
@@ -261,12 +248,27 @@ class TorchDistKVReceiver(BaseKVReceiver):
         self._outcomes: dict[int, str | None] = {}  # by prefill rank: None once delivered, else why not
         self._failure: KVTransferError | None = None
         self._state = KVPoll.Bootstrapping
-        self.link = mgr.link(self, bootstrap_addr)  # last: the link's thread may call this receiver back at once
+        self._bind_lock = threading.Lock()
+        self.link: DecodeLink | None = None
+        self._unbound_failure: str | None = None  # why no link could be bound
+        self._unsent: dict | None = None  # an abort given before the link was bound
+        self._cleared = False
+        mgr.links.bind(self, bootstrap_addr)  # last: it may call bind() back at once, or from another thread
+
+    def bind(self, link: DecodeLink | None, failure: str | None = None) -> None:
+        """The manager: the link of this room's dp group, or why there is none."""
+        with self._bind_lock:
+            self.link, self._unbound_failure = link, failure
+            unsent, cleared = self._unsent, self._cleared
+        if link is not None and unsent is not None:
+            link.send(unsent)
+        if link is not None and cleared:
+            link.unregister(self.room)
 
     @property
     def pair_ids(self) -> tuple[int, ...] | None:
         """The pair groups this transfer goes over (one per source), once formed."""
-        return self.link.pair_ids
+        return self.link.pair_ids if self.link is not None else None
 
     def init(self, kv_indices, aux_index: int | None = None) -> None:
         if self._state in _TERMINAL:
@@ -293,6 +295,12 @@ class TorchDistKVReceiver(BaseKVReceiver):
         failed = next((o for o in outcomes if o is not None), None)
         if failed is not None:
             return self._fail(failed)
+        if self.link is None:
+            if self._unbound_failure is not None:
+                return self._fail(self._unbound_failure)
+            if time.monotonic() - self._created > cfg.bootstrap_timeout_s:
+                return self._fail(f"no pair with the prefill ranks within {cfg.bootstrap_timeout_s:.1f} s")
+            return KVPoll.Bootstrapping
         if self.link.ready and len(outcomes) == len(self.link.sources):
             return self._finish()
         if self.link.failure is not None:
@@ -346,8 +354,17 @@ class TorchDistKVReceiver(BaseKVReceiver):
         by a full pool), and it would otherwise wait out its bootstrap timeout."""
         if self._state in _TERMINAL:
             return
-        self.link.send({"t": "abort", "room": self.room, "reason": reason or "the request was aborted"})
+        message = {"t": "abort", "room": self.room, "reason": reason or "the request was aborted"}
+        with self._bind_lock:
+            link = self.link
+            if link is None:
+                self._unsent = message
+        if link is not None:
+            link.send(message)
         self._fail(reason or "the decode side aborted the request")
 
     def clear(self) -> None:
-        self.link.unregister(self.room)
+        with self._bind_lock:
+            link, self._cleared = self.link, True
+        if link is not None:
+            link.unregister(self.room)

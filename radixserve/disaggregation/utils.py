@@ -42,14 +42,15 @@ def local_address(host: str) -> str:
 
 
 def pool_kv_args(token_to_kv_pool, page_size: int, metadata: MetadataBuffers, transfer_host: str,
-                 num_kv_heads: int, tp_rank: int = 0, tp_size: int = 1) -> KVArgs:
-    """``KVArgs`` over TP rank ``tp_rank``'s ``MHATokenToKVPool`` (its share
-    of the model's ``num_kv_heads``). The pool's buffers have ``size +
-    page_size`` rows; only whole pages are exposed."""
+                 num_kv_heads: int, tp_rank: int = 0, tp_size: int = 1, dp_rank: int = 0,
+                 dp_size: int = 1) -> KVArgs:
+    """``KVArgs`` over the ``MHATokenToKVPool`` of TP rank ``tp_rank`` of
+    replica ``dp_rank`` (its share of the model's ``num_kv_heads``). The
+    pool's buffers have ``size + page_size`` rows; only whole pages are exposed."""
     rows = token_to_kv_pool.k_buffer[0].shape[0] // page_size * page_size
     return KVArgs([b[:rows] for b in token_to_kv_pool.k_buffer], [b[:rows] for b in token_to_kv_pool.v_buffer],
                   page_size=page_size, aux_buffers=metadata.buffers, tp_rank=tp_rank, tp_size=tp_size,
-                  transfer_host=transfer_host, num_kv_heads=num_kv_heads)
+                  transfer_host=transfer_host, num_kv_heads=num_kv_heads, dp_rank=dp_rank, dp_size=dp_size)
 
 
 def failure_reason(kv_half) -> str:

@@ -15,6 +15,11 @@ exact and no message takes an extra hop.
   the replica with the smallest index (the most room for a new prefix); when
   the loads are unbalanced it falls back to the shortest queue. The index is
   a hint: a replica's radix cache may have evicted what the index remembers.
+
+On a prefill server of prefill/decode disaggregation (``by_room``), a
+request with a bootstrap room goes to replica ``room % dp_size`` whatever
+the method: the decode server computes from the room where the KV is
+(docs/disaggregation.md). Requests without a room follow the method.
 """
 
 from __future__ import annotations
@@ -65,21 +70,30 @@ class ApproxPrefixIndex:
 
 
 class DataParallelController:
-    """Picks a replica per request and counts each replica's requests in flight."""
+    """Picks a replica per request and counts each replica's requests in
+    flight; with ``by_room`` (a prefill server) a request's bootstrap room
+    picks it."""
 
-    def __init__(self, dp_size: int, method: str = "round_robin"):
+    def __init__(self, dp_size: int, method: str = "round_robin", by_room: bool = False):
         if method not in ("round_robin", "shortest_queue", "cache_aware"):
             raise ValueError(f"load_balance_method: unknown method {method!r}")
-        self.dp_size, self.method = dp_size, method
+        self.dp_size, self.method, self.by_room = dp_size, method, by_room
         self.in_flight = [0] * dp_size
         self.sent = [0] * dp_size  # requests dispatched to each replica
         self.owner: dict[str, int] = {}  # rid -> replica, while in flight
         self.indexes = [ApproxPrefixIndex() for _ in range(dp_size)] if method == "cache_aware" else []
         self._next = 0
 
-    def dispatch(self, rid: str, input_ids: list[int]) -> int:
+    def dispatch(self, rid: str, input_ids: list[int], bootstrap_room: int | None = None) -> int:
         """The replica ``rid`` goes to; counted in flight until ``finished``."""
-        replica = self._pick(input_ids) if self.dp_size > 1 else 0
+        if self.dp_size == 1:
+            replica = 0
+        elif self.by_room and bootstrap_room is not None:
+            replica = bootstrap_room % self.dp_size
+            if self.indexes:  # what the replica caches, for the requests without a room
+                self.indexes[replica].insert(block_keys(input_ids))
+        else:
+            replica = self._pick(input_ids)
         self.owner[rid] = replica
         self.in_flight[replica] += 1
         self.sent[replica] += 1

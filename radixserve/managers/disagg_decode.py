@@ -28,6 +28,11 @@ from each. The pools' slots are the same on every rank, so each reserves the
 same pages; the receivers' states are agreed over the TP group
 (``agree_polls``), so a request is reserved for, joins the running batch or
 ends in the same step on every rank.
+
+Under ``--dp-size`` on either server, each rank's KV manager links to the
+prefill server's replica (dp group) each room lives on
+(``disaggregation/decode_links.py``); this server's own replicas take
+requests as a plain server's do.
 """
 
 from __future__ import annotations

@@ -25,6 +25,10 @@ decode ranks that register a room with it the KV heads each asked for (at
 equal tp sizes, all its heads to the decode rank of the same TP rank). The
 senders' states are agreed over the TP group (``agree_polls``) wherever a
 request moves on, so that the ranks' queues and batches stay the same.
+
+Under ``--dp-size`` each replica's ranks register under their replica's dp
+group too, and the TokenizerManager sends a request with a room to replica
+``room % dp_size``, where the decode side looks for it.
 """
 
 from __future__ import annotations

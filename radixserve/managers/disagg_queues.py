@@ -23,9 +23,10 @@ class DisaggregationQueues(ABC):
     """A Scheduler's (``s``) requests in transfer, the rows of their first
     tokens' metadata, and the rank's KV manager (over the scheduler's KV
     pool, its KV heads; under TP a decode rank pairs with the prefill ranks
-    that hold its heads, whatever the two servers' tp sizes). Subclasses hold
-    the queues and say which of their requests hold KV (``holding``) and
-    which are in any queue (``queued``)."""
+    that hold its heads, whatever the two servers' tp sizes). Under
+    ``--dp-size`` a prefill rank registers under its scheduler's replica
+    (``Scheduler.dp_rank``) as its dp group. Subclasses hold the queues and say which of their requests
+    hold KV (``holding``) and which are in any queue (``queued``)."""
 
     mode: DisaggregationMode
 
@@ -34,9 +35,11 @@ class DisaggregationQueues(ABC):
         rows = s.req_to_token_pool.size  # every request in transfer also holds a request row
         # the first token's top logprobs: as many as any request may ask (io_struct, a 400 beyond), so none is cut
         self.metadata, self.aux_rows = MetadataBuffers(rows, MAX_TOP_LOGPROBS), AuxRows(rows)
-        runner = s.model_runner
+        runner, dp_size = s.model_runner, s.args.dp_size
+        dp_rank = s.dp_rank
         kv_args = pool_kv_args(runner.token_to_kv_pool, s.page_size, self.metadata, advertised_host(s.args.host),
-                               runner.model_config.num_key_value_heads, s.tp_group.rank, s.tp_group.size)
+                               runner.model_config.num_key_value_heads, s.tp_group.rank, s.tp_group.size,
+                               dp_rank, dp_size)
         self.kv_manager = TorchDistKVManager(kv_args, self.mode, transfer_config_from_env(), bootstrap_addr=bootstrap_addr)
 
     @abstractmethod

@@ -67,8 +67,10 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
     """
 
     def __init__(self, server_args: ServerArgs, model_runner, tokenizer=None,
-                 eos_token_ids: frozenset[int] = frozenset(), kv_event_publisher: ZmqEventPublisher | None = None):
+                 eos_token_ids: frozenset[int] = frozenset(), kv_event_publisher: ZmqEventPublisher | None = None,
+                 dp_rank: int = 0):
         self.args = server_args
+        self.dp_rank = dp_rank  # this scheduler's replica under --dp-size
         self.model_runner = model_runner
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids  # see scheduler_factory.eos_token_ids

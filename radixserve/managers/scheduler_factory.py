@@ -93,7 +93,7 @@ def build_scheduler(args: ServerArgs, tp_rank: int = 0, dist_init_method: str | 
     runner = build_model_runner(args, model_config, tp_rank, dist_init_method, dp_rank)
     tokenizer = load_tokenizer(model_config)
     publisher = kv_event_publisher(args, tp_rank, dp_rank)
-    return Scheduler(args, runner, tokenizer, eos_token_ids(model_config, tokenizer), publisher)
+    return Scheduler(args, runner, tokenizer, eos_token_ids(model_config, tokenizer), publisher, dp_rank)
 
 
 def kv_event_publisher(args: ServerArgs, tp_rank: int = 0, dp_rank: int = 0):

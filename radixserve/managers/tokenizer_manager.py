@@ -117,7 +117,8 @@ class TokenizerManager:
         send_addrs = [send_addrs] if isinstance(send_addrs, str) else list(send_addrs)
         self.recv, first = pipeline_sockets(self.ctx, recv_addr, send_addrs[0])
         self.sends = [first] + [self._connect(addr) for addr in send_addrs[1:]]  # one per data-parallel replica
-        self.dp = DataParallelController(len(self.sends), load_balance_method)
+        # a prefill server sends a request with a room to replica room % dp_size, where the decode side looks
+        self.dp = DataParallelController(len(self.sends), load_balance_method, by_room=disaggregation_mode == "prefill")
         self.states: dict[str, ReqState] = {}
         self.control: dict[type, tuple[asyncio.Future, list]] = {}  # reply type -> (future, replies so far)
         self._control_lock: asyncio.Lock | None = None
@@ -290,7 +291,7 @@ class TokenizerManager:
                 self.states[st.rid] = st
                 if obj.log_metrics:
                     self.metrics.on_request(len(r.input_ids))
-                self.sends[self.dp.dispatch(r.rid, r.input_ids)].send(data, zmq.NOBLOCK)
+                self.sends[self.dp.dispatch(r.rid, r.input_ids, r.bootstrap_room)].send(data, zmq.NOBLOCK)
             if request is not None:
                 watcher = asyncio.ensure_future(self._watch_disconnect(request, states))
             async for st in self._updates(queue, len(states)):
