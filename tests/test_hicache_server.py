@@ -34,9 +34,13 @@ def test_restart_on_the_same_directory_serves_the_prefix_from_files(tmp_path):
                          "the file tier's writes")  # 3 whole 64-token blocks of the prompt
         assert state["memory_check"] == "ok"
         assert state["hicache_host_size"] == 2048 and state["hicache_host_used"] > 0
-        metrics = httpx.get(first.url + "/metrics", timeout=10).text
+        def metrics_with_the_writes():
+            text = httpx.get(first.url + "/metrics", timeout=10).text
+            return text if "radixserve:hicache_storage_written_blocks 3.0" in text else None
+
+        # /metrics serves the figures the scheduler last pushed: the last write may land after it went idle
+        metrics = wait_for(metrics_with_the_writes, 10, "the file tier's writes in /metrics")
         assert "radixserve:hicache_host_used_tokens" in metrics
-        assert "radixserve:hicache_storage_written_blocks 3.0" in metrics
     finally:
         assert first.stop() == 0
     second = hicache_server(tmp_path)

@@ -87,6 +87,7 @@ class SchedulerProcess:
             self.recv, self.send = pipeline_sockets(zmq_context(), recv_addr, send_addr)
         self.sent: dict[str, tuple[int, int]] = {}  # rid -> (output ids sent, logprobs sent)
         self._stats_at = 0.0
+        self._last_stats: dict | None = None
         replica = f"DP-{dp_rank}-" if scheduler.args.dp_size > 1 else ""
         self.profiler = StepProfiler(f"{replica}TP-{self.tp.rank}", scheduler.device)
 
@@ -99,6 +100,8 @@ class SchedulerProcess:
             if self.tp.size > 1:  # a follower waits here, at most IDLE_POLL_MS while the leader is idle
                 received = msgpack.unpackb(self.tp.broadcast_bytes(msgpack.packb(received) if self.leader else None))
             if idle and not received:
+                if self.leader:  # figures that change while idle (the file tier's writes landing)
+                    self.report_stats(only_changes=True)
                 continue
             for data in received:
                 self.handle_bytes(data)
@@ -186,12 +189,17 @@ class SchedulerProcess:
                 self.sent[req.rid] = (len(req.output_ids), len(req.output_token_logprobs))
         self.send.send(encode(BatchTokenIDOut(rids, new_ids, metas)))
 
-    def report_stats(self, became_idle: bool = False) -> None:
-        """Send the load figures when due, so that /metrics never has to ask."""
+    def report_stats(self, became_idle: bool = False, only_changes: bool = False) -> None:
+        """Send the load figures when due (with ``only_changes``, when they
+        differ from the last sent), so that /metrics never has to ask."""
         now = time.monotonic()
         if became_idle or now - self._stats_at >= STATS_INTERVAL_S:
             self._stats_at = now
-            self.send.send(encode(SchedulerStats(self.load_stats())))
+            state = self.load_stats()
+            if only_changes and state == self._last_stats:
+                return
+            self._last_stats = state
+            self.send.send(encode(SchedulerStats(state)))
 
     def load_stats(self) -> dict:
         """Counters and gauges: cheap, computed at any time."""
