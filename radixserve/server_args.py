@@ -96,7 +96,8 @@ class ServerArgs:
     # Data parallelism (docs/data_parallel.md): replicas behind one TokenizerManager.
     dp_size: int = field(default=1, metadata={"help": "scheduler replicas (each with --tp-size ranks) in one server"})
     load_balance_method: str = field(default="round_robin", metadata={
-        "help": "how requests are spread over --dp-size replicas", "choices": LOAD_BALANCE_METHODS})
+        "help": "how requests are spread over --dp-size replicas (on a prefill server, a request with a "
+                "bootstrap room goes to replica room %% dp-size)", "choices": LOAD_BALANCE_METHODS})
     kv_events_config: str | None = field(default=None, metadata={
         "help": "publish KV cache events for routers, a JSON object, e.g. "
                 "'{\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}'"})
