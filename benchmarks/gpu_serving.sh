@@ -25,18 +25,9 @@ W5_PROMPTS=${W5_PROMPTS:-128} W5_RATES=${W5_RATES:-4 8 16} W5_INPUT=${W5_INPUT:-
 BUDGET=${BUDGET:-470} START_TIMEOUT=${START_TIMEOUT:-240} W4_TIMEOUT=${W4_TIMEOUT:-150} W5_TIMEOUT=${W5_TIMEOUT:-150}
 RESERVE=60                            # s kept back to stop a server and plot after the last piece
 PY=${PYTHON:-python3}
-
-: "${OUT:?set OUT to the output folder}"
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-LOGDIR=${LOGDIR:-$(mktemp -d)}
-mkdir -p "$LOGDIR" && LOGDIR=$(cd "$LOGDIR" && pwd)
-cd "$(dirname "$0")/.."               # python -m runs this checkout's radixserve
-FAILED=() SERVER_PID=
-
-log() { echo "[$(date +%T) +${SECONDS}s] $*"; }
-left() { echo $((BUDGET - SECONDS - RESERVE)); }
-cap() { local l; l=$(left); echo $(($1 < l ? $1 : l)); }
-fail() { FAILED+=("$1"); log "FAILED $1; the end of $2:"; tail -n 25 "$2"; }
+# shellcheck source=benchmarks/script_lib.sh
+source "$(dirname "$0")/script_lib.sh"  # OUT, LOGDIR, the checkout's root, FAILED, log, cap, fail
+SERVER_PID=
 
 start_server() {  # NAME FLAGS...: start, wait for /health
     local name=$1 t; shift
