@@ -230,12 +230,9 @@ class ServerArgs:
         _one_of("disaggregation_transfer_backend", backend, ("torch",))
         if not 0 < self.disaggregation_bootstrap_port < 65536:
             raise ValueError(f"disaggregation_bootstrap_port must be a port, got {self.disaggregation_bootstrap_port}")
-        if self.disaggregation_mode == "null":
-            return
-        # any --tp-size and --dp-size: each server its own (disaggregation/head_map.py maps the KV heads
-        # between the tp sizes; a prefill server serves room r on replica r % dp_size, where the decode side looks)
-        if self.nnodes > 1:
-            raise ValueError(f"disaggregation_mode: {self.disaggregation_mode} is not supported with --nnodes > 1 yet")
+        # a mode takes any --tp-size, --dp-size and --nnodes: each server its own (disaggregation/head_map.py maps the KV heads
+        # between the tp sizes; a prefill server serves room r on replica r % dp_size, where the decode side looks;
+        # its ranks on other nodes register with the bootstrap server of node 0)
 
     def local_tp_ranks(self) -> range:
         """The TP ranks this node runs (rank 0, which talks to the tokenizer

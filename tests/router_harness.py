@@ -3,7 +3,6 @@ process, replicas started side by side, and each worker's own counters."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from server_harness import ServerProcess, free_port, start_all, wait_for
+from server_harness import ServerProcess, free_port, start_all, terminate, wait_for
 
 # Short health checks, so that a dead worker leaves the rotation within about a second.
 FAST_HEALTH = ("--health-check-interval-secs", "1", "--health-check-timeout-secs", "1",
@@ -57,13 +56,7 @@ class RouterProcess:
         return bool(models) and healthy == set(self.worker_urls)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 15)
         if self.log is not subprocess.DEVNULL:
             self.log.close()
         return self.proc.returncode

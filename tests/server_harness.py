@@ -87,16 +87,22 @@ class ServerProcess:
         return {**roles, **{f"other-{p}": p for p in pids if p not in spawned}}
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)
         if self.log:
             self.log.close()
         return self.proc.returncode
+
+
+def terminate(proc: subprocess.Popen, timeout: float = 30) -> int:
+    """SIGTERM ``proc`` unless it has ended, SIGKILL it after ``timeout`` s; its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 def start_all(*arg_lists: tuple[str, ...], env: dict | None = None) -> list[ServerProcess]:

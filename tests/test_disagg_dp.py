@@ -52,14 +52,14 @@ def room_in_group(group: int, dp_size: int = 2) -> int:
     return new_room() // dp_size * dp_size + group
 
 
-def test_modes_take_dp_but_not_several_nodes():
+def test_modes_take_dp_and_several_nodes():
     for mode in ("prefill", "decode"):
         args = ServerArgs.from_kwargs(model_path="tiny-llama", load_format="dummy", device="cpu", dp_size=2,
                                       disaggregation_mode=mode)
         assert args.dp_size == 2
-        with pytest.raises(ValueError, match=f"disaggregation_mode: {mode} is not supported with --nnodes > 1"):
-            ServerArgs.from_kwargs(model_path="tiny-llama", load_format="dummy", device="cpu", tp_size=2, nnodes=2,
-                                   dist_init_addr="127.0.0.1:29500", disaggregation_mode=mode)
+        args = ServerArgs.from_kwargs(model_path="tiny-llama", load_format="dummy", device="cpu", tp_size=2, nnodes=2,
+                                      node_rank=1, dist_init_addr="127.0.0.1:29500", disaggregation_mode=mode)
+        assert args.local_tp_ranks() == range(1, 2)  # tests/test_disagg_nodes.py serves through such servers
 
 
 def test_bootstrap_registry_is_keyed_by_dp_group():

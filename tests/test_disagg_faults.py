@@ -3,6 +3,7 @@ fp32, CPU; tests/disagg_server_harness.py): a prefill server killed while
 its KV is in flight, a decode server killed while it is in flight, clients
 that hang up or abort on either side while the transfer runs or is waited
 for, and a decode server whose KV pool cannot hold every request at once.
+Both servers run overlap scheduling (forced on the CPU).
 
 Each fault must end both halves of the request with a clear error, in
 bounded time, give the KV back on both sides (the memory invariant, and
@@ -38,11 +39,13 @@ from disagg_server_harness import (
     DECODE_ARGS, GREEDY, PAGE_SIZE, PDPair, abort_message, assert_memory_ok, generate, kv_used, model_args,
     prefill_args,
 )
+from radixserve.managers.scheduler import OVERLAP_ON_CPU_ENV
 from server_harness import ServerProcess, free_port, start_all, wait_for
 
 pytestmark = pytest.mark.slow
+# overlap scheduling's bookkeeping forced on, as it runs by default on a GPU
 LIMITS = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60",
-          "OMP_NUM_THREADS": "1"}
+          "OMP_NUM_THREADS": "1", OVERLAP_ON_CPU_ENV: "1"}
 FAULT_DEADLINE_S = 15  # far below the limits above, with slack for a loaded 2-core machine
 DECODE_POOL = 240  # tokens (60 pages): the decode server holds only a few requests at once
 _prompts = random.Random(15)

@@ -1,7 +1,9 @@
 """Prefill/decode disaggregation end to end: a prefill server and a decode
 server (SmolLM2, fp32, CPU, pages of 4 tokens) in subprocesses,
 each request sent to both at once with the same bootstrap room, as SGLang's
-router does. Checked: the decode server's greedy output equals a colocated
+router does. Both halves run overlap scheduling's bookkeeping (forced on the
+CPU, as it runs by default on a GPU; the colocated reference runs without).
+Checked: the decode server's greedy output equals a colocated
 server's, token for token, and so do its logprobs and top logprobs at every
 position (the first token's came with the KV); the prefill server answers
 with the first token;
@@ -26,12 +28,14 @@ from disagg_server_harness import (
     DECODE_ARGS, GREEDY, PDPair, abort_message, assert_memory_ok, generate, model_args, prefill_args,
 )
 from radixserve.managers.io_struct import MAX_TOP_LOGPROBS
+from radixserve.managers.scheduler import OVERLAP_ON_CPU_ENV
 from server_harness import ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
 # the limits a transfer whose other half never comes runs into (SGLang's variables)
 TIMEOUTS = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "6", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "6",
             "OMP_NUM_THREADS": "1"}
+PAIR_ENV = {**TIMEOUTS, OVERLAP_ON_CPU_ENV: "1"}
 FAULT_DEADLINE_S = 30  # the limits above plus slack for a loaded 2-core machine
 PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((37, 5, 64))]
 # as many top logprobs as a request may ask: the first token's fill the aux rows' columns
@@ -43,8 +47,8 @@ def servers():
     bootstrap_port = free_port()
     started = {}
     try:
-        started["prefill"] = ServerProcess(*model_args(), *prefill_args(bootstrap_port), env=TIMEOUTS)
-        started["decode"] = ServerProcess(*model_args(), *DECODE_ARGS, env=TIMEOUTS)
+        started["prefill"] = ServerProcess(*model_args(), *prefill_args(bootstrap_port), env=PAIR_ENV)
+        started["decode"] = ServerProcess(*model_args(), *DECODE_ARGS, env=PAIR_ENV)
         started["colocated"] = ServerProcess(*model_args(), env={"OMP_NUM_THREADS": "1"})
         started["bootstrap_port"] = bootstrap_port
         started["pair"] = PDPair(started["prefill"], started["decode"], bootstrap_port)
@@ -58,10 +62,14 @@ def servers():
 def test_server_info_reports_the_mode(servers):
     info = httpx.get(servers["prefill"].url + "/get_server_info", timeout=10).json()
     assert info["disaggregation_mode"] == "prefill"
+    assert [state["overlap"] for state in info["internal_states"]] == [True]
+    colocated = httpx.get(servers["colocated"].url + "/get_server_info", timeout=10).json()
+    assert [state["overlap"] for state in colocated["internal_states"]] == [False]
     assert info["disaggregation_bootstrap_port"] == servers["bootstrap_port"]
     bootstrap = httpx.get(f"http://127.0.0.1:{servers['bootstrap_port']}/route?engine_rank=0", timeout=10)
     assert bootstrap.status_code == 200 and bootstrap.json()["role"] == "Prefill"
-    assert httpx.get(servers["decode"].url + "/get_server_info", timeout=10).json()["disaggregation_mode"] == "decode"
+    decode = httpx.get(servers["decode"].url + "/get_server_info", timeout=10).json()
+    assert decode["disaggregation_mode"] == "decode" and decode["internal_states"][0]["overlap"]
 
 
 def test_decode_output_equals_colocated(servers):
@@ -86,8 +94,8 @@ def test_pair_with_the_hierarchical_cache_on_both_servers(servers):
     bootstrap_port = free_port()
     started = {}
     try:
-        started["prefill"] = ServerProcess(*model_args(256), *tiers, *prefill_args(bootstrap_port), env=TIMEOUTS)
-        started["decode"] = ServerProcess(*model_args(256), *tiers, *DECODE_ARGS, env=TIMEOUTS)
+        started["prefill"] = ServerProcess(*model_args(256), *tiers, *prefill_args(bootstrap_port), env=PAIR_ENV)
+        started["decode"] = ServerProcess(*model_args(256), *tiers, *DECODE_ARGS, env=PAIR_ENV)
         pair = PDPair(started["prefill"], started["decode"], bootstrap_port)
         for ids in prompts:
             expected = generate(servers["colocated"].url, {"input_ids": ids, "sampling_params": GREEDY}).json()

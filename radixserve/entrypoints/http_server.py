@@ -315,8 +315,8 @@ def launch_server(args: ServerArgs) -> int:
 
 def start_bootstrap_server(args: ServerArgs):
     """A prefill server's KV bootstrap server on ``--disaggregation-bootstrap-port``
-    (docs/disaggregation.md), or None on other servers."""
-    if args.disaggregation_mode != "prefill":
+    (docs/disaggregation.md), run by its node 0; None on other servers and nodes."""
+    if args.disaggregation_mode != "prefill" or args.node_rank > 0:
         return None
     from radixserve.disaggregation import get_kv_classes
 

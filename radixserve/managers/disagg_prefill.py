@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 
 from radixserve.disaggregation.base import DisaggregationMode, KVPoll
-from radixserve.disaggregation.bootstrap import join_address
+from radixserve.disaggregation.bootstrap import join_address, split_address
 from radixserve.disaggregation.torch_dist import TorchDistKVSender
 from radixserve.disaggregation.utils import local_address, slots_to_pages
 from radixserve.managers.disagg_queues import DisaggregationQueues, agree_polls
@@ -48,13 +48,15 @@ logger = logging.getLogger(__name__)
 class PrefillDisaggregation(DisaggregationQueues):
     """The prefill server's queues of a :class:`Scheduler` (``s``, whose pools,
     cache and queues it uses); its KV manager registers at once with the
-    bootstrap server that this server's HTTP process runs."""
+    bootstrap server that this server's HTTP process (on node 0) runs."""
 
     mode = DisaggregationMode.PREFILL
 
     def __init__(self, scheduler):
         args = scheduler.args
-        super().__init__(scheduler, join_address(local_address(args.host), args.disaggregation_bootstrap_port))
+        # node 0 runs the bootstrap server; a rank on another node (--nnodes) reaches it at --dist-init-addr's host
+        host = local_address(args.host) if args.node_rank == 0 else split_address(args.dist_init_addr)[0]
+        super().__init__(scheduler, join_address(host, args.disaggregation_bootstrap_port))
         self.bootstrap_queue: list[Req] = []  # waiting for the decode side to register the room
         self.inflight_queue: list[Req] = []  # prefilled, KV being sent
 
@@ -62,7 +64,14 @@ class PrefillDisaggregation(DisaggregationQueues):
         return self.bootstrap_queue + self.inflight_queue
 
     def holding(self) -> list[Req]:
-        return self.inflight_queue
+        return self._prefilling() + self.inflight_queue
+
+    def _prefilling(self) -> list[Req]:
+        """Requests with a room whose prompt's last chunk is in flight under
+        overlap scheduling: their first token comes back next step, and
+        until then they are in no queue but hold their KV."""
+        launched = self.s._in_flight
+        return [r for r in launched.reqs if r.kv_sender is not None and not r.is_chunked] if launched else []
 
     def add(self, req: Req) -> None:
         req.kv_sender = TorchDistKVSender(self.kv_manager, req.bootstrap_addr, req.bootstrap_room)
@@ -147,11 +156,16 @@ class PrefillDisaggregation(DisaggregationQueues):
         self.s.tree_cache.cache_finished_req(req)
 
     def abort(self, rid: str) -> bool:
-        """Abort a request still bootstrapping (the decode side is told) or
+        """Abort a request still bootstrapping (the decode side is told), one
+        whose prefill is in flight (marked, as a running request is) or
         one whose KV is being sent. The latter ends at once too: ``send()``
         copied its pages out, so its KV goes to the cache now, and what was
         sent still reaches the decode server, which serves the request
         unless its own client aborts it there."""
+        for req in self._prefilling():
+            if req.rid == rid:  # ends when its batch's results are processed: nothing is sent
+                req.to_abort = True
+                return True
         ends = ((self.bootstrap_queue, self._end_prefill_transfer), (self.inflight_queue, self._end_inflight))
         for queue, end in ends:
             for i, req in enumerate(queue):

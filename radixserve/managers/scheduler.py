@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ from radixserve.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 INIT_NEW_TOKEN_RATIO = 0.7
+# Runs overlap scheduling's bookkeeping on a CPU too, where the forward is
+# synchronous (nothing overlaps): tests use it to check it on servers.
+OVERLAP_ON_CPU_ENV = "RADIXSERVE_OVERLAP_ON_CPU"
 DISAGG_POLL_S = 0.001  # the pause of a step that has only KV transfers to poll
 
 
@@ -63,7 +67,7 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
     KV events (``kv_event_publisher``, docs/kv_events.md) go out as one batch
     at the end of each step (and a flush's at once); ``close`` stops the
     publisher. Disaggregation (``disagg``, docs/disaggregation.md): its queues
-    are polled at the start of each step; overlap is off in both modes.
+    are polled at the start of each step.
     """
 
     def __init__(self, server_args: ServerArgs, model_runner, tokenizer=None,
@@ -99,8 +103,8 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
         self._finished_outside_batch: list[Req] = []
         # Overlap: the batch queued on the device whose results the next step
         # takes, and finished requests whose last KV slot a queued forward writes.
-        self.overlap = (self.device.type == "cuda" and not server_args.disable_overlap_schedule
-                        and server_args.disaggregation_mode == "null")
+        self.overlap = not server_args.disable_overlap_schedule and (
+            self.device.type == "cuda" or os.environ.get(OVERLAP_ON_CPU_ENV) == "1")
         self._in_flight: Launched | None = None
         self._deferred: list[Req] = []
         self.stats = SchedulerStats()
@@ -163,8 +167,8 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
                 out += self._process(launched)
         if previous is not None:
             out += self._process(previous)
-        if self._in_flight and self.running_batch.is_empty() and self.chunked_req is None:
-            out += self._drain()  # it only writes finished requests' last KV: nothing to overlap with
+        if self._in_flight and self.running_batch.is_empty() and self.chunked_req is None and not self.waiting:
+            out += self._drain()  # no batch follows it soon (it writes finished requests' last KV, or prompts to send)
         if self.args.check_invariants or self.is_idle():
             self.check_memory()
         self._publish_kv_events()

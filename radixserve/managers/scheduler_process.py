@@ -214,8 +214,10 @@ class SchedulerProcess:
         return state
 
     def internal_state(self) -> dict:
-        """The load figures plus the memory invariant, checked when the scheduler is idle."""
+        """The load figures, whether overlap scheduling runs, and the memory
+        invariant, checked when the scheduler is idle."""
         state = self.load_stats()
+        state["overlap"] = self.scheduler.overlap  # overlap scheduling, on by default on CUDA
         state["memory_check"] = "busy"
         if self.scheduler.is_idle():
             try:
