@@ -145,6 +145,15 @@ def test_aggregate_metrics_percentiles_throughput_and_goodput():
     assert m["slo_attainment"] == pytest.approx(0.2)
     assert compute_metrics(records, 4.0)["goodput"] == pytest.approx(2.5)  # no SLO: every completed request
     assert m["cache_hit_rate_requests"] == pytest.approx(0.25)
+    assert m["ttft_ms_by_turn"] is None  # one turn each
+
+
+def test_ttft_by_turn_of_a_multi_turn_run():
+    records = [RequestRecord(conv, turn, 0.0, 1.0, [0.1 * (turn + 1) + 0.01 * conv, 1.0], [1, 2], 10, 2, 0, True)
+               for conv in range(3) for turn in range(2)]
+    by_turn = compute_metrics(records, duration=1.0)["ttft_ms_by_turn"]
+    assert list(by_turn) == ["0", "1"]
+    assert by_turn["0"]["median"] == pytest.approx(110) and by_turn["1"]["median"] == pytest.approx(210)
 
 
 def test_cache_hit_rate_from_server_counters_and_prometheus_gauges():

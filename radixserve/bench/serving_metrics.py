@@ -78,12 +78,16 @@ def compute_metrics(records: list[RequestRecord], duration: float, slo_ttft_ms: 
     known = [r for r in ok if r.cached_tokens is not None]
     dur = max(duration, 1e-9)
     good = sum(meets_slo(r, slo_ttft_ms, slo_tpot_ms) for r in ok)
+    turns = sorted({r.turn for r in ok})
     return {
         "completed": len(ok), "failed": len(records) - len(ok), "duration_s": duration,
         "total_input_tokens": prompt, "total_output_tokens": output,
         "request_throughput": len(ok) / dur, "input_throughput": prompt / dur,
         "output_throughput": output / dur, "total_throughput": (prompt + output) / dur,
         "ttft_ms": summarize([ttft(r) for r in ok]),
+        # a multi-turn run's TTFT by turn: a policy that favours cache hits (lpm) makes first turns wait
+        "ttft_ms_by_turn": ({str(t): summarize([ttft(r) for r in ok if r.turn == t]) for t in turns}
+                            if len(turns) > 1 else None),
         "tpot_ms": summarize([t for r in ok if (t := tpot(r)) is not None]),
         "itl_ms": summarize([x for r in ok for x in itls(r)]),
         "e2e_ms": summarize([e2e(r) for r in ok]),

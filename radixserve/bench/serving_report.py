@@ -29,6 +29,8 @@ def format_table(res: dict) -> str:
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E latency")):
         for stat in ("mean", "median", "p90", "p99"):
             rows.append((f"{stat.capitalize()} {name} (ms)", f(res[key][stat])))
+    for turn, stats in (res.get("ttft_ms_by_turn") or {}).items():
+        rows.append((f"TTFT median / p99, turn {turn} (ms)", f"{f(stats['median'])} / {f(stats['p99'])}"))
     title = " Serving Benchmark Result " + ("(interrupted) " if res["interrupted"] else "")
     lines = [f"{title:=^56}"] + [f"{k:<38}{v!s:>18}" for k, v in rows]
     lines += (format_breakdown(res["workers"]) if res.get("workers") else []) + ["=" * 56]
