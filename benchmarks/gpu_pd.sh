@@ -9,10 +9,11 @@
 #
 #   OUT=/some/dir benchmarks/gpu_pd.sh            # PIECES="transfer pd replicas" picks the pieces
 #
-# radixserve's dependencies and sglang-router must be importable (the wheelhouse of
-# scripts/build_wheelhouse.py with `--no-deps-package sglang-router`, installed with --target
-# and PYTHONPATH set). Logs go to LOGDIR (a temp folder); a failed piece prints the tail of its
-# log. CPU smoke test (tiny model, gloo; a minute or two):
+# radixserve's dependencies, httpx and sglang-router must be importable: a wheelhouse from
+# scripts/build_wheelhouse.py with `--package httpx --package sglang-router` (the router's wheel
+# and its dependencies; without `--extras bench`, whose plotting wheels would not leave room in
+# a device call's 64 MiB), installed with --target and PYTHONPATH set. Logs go to LOGDIR (a temp
+# folder); a failed piece prints the tail of its log. CPU smoke test (tiny model, gloo; a minute):
 #   DEVICE=cpu MODEL=tiny-llama ATTN=torch_native DTYPE=float32 W5_PROMPTS=8 W5_INPUT=32 W5_OUTPUT=8 \
 #   W5_RATES=4 TRANSFER_ARGS="--requests 2 --tokens 32 --layers 2 --kv-heads 2 --head-dim 8 --dtype float32 --p2p-mib 4" \
 #   OUT=pd-smoke benchmarks/gpu_pd.sh

@@ -230,9 +230,9 @@ class ServerArgs:
         _one_of("disaggregation_transfer_backend", backend, ("torch",))
         if not 0 < self.disaggregation_bootstrap_port < 65536:
             raise ValueError(f"disaggregation_bootstrap_port must be a port, got {self.disaggregation_bootstrap_port}")
-        # a mode takes any --tp-size, --dp-size and --nnodes: each server its own (disaggregation/head_map.py maps the KV heads
-        # between the tp sizes; a prefill server serves room r on replica r % dp_size, where the decode side looks;
-        # its ranks on other nodes register with the bootstrap server of node 0)
+        # A mode takes any --tp-size, --dp-size and --nnodes, each server its own: disaggregation/head_map.py
+        # maps the KV heads between the tp sizes; a prefill server serves room r on replica r % dp_size, where
+        # the decode side looks; its ranks on other nodes register with the bootstrap server of node 0.
 
     def local_tp_ranks(self) -> range:
         """The TP ranks this node runs (rank 0, which talks to the tokenizer

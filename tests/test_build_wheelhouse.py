@@ -143,3 +143,27 @@ def test_main_downloads_only_what_the_host_lacks(tmp_path, monkeypatch, capsys):
     assert summary["skipped_as_on_host"] == ["numpy", "torch", "uvloop"]
     assert summary["not_from_this_build"] == ["stale-0.1-py3-none-any.whl"]
     assert len(summary["files"]) == 5 and summary["total_mib"] == 2.0
+
+
+def test_a_package_asked_for_comes_with_its_dependencies(tmp_path, monkeypatch, capsys):
+    """``--package``: resolved with radixserve's requirements, its dependencies
+    fetched too (sglang-router for benchmarks/gpu_pd.sh needs aiohttp)."""
+    dest, project = tmp_path / "wheels", tmp_path / "proj"
+    project.mkdir()
+    (project / "pyproject.toml").write_text("[project]\nname = 'radixserve'\n")
+    calls = []
+
+    def fake_run(cmd):
+        calls.append(cmd)
+        if "--report" in cmd:
+            Path(cmd[cmd.index("--report") + 1]).write_text(json.dumps(_report(
+                {"fastapi": [], "sglang-router": ["aiohttp", "fastapi"], "aiohttp": []})))
+
+    monkeypatch.setattr(wh, "_run", fake_run)
+    monkeypatch.setattr(wh, "runtime_requirements", lambda path, extras: ["fastapi>=0.110"])
+    assert wh.main(["--python-version", "3.12", "--dest", str(dest), "--project", str(project),
+                    "--package", "sglang-router>=0.3"]) == 0
+    resolve, download, _ = calls
+    assert resolve[-2:] == ["fastapi>=0.110", "sglang-router>=0.3"]
+    assert download[-3:] == ["aiohttp==1.0", "fastapi==1.0", "sglang-router==1.0"]
+    assert json.loads(capsys.readouterr().out)["packages"] == ["aiohttp==1.0", "fastapi==1.0", "sglang-router==1.0"]

@@ -233,7 +233,8 @@ def run(spec: dict, devices: tuple[str, str]) -> dict:
         sock.bind(("127.0.0.1", 0))
         p2p_init = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
     with KVBootstrapServer("127.0.0.1", 0) as bootstrap:
-        ranks = [_Handle(ctx, role, dev, spec, bootstrap.address, p2p_init) for role, dev in zip(("prefill", "decode"), devices)]
+        ranks = [_Handle(ctx, role, dev, spec, bootstrap.address, p2p_init)
+                 for role, dev in zip(("prefill", "decode"), devices)]
         try:
             _, p2p = ranks[0].reply(), ranks[1].reply()
             prefill, decode = ranks
