@@ -43,9 +43,11 @@ from radixserve.managers.scheduler import OVERLAP_ON_CPU_ENV
 from server_harness import ServerProcess, free_port, start_all, wait_for
 
 pytestmark = pytest.mark.slow
-# overlap scheduling's bookkeeping forced on, as it runs by default on a GPU
 LIMITS = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60",
-          "OMP_NUM_THREADS": "1", OVERLAP_ON_CPU_ENV: "1"}
+          "OMP_NUM_THREADS": "1"}
+# this file's servers: overlap scheduling's bookkeeping forced on, as it runs by default on a GPU (the
+# servers of test_disagg_tp.py, test_disagg_dp.py and test_disagg_nodes.py run without it, with LIMITS)
+OVERLAP_LIMITS = {**LIMITS, OVERLAP_ON_CPU_ENV: "1"}
 FAULT_DEADLINE_S = 15  # far below the limits above, with slack for a loaded 2-core machine
 DECODE_POOL = 240  # tokens (60 pages): the decode server holds only a few requests at once
 _prompts = random.Random(15)
@@ -59,7 +61,8 @@ def fresh_prompt(n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def pair():
     port = free_port()
-    started = start_all(model_args() + prefill_args(port), model_args(DECODE_POOL) + DECODE_ARGS, env=LIMITS)
+    started = start_all(model_args() + prefill_args(port), model_args(DECODE_POOL) + DECODE_ARGS,
+                        env=OVERLAP_LIMITS)
     try:
         pd = PDPair(*started, port)
         _, out = pd.generate(fresh_prompt(8))  # the two ranks pair once; the tests reuse the pair
@@ -161,7 +164,7 @@ def kill_mid_transfer(doomed: PDPair, dying: ServerProcess) -> tuple[dict, str, 
 def test_prefill_killed_mid_transfer(pair):
     """The decode server fails the request at once, frees what it reserved, serves on."""
     port = free_port()
-    dying = ServerProcess(*model_args(), *prefill_args(port), env=LIMITS)
+    dying = ServerProcess(*model_args(), *prefill_args(port), env=OVERLAP_LIMITS)
     try:
         body, text, took = kill_mid_transfer(PDPair(dying, pair.decode, port), dying)
         assert took < FAULT_DEADLINE_S
@@ -174,7 +177,7 @@ def test_prefill_killed_mid_transfer(pair):
 
 def test_decode_killed_mid_transfer(pair):
     """The prefill server fails the request at once, caches its prompt, serves on."""
-    dying = ServerProcess(*model_args(), *DECODE_ARGS, env=LIMITS)
+    dying = ServerProcess(*model_args(), *DECODE_ARGS, env=OVERLAP_LIMITS)
     try:
         body, text, took = kill_mid_transfer(PDPair(pair.prefill, dying, pair.bootstrap_port), dying)
         assert took < FAULT_DEADLINE_S
