@@ -25,6 +25,7 @@ the CPU (``--devices cpu,cpu``: gloo over TCP). Prints one JSON object:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import socket
@@ -32,6 +33,13 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
+
+from radixserve.disaggregation import KVPoll, MetadataBuffers
+from radixserve.disaggregation.bootstrap import KVBootstrapServer
+from radixserve.disaggregation.torch_dist import TorchDistKVManager, TorchDistKVReceiver, TorchDistKVSender
+from radixserve.disaggregation.utils import pool_kv_args
+from radixserve.mem_cache.memory_pool import MHATokenToKVPool
 
 TOKEN, LOGPROB = 7, -0.5  # each request's first token, as the aux row carries it
 PREFILL_SEED, DECODE_SEED = 1, 2
@@ -62,8 +70,6 @@ def _sync(device: torch.device) -> None:
 
 def _p2p_bandwidth(role: str, device: torch.device, init_method: str, nbytes: int, repeats: int) -> float | None:
     """Bytes/s of one send from the prefill rank to the decode rank (the decode rank's timing)."""
-    import torch.distributed as dist
-
     rank = 0 if role == "prefill" else 1
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
                             world_size=2, device_id=device if device.type == "cuda" else None)
@@ -89,11 +95,6 @@ class _Rank:
     """One side's pool, KV manager and per-round halves."""
 
     def __init__(self, role: str, device: torch.device, spec: dict, bootstrap_addr: str):
-        from radixserve.disaggregation import MetadataBuffers
-        from radixserve.disaggregation.torch_dist import TorchDistKVManager
-        from radixserve.disaggregation.utils import pool_kv_args
-        from radixserve.mem_cache.memory_pool import MHATokenToKVPool
-
         self.role, self.device, self.spec = role, device, spec
         page, dtype = spec["page_size"], getattr(torch, spec["dtype"])
         self.pool = MHATokenToKVPool(spec["pool_tokens"], page, dtype, spec["kv_heads"], spec["head_dim"],
@@ -112,9 +113,6 @@ class _Rank:
 
     def prepare(self, rooms: list[int]) -> None:
         """Make this round's halves and wait until each is paired and given its pages."""
-        from radixserve.disaggregation.base import KVPoll
-        from radixserve.disaggregation.torch_dist import TorchDistKVReceiver, TorchDistKVSender
-
         if self.role == "decode":
             self.halves = [TorchDistKVReceiver(self.mgr, self.bootstrap_addr, room) for room in rooms]
             self._wait(lambda st: st != KVPoll.Bootstrapping, "pairing")
@@ -128,8 +126,6 @@ class _Rank:
             self._wait(lambda st: st == KVPoll.WaitingForInput, "the decode side's pages")
 
     def _wait(self, done, what: str, timeout: float = 120.0) -> None:
-        from radixserve.disaggregation.base import KVPoll
-
         deadline = time.monotonic() + timeout
         while True:
             states = [half.poll() for half in self.halves]
@@ -143,8 +139,6 @@ class _Rank:
 
     def send(self) -> float:
         """Send every request's pages; the time the first send started."""
-        from radixserve.disaggregation.base import KVPoll
-
         start = time.monotonic()
         for i, half in enumerate(self.halves):
             half.send(self.plans[PREFILL_SEED][i])
@@ -154,8 +148,6 @@ class _Rank:
 
     def receive(self, check: bool) -> tuple[float, bool | None]:
         """Poll until every request has arrived; the time then, and whether it is exact."""
-        from radixserve.disaggregation.base import KVPoll
-
         self._wait(lambda st: st == KVPoll.Success, "KV")
         _sync(self.device)
         end = time.monotonic()
@@ -216,18 +208,14 @@ class _Handle:
 
     def stop(self) -> None:
         if self.proc.is_alive():
-            try:
+            with contextlib.suppress(OSError, EOFError, TimeoutError, RuntimeError):  # it stops either way
                 self.ask("exit")
-            except (OSError, EOFError, TimeoutError, RuntimeError):
-                pass
         self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()
 
 
 def run(spec: dict, devices: tuple[str, str]) -> dict:
-    from radixserve.disaggregation.bootstrap import KVBootstrapServer
-
     ctx = mp.get_context("spawn")
     with socket.socket() as sock:  # a free port for the p2p group's store
         sock.bind(("127.0.0.1", 0))
