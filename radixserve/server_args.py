@@ -69,6 +69,17 @@ class ServerArgs:
     disable_cuda_graph: bool = field(default=False, metadata={"help": "run decodes eagerly (no CUDA graphs)"})
     cuda_graph_max_bs: int | None = field(default=None, metadata={
         "help": "largest decode batch replayed from a CUDA graph (default min(256, max-running-requests))"})
+    enable_piecewise_cuda_graph: bool = field(default=False, metadata={
+        "help": "run extends (prefills and mixed steps) up to --piecewise-cuda-graph-max-tokens through CUDA "
+                "graphs of the pieces between attentions (CUDA only)"})
+    disable_piecewise_cuda_graph: bool = field(default=False, metadata={
+        "help": "run extends eagerly even with --enable-piecewise-cuda-graph"})
+    piecewise_cuda_graph_max_tokens: int | None = field(default=None, metadata={
+        "help": "largest extend, in tokens, replayed from piecewise CUDA graphs "
+                "(default min(chunked-prefill-size, 4096))"})
+    piecewise_cuda_graph_tokens: str | None = field(default=None, metadata={
+        "help": "the token counts to capture piecewise CUDA graphs for, a JSON list "
+                "(default: steps up to --piecewise-cuda-graph-max-tokens)"})
     enable_mixed_chunk: bool = field(default=False, metadata={
         "help": "let the running requests decode inside a prefill batch instead of waiting for it"})
     disable_overlap_schedule: bool = field(default=False, metadata={
@@ -149,6 +160,9 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if self.piecewise_cuda_graph_max_tokens is not None and self.piecewise_cuda_graph_max_tokens < 1:
+            raise ValueError(f"piecewise_cuda_graph_max_tokens must be >= 1, got {self.piecewise_cuda_graph_max_tokens}")
+        self._piecewise_token_list()  # fail at start-up, naming the flag
         self._check_distributed()
         self._check_disaggregation()
         self._check_hicache()
@@ -282,6 +296,34 @@ class ServerArgs:
         if self.disable_cuda_graph or self.resolved_device() != "cuda" or self.resolved_attention_backend() != "triton":
             return 0
         return min(self.cuda_graph_max_bs or 256, self.max_running_requests)
+
+    def resolved_piecewise_cuda_graph_tokens(self) -> list[int]:
+        """The token counts extends are captured for; [] when they run
+        eagerly: without --enable-piecewise-cuda-graph (or with
+        --disable-piecewise-cuda-graph), off CUDA, or on a decode server (it
+        never prefills)."""
+        if (not self.enable_piecewise_cuda_graph or self.disable_piecewise_cuda_graph
+                or self.resolved_device() != "cuda" or self.disaggregation_mode == "decode"):
+            return []
+        from radixserve.model_executor.piecewise_cuda_graph_runner import DEFAULT_MAX_TOKENS, default_token_sizes
+
+        if self.piecewise_cuda_graph_tokens:
+            return self._piecewise_token_list()
+        chunk = self.resolved_chunked_prefill_size()
+        return default_token_sizes(self.piecewise_cuda_graph_max_tokens or min(
+            chunk if chunk > 0 else DEFAULT_MAX_TOKENS, DEFAULT_MAX_TOKENS))
+
+    def _piecewise_token_list(self) -> list[int]:
+        if not self.piecewise_cuda_graph_tokens:
+            return []
+        try:
+            sizes = json.loads(self.piecewise_cuda_graph_tokens)
+        except ValueError:
+            sizes = None
+        if not isinstance(sizes, list) or not sizes or not all(type(t) is int and t > 0 for t in sizes):
+            raise ValueError("piecewise_cuda_graph_tokens must be a JSON list of positive integers, "
+                             f"got {self.piecewise_cuda_graph_tokens!r}")
+        return sorted(set(sizes))
 
     def resolved_max_prompt_chars(self, context_len: int) -> int:
         """A prompt longer than this many characters cannot fit the context

@@ -1,6 +1,7 @@
 """The whole GPU path against HF transformers (GPU only): the Engine with the
-triton backend, CUDA graphs on and off, overlap scheduling on and off, on
-dummy Llama and Qwen3 models in bfloat16 whose weights HF saved.
+triton backend, CUDA graphs (decode, and piecewise for extends) on and off,
+overlap scheduling on and off, on dummy Llama and Qwen3 models in bfloat16
+whose weights HF saved.
 
 Requests of mixed prompt lengths and output lengths make the decode batch
 shrink step by step, so graphs replay padded. HF then scores our prompt +
@@ -70,22 +71,33 @@ def test_greedy_and_logprobs_match_hf(checkpoint, cuda_graph, overlap):
     params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in OUTPUT_LENS]
     with radixserve.Engine(
         model_path=folder, device="cuda", dtype="bfloat16", attention_backend="triton", max_running_requests=16,
-        max_total_tokens=16384, disable_cuda_graph=not cuda_graph, disable_overlap_schedule=not overlap,
-        check_invariants=True, disable_tqdm=True,
+        max_total_tokens=16384, disable_cuda_graph=not cuda_graph, enable_piecewise_cuda_graph=cuda_graph,
+        disable_overlap_schedule=not overlap, check_invariants=True, disable_tqdm=True,
     ) as eng:
-        assert (eng.scheduler.model_runner.cuda_graph_runner is not None) == cuda_graph
+        runner = eng.scheduler.model_runner
+        assert (runner.cuda_graph_runner is not None) == (runner.piecewise_runner is not None) == cuda_graph
         assert eng.scheduler.overlap == overlap
+        pieces = _count_piecewise_extends(runner)
         plain = eng.generate(input_ids=prompts, sampling_params=params)
         scored = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2)
+        inputs = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                              logprob_start_len=0)
+        assert (len(pieces) >= 2) == cuda_graph  # the prompts' extends replayed pieces
+        if cuda_graph:
+            del runner.piecewise_runner.forward  # no cycle keeps the KV pool alive after the engine
         assert eng.scheduler.is_idle()
         eng.scheduler.check_memory()
 
     checked, diffs = 0, []
-    for prompt, out, with_lp in zip(prompts, plain, scored):
+    for prompt, out, with_lp, prompt_lp in zip(prompts, plain, scored, inputs):
         checked += _check_greedy(hf, prompt, out["output_ids"])
         assert len(out["output_ids"]) == len(with_lp["output_ids"])
         ref = _hf_logprobs(hf, prompt, with_lp["output_ids"])
         diffs += [abs(lp - float(ref[k, tok])) for k, (lp, tok) in enumerate(with_lp["meta_info"]["output_token_logprobs"])]
+        if len(prompt) > 1:  # the prompt's own tokens, scored by the extend
+            ref_in = _hf_logprobs(hf, prompt[:1], prompt[1:])
+            diffs += [abs(lp - float(ref_in[k, tok]))
+                      for k, (lp, tok) in enumerate(prompt_lp["meta_info"]["input_token_logprobs"][1:])]
     print(f"logprob |diff| vs HF: max {max(diffs):.3f} mean {sum(diffs) / len(diffs):.4f}; {checked} tokens checked")
     assert max(diffs) <= LOGPROB_MAX_DIFF and sum(diffs) / len(diffs) <= LOGPROB_MEAN_DIFF
     assert checked >= sum(OUTPUT_LENS) // 3  # many steps have a clear winner
@@ -108,6 +120,15 @@ def test_retraction_on_a_tiny_pool_keeps_outputs(checkpoint, page_size, pool, ne
     assert all(len(o["output_ids"]) == new_tokens for o in outs) and checked >= 6 * new_tokens // 4
 
 
+def _count_piecewise_extends(runner) -> list[int]:
+    """Record the token count of every extend that replays piecewise graphs."""
+    seen = []
+    if runner.piecewise_runner is not None:
+        forward = runner.piecewise_runner.forward
+        runner.piecewise_runner.forward = lambda fb: (seen.append(fb.num_tokens), forward(fb))[1]
+    return seen
+
+
 def _check_greedy(hf, prompt: list[int], output: list[int]) -> int:
     """Assert each token is HF's argmax where the top-2 margin is clear; return how many were checked."""
     top2 = _hf_logprobs(hf, prompt, output).topk(2, dim=-1)
@@ -120,13 +141,15 @@ def _check_greedy(hf, prompt: list[int], output: list[int]) -> int:
 
 
 def test_mixed_chunk_keeps_outputs(checkpoint):
-    """--enable-mixed-chunk with graphs and overlap on: with three running
-    slots and 64-token chunks, running requests decode inside prefills."""
+    """--enable-mixed-chunk with graphs (piecewise too) and overlap on: with
+    three running slots and 64-token chunks, running requests decode inside
+    prefills."""
     folder, hf = checkpoint
     prompts = _prompts(SHAPE["vocab_size"])
     with radixserve.Engine(
         model_path=folder, device="cuda", dtype="bfloat16", max_running_requests=3, chunked_prefill_size=64,
-        max_total_tokens=16384, enable_mixed_chunk=True, check_invariants=True, disable_tqdm=True,
+        max_total_tokens=16384, enable_mixed_chunk=True, enable_piecewise_cuda_graph=True, check_invariants=True,
+        disable_tqdm=True,
     ) as eng:
         launch, mixed = eng.scheduler._launch_forward, []
 
@@ -135,10 +158,12 @@ def test_mixed_chunk_keeps_outputs(checkpoint):
             return launch(batch)
 
         eng.scheduler._launch_forward = spy
+        pieces = _count_piecewise_extends(eng.scheduler.model_runner)
         outs = eng.generate(input_ids=prompts, sampling_params=[
             {"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in OUTPUT_LENS])
         del eng.scheduler._launch_forward  # no cycle keeps the KV pool alive after the engine
-    assert sum(1 for n in mixed if n) >= 5
+        del eng.scheduler.model_runner.piecewise_runner.forward
+    assert sum(1 for n in mixed if n) >= 5 and len(pieces) >= sum(1 for n in mixed if n)
     checked = sum(_check_greedy(hf, p, o["output_ids"]) for p, o in zip(prompts, outs))
     assert [len(o["output_ids"]) for o in outs] == list(OUTPUT_LENS) and checked >= sum(OUTPUT_LENS) // 4
 

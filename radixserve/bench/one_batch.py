@@ -321,7 +321,7 @@ def _timed(fn, device: torch.device) -> float:
 _ENGINE_OPTIONS = {
     "model_path": str, "load_format": str, "dtype": str, "device": str, "attention_backend": str,
     "page_size": int, "max_total_tokens": int, "mem_fraction_static": float, "random_seed": int,
-    "disable_cuda_graph": bool, "tp_size": int, "dist_timeout": float,
+    "disable_cuda_graph": bool, "enable_piecewise_cuda_graph": bool, "tp_size": int, "dist_timeout": float,
 }
 
 
@@ -520,7 +520,8 @@ def main(argv: list[str] | None = None, tp_rank: int = 0, init: str | None = Non
     ours = {}
     for case, (timing, allreduce_ms) in _run_cases(runner, Sampler(), wl, prompts).items():
         ours[case] = report.case("radixserve", *case, timing, attention_backend=server_args.resolved_attention_backend(),
-                                 cuda_graph=runner.cuda_graph_runner is not None, page_size=server_args.page_size,
+                                 cuda_graph=runner.cuda_graph_runner is not None,
+                                 piecewise_cuda_graph=runner.piecewise_runner is not None, page_size=server_args.page_size,
                                  kv_pool_tokens=runner.max_total_tokens, allreduce_ms_per_step=allreduce_ms)
     runner.shutdown()
     for p in followers:

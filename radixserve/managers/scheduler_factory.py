@@ -36,6 +36,7 @@ def build_model_runner(args: ServerArgs, model_config, tp_rank: int = 0, dist_in
         mem_fraction_static=args.mem_fraction_static,
         seed=args.random_seed,
         cuda_graph_max_bs=args.resolved_cuda_graph_max_bs(),
+        piecewise_cuda_graph_tokens=args.resolved_piecewise_cuda_graph_tokens(),
         tp_rank=tp_rank,
         tp_size=args.tp_size,
         dist_init_method=dist_init_method,

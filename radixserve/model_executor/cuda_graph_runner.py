@@ -44,6 +44,36 @@ def default_batch_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes + [max_bs]))
 
 
+class GraphCapturer:
+    """Captures CUDA graphs on one side stream into one memory pool (shared by
+    every graph it captures: they must never run concurrently)."""
+
+    def __init__(self, device: torch.device, tp_size: int):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.pool = None
+        # Under TP, NCCL's watchdog thread queries the events of the warm-up's
+        # collectives while we capture; "thread_local" keeps such calls from
+        # other threads from invalidating the capture (older torch builds).
+        self.mode = "thread_local" if tp_size > 1 else "global"
+
+    def capture(self, fn, warmups: int = 2):
+        """``(graph, what fn returned while captured)``; ``fn`` first runs
+        ``warmups`` times outside the capture, where Triton compiles and autotunes."""
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            for _ in range(warmups):
+                fn()
+        current.wait_stream(self.stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode=self.mode):
+            out = fn()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph, out
+
+
 class CudaGraphRunner:
     def __init__(self, model_runner: "ModelRunner", batch_sizes: list[int]):
         self.runner = model_runner
@@ -57,7 +87,7 @@ class CudaGraphRunner:
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.capturer = GraphCapturer(model_runner.device, model_runner.tp_size)
         start = time.perf_counter()
         with torch.inference_mode():
             for bs in reversed(self.batch_sizes):
@@ -92,22 +122,7 @@ class CudaGraphRunner:
 
     def _capture(self, bs: int) -> None:
         fb = self._static_batch(bs)
-        stream = torch.cuda.Stream(self.runner.device)
-        stream.wait_stream(torch.cuda.current_stream(self.runner.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
-                self._run_once(fb)
-        torch.cuda.current_stream(self.runner.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # Under TP, NCCL's watchdog thread queries the events of the warm-up's
-        # collectives while we capture; "thread_local" keeps such calls from
-        # other threads from invalidating the capture (older torch builds).
-        mode = "thread_local" if self.runner.tp_size > 1 else "global"
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode=mode):
-            out = self._run_once(fb)
-        if self.pool is None:
-            self.pool = graph.pool()
-        self.graphs[bs], self.outputs[bs] = graph, out
+        self.graphs[bs], self.outputs[bs] = self.capturer.capture(lambda: self._run_once(fb))
 
     def replay(self, fb: ForwardBatch) -> LogitsProcessorOutput:
         """Run the decode ``fb`` through the graph of the smallest captured

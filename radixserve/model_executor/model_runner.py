@@ -55,7 +55,10 @@ class ModelRunner:
     or, by default, ``min(CPU_KV_RAM_FRACTION * available RAM, 32k tokens)``.
     ``max_context_len`` defaults to the model's context length; it is capped
     by the pool size. With ``cuda_graph_max_bs > 0`` on CUDA, decodes of up
-    to that many requests replay CUDA graphs (``cuda_graph_runner.py``).
+    to that many requests replay CUDA graphs (``cuda_graph_runner.py``); with
+    ``piecewise_cuda_graph_tokens``, extends of up to the largest of those
+    token counts replay graphs of the pieces between attentions
+    (``piecewise_cuda_graph_runner.py``).
     ``model`` may be passed ready-made (tests); otherwise it is loaded with
     ``radixserve.model_loader.get_model``.
 
@@ -84,6 +87,7 @@ class ModelRunner:
         seed: int = 0,
         model: nn.Module | None = None,
         cuda_graph_max_bs: int = 0,
+        piecewise_cuda_graph_tokens: list[int] | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
         tp_group: TPGroup | None = None,
@@ -117,6 +121,9 @@ class ModelRunner:
 
             max_bs = min(cuda_graph_max_bs, max_running_requests)
             self.cuda_graph_runner = CudaGraphRunner(self, default_batch_sizes(max_bs))
+        self.piecewise_runner = None
+        if piecewise_cuda_graph_tokens and self.device.type == "cuda":
+            self.piecewise_runner = self._piecewise_runner(piecewise_cuda_graph_tokens)
 
     # -- set-up ------------------------------------------------------------
     def _join_tp_group(self, tp_rank, tp_size, tp_group, init_method, timeout_s, nnodes) -> TPGroup:
@@ -136,6 +143,14 @@ class ModelRunner:
         if tp_group is not None:
             return tp_group
         return init_tp_group(tp_rank, tp_size, self.device, init_method, timeout_s)
+
+    def _piecewise_runner(self, token_sizes: list[int]):
+        from radixserve.model_executor.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner, supports_pieces
+
+        if not supports_pieces(self.model):
+            logger.warning("%s cannot be cut into pieces: extends run eagerly", type(self.model).__name__)
+            return None
+        return PiecewiseCudaGraphRunner(self, token_sizes)
 
     def _load_model(self) -> nn.Module:
         from radixserve.model_loader import get_model  # the loader imports the model registry
@@ -240,6 +255,8 @@ class ModelRunner:
         place only inside ``torch.inference_mode()`` (or copy them)."""
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
             return self.cuda_graph_runner.replay(forward_batch)
+        if self.piecewise_runner is not None and self.piecewise_runner.can_run(forward_batch):
+            return self.piecewise_runner.forward(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 

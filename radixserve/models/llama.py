@@ -62,7 +62,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention over this rank's heads (``qkv_proj.layout``)."""
+    """Self-attention over this rank's heads (``qkv_proj.layout``): the
+    decoder layer calls :meth:`qkv`, then ``attn``, then ``o_proj``."""
 
     def __init__(
         self, config: PretrainedConfig, layer_id: int, rotary_emb: RotaryEmbedding, options: AttentionOptions,
@@ -85,12 +86,13 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb  # one module shared by all layers
         self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def qkv(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Projected q, k (normed per head, rotated) and v: what attention takes."""
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, forward_batch))
+        return q, k, v
 
     def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm(x.reshape(x.shape[0], -1, self.head_dim)).view(x.shape[0], -1)
@@ -117,12 +119,24 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp output, residual)``; their sum is this layer's output
         (the next norm adds them, see :class:`RMSNorm`)."""
+        q, k, v, residual = self.before_attention(positions, hidden_states, residual)
+        return self.after_attention(self.self_attn.attn(q, k, v, forward_batch), residual)
+
+    # The layer in two pieces around its attention, which alone reads the
+    # batch's layout: piecewise CUDA graphs capture the pieces for a token count.
+    def before_attention(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q, k, v, residual)`` from the previous layer's ``(mlp output, residual)``."""
         if residual is None:
             residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return *self.self_attn.qkv(positions, hidden_states), residual
+
+    def after_attention(self, attn_output: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual)`` from the attention's output."""
+        hidden_states, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_output), residual)
         return self.mlp(hidden_states), residual
 
 

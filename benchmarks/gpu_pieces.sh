@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# E7: piecewise CUDA graphs for extends (--enable-piecewise-cuda-graph) on one GPU, in one call,
+# within BUDGET seconds. PIECES picks what runs, in this order:
+#   tests    the GPU tests (their engine and mixed-chunk tests replay pieces) -> gpu-tests.txt
+#   prefill  bench.one_batch's prefill latency at W3's shapes scaled to PREFILL_LENS tokens a
+#            request and PREFILL_BS requests, eager extends then pieces, one process each
+#            -> prefill.jsonl (each line's "piecewise_cuda_graph" says which)
+#   w5       W5 (random 1024 in / 256 out, Poisson at W5_RATES req/s, goodput at TTFT 1 s /
+#            TPOT 50 ms) against one server per configuration of W5_CONFIGS
+#            ("label=flags;label=flags", W5_PROMPTS requests a rate) -> w5-1.json, w5-2.json, ...
+#
+#   OUT=/some/dir benchmarks/gpu_pieces.sh
+#
+# radixserve's dependencies must be importable (a wheelhouse installed with --target and
+# PYTHONPATH set); the tests need pytest. Logs go to LOGDIR (a temp folder); a failed piece
+# prints the tail of its log. CPU smoke test (the pieces stay eager there; a minute):
+#   PIECES="prefill w5" MODEL=tiny-llama PREFILL_LENS=32 PREFILL_BS="1 2" W5_PROMPTS=8 W5_RATES=4 \
+#   W5_INPUT=32 W5_OUTPUT=8 W5_CONFIGS="plain=--device cpu" OUT=pieces-smoke benchmarks/gpu_pieces.sh
+set -uo pipefail
+
+MODEL=${MODEL:-llama-3.1-8b} PIECES=${PIECES:-tests prefill w5}
+PREFILL_LENS=${PREFILL_LENS:-128 512} PREFILL_BS=${PREFILL_BS:-1 2 4 8}
+W5_PROMPTS=${W5_PROMPTS:-1000} W5_RATES=${W5_RATES:-12 16 20 24} W5_INPUT=${W5_INPUT:-1024} W5_OUTPUT=${W5_OUTPUT:-256}
+W5_CONFIGS=${W5_CONFIGS:-"mixed 512=--enable-mixed-chunk --chunked-prefill-size 512;mixed 512, pieces=--enable-mixed-chunk --chunked-prefill-size 512 --enable-piecewise-cuda-graph"}
+BUDGET=${BUDGET:-570} START_TIMEOUT=${START_TIMEOUT:-240} TESTS_TIMEOUT=${TESTS_TIMEOUT:-330}
+RESERVE=20                            # s kept back to stop a server after the last piece
+PY=${PYTHON:-python3} PORT=${PORT:-31000}
+# shellcheck source=benchmarks/script_lib.sh
+source "$(dirname "$0")/script_lib.sh"  # OUT, LOGDIR, the checkout's root, FAILED, log, cap, fail
+# shellcheck source=benchmarks/server_lib.sh
+source benchmarks/server_lib.sh        # SERVER_PID, stop_server, wait_healthy
+
+run_tests() {
+    local t; t=$(cap "$TESTS_TIMEOUT")
+    log "GPU tests (timeout ${t}s)"
+    timeout -k 20 "$t" "$PY" -m pytest -q -m gpu -p no:cacheprovider -s --ignore=tests/test_openai_protocol.py \
+        --ignore=tests/test_server_openai.py --ignore=tests/test_structured_output.py \
+        --ignore=tests/test_openai_tools.py >"$LOGDIR/tests.log" 2>&1 || FAILED+=("tests")
+    grep -E "logprob \|diff\||passed|failed|Error" "$LOGDIR/tests.log" | tail -40 | tee "$OUT/gpu-tests.txt"
+}
+
+run_prefill() {
+    local mode flags len t
+    for mode in eager pieces; do
+        flags=(); [[ $mode == pieces ]] && flags=(--enable-piecewise-cuda-graph)
+        for len in $PREFILL_LENS; do
+            t=$(cap 200); ((t >= 30)) || { FAILED+=("prefill $mode $len (no time left)"); continue; }
+            log "prefill, $mode, $len tokens a request"
+            timeout -k 10 "$t" "$PY" -m radixserve.bench.one_batch --workload W3 --model-path "$MODEL" --load-format dummy \
+                --batch-sizes $PREFILL_BS --input-len "$len" "${flags[@]}" --output-json "$LOGDIR/prefill-$mode.jsonl" \
+                >"$LOGDIR/prefill-$mode-$len.log" 2>&1 || fail "prefill $mode $len" "$LOGDIR/prefill-$mode-$len.log"
+            grep -h "captured" "$LOGDIR/prefill-$mode-$len.log" | tail -2
+        done
+        [[ -f $LOGDIR/prefill-$mode.jsonl ]] && cat "$LOGDIR/prefill-$mode.jsonl" >>"$OUT/prefill.jsonl"
+    done
+}
+
+run_w5() {
+    local cfg label flags n=0 t
+    IFS=';' read -ra cfgs <<<"$W5_CONFIGS"
+    for cfg in "${cfgs[@]}"; do
+        label=${cfg%%=*} flags=${cfg#*=} n=$((n + 1))
+        t=$(cap 60); ((t >= 60)) || { FAILED+=("w5 $label (no time left)"); continue; }
+        log "server $n ($label): $flags"
+        setsid "$PY" -m radixserve.launch_server --model-path "$MODEL" --load-format dummy --port "$PORT" $flags \
+            >"$LOGDIR/server-$n.log" 2>&1 &
+        SERVER_PID=$!
+        wait_healthy "$LOGDIR/server-$n.log" || { FAILED+=("w5 $label (server)"); continue; }
+        grep -h "captured" "$LOGDIR/server-$n.log" | tail -2
+        t=$(cap 600)
+        log "W5 at $W5_RATES req/s (timeout ${t}s)"
+        timeout -s INT -k 20 "$t" "$PY" -m radixserve.bench.serving --port "$PORT" --disable-tqdm \
+            --output-json "$OUT/w5-$n.json" --dataset-name random --num-prompts "$W5_PROMPTS" \
+            --random-input-len "$W5_INPUT" --random-output-len "$W5_OUTPUT" --random-range-ratio 1 \
+            --request-rate $W5_RATES --seed 3 --slo-ttft 1000 --slo-tpot 50 --label "$label" \
+            >"$LOGDIR/w5-$n.log" 2>&1 || fail "w5 $label" "$LOGDIR/w5-$n.log"
+        stop_server
+        [[ -f $OUT/w5-$n.json ]] && "$PY" -c '
+import json, sys
+for r in json.load(open(sys.argv[1]))["runs"]:
+    q = lambda k: "%.1f / %.1f" % (r[k]["median"], r[k]["p99"])
+    print("%s, %s req/s: sustained %.2f, in SLO %.3f, TTFT %s ms, ITL %s ms" % (r["label"], r["request_rate"],
+          r["request_throughput"], r["slo_attainment"], q("ttft_ms"), q("itl_ms")))' "$OUT/w5-$n.json"
+    done
+}
+
+log "E7 pieces: model $MODEL; pieces $PIECES; budget ${BUDGET}s; logs in $LOGDIR"
+for piece in $PIECES; do
+    case $piece in
+        tests) run_tests ;;
+        prefill) run_prefill ;;
+        w5) run_w5 ;;
+        *) FAILED+=("unknown piece $piece") ;;
+    esac
+done
+((${#FAILED[@]})) && { log "failed: ${FAILED[*]}"; exit 1; }
+log "done"
