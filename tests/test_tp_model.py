@@ -43,13 +43,14 @@ def random_prompts(vocab: int, lengths=(13, 5, 9)) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def compare_with_tp1(model_path: str, tp_size: int, prompts, overrides=None, steps=STEPS, backend="torch_native"):
+def compare_with_tp1(model_path: str, tp_size: int, prompts, overrides=None, steps=STEPS, backend="torch_native",
+                     pieces: tuple[int, ...] = ()):
     """Run the scenario at tp 1 here (greedy) and at ``tp_size`` in processes
-    (fed tp 1's tokens, ``backend`` attention); assert equal logits and
-    tokens; return the figures."""
+    (fed tp 1's tokens, ``backend`` attention, extends through ``pieces``);
+    assert equal logits and tokens; return the figures."""
     with one_thread():
         ref = model_rank(0, 1, None, model_path, overrides, prompts, None, steps)
-    ranks = run_ranks(model_rank, tp_size, model_path, overrides, prompts, ref["fed"], steps, backend)
+    ranks = run_ranks(model_rank, tp_size, model_path, overrides, prompts, ref["fed"], steps, backend, pieces)
     for out in ranks[1:]:  # every rank samples from the same bytes
         assert all(torch.equal(x, y) for x, y in zip(out["logits"], ranks[0]["logits"]))
     out, worst, flips, clear = ranks[0], 0.0, 0, 0
@@ -96,6 +97,15 @@ def test_triton_backend_under_tp(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the ranks import triton
     compare_with_tp1("tiny-qwen3", 4, random_prompts(512), steps=2, backend="triton")
+
+
+def test_piecewise_pieces_under_tp():
+    """Extends through the piecewise runner's pieces (eager here; on CUDA each
+    is a graph holding the layers' all-reduces) at tp 2, padded to 8, 16 or
+    32 tokens, against plain tp 1: padding rows stay out of the real ones
+    through the all-reduces and the vocabulary-parallel embedding."""
+    result = compare_with_tp1("tiny-qwen2", 2, random_prompts(510), {"vocab_size": 510}, pieces=(8, 16, 32))
+    assert all(out["piece_runs"] >= 2 for out in result["ranks"])
 
 
 @pytest.mark.slow

@@ -174,10 +174,13 @@ def forward_scenario(runner: ModelRunner, prompts: list[list[int]], forced: list
 
 def model_rank(
     rank: int, tp_size: int, init_method: str, model_path: str, overrides: dict | None, prompts, forced, steps: int,
-    attention_backend: str = "torch_native",
+    attention_backend: str = "torch_native", pieces: tuple[int, ...] = (),
 ) -> dict:
     """One rank's :func:`forward_scenario` on ``model_path`` (fp32, CPU; config
-    fields replaced by ``overrides``), and the size of its KV pool and weights."""
+    fields replaced by ``overrides``), and the size of its KV pool and weights.
+    With ``pieces`` (token counts), extends go through the piecewise runner,
+    its pieces run eagerly; ``piece_runs`` counts them."""
+    from radixserve.model_executor.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
     from radixserve.model_loader import resolve_model
 
     runner = ModelRunner(
@@ -185,8 +188,14 @@ def model_rank(
         attention_backend=attention_backend, tp_rank=rank, tp_size=tp_size, dist_init_method=init_method,
         dist_timeout_s=30,
     )
+    piece_runs = []
+    if pieces:
+        runner.piecewise_runner = PiecewiseCudaGraphRunner(runner, list(pieces), use_graphs=False)
+        forward = runner.piecewise_runner.forward
+        runner.piecewise_runner.forward = lambda fb: (piece_runs.append(fb.num_tokens), forward(fb))[1]
     try:
         out = forward_scenario(runner, prompts, forced, steps)
+        out["piece_runs"] = len(piece_runs)
         out["kv_heads"] = runner.token_to_kv_pool.head_num
         out["max_total_tokens"] = runner.max_total_tokens
         out["weight_numel"] = sum(p.numel() for p in runner.model.parameters())
