@@ -126,6 +126,10 @@ def test_req_to_token_pool():
     assert pool.req_to_token[rows[0], 2:5].tolist() == [5, 6, 7]
     with pytest.raises(ValueError, match="max_context_len"):
         pool.write(rows[0], 6, t(1, 2, 3))
+    pool.write_at(t(rows[1], rows[0], rows[1]), t(0, 7, 1), t(9, 8, 4))  # several rows in one scatter
+    assert pool.req_to_token[rows[1], :2].tolist() == [9, 4] and pool.req_to_token[rows[0], 7] == 8
+    with pytest.raises(ValueError, match="position 8 exceeds max_context_len 8"):
+        pool.write_at(t(rows[0]), t(8), t(1))
     pool.free(rows[0])
     with pytest.raises(RuntimeError, match="double free"):
         pool.free(rows[0])

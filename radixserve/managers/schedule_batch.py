@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from radixserve.mem_cache.allocator import page_aligned
-from radixserve.model_executor.forward_batch_info import ForwardMode
+from radixserve.model_executor.forward_batch_info import ForwardMode, ragged_arange
 from radixserve.sampling import stop_regex
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 
@@ -327,10 +327,9 @@ class ScheduleBatch:
         slots = pools.alloc_with_evict(need, lambda: pools.allocator.alloc_extend(prefix, seq, last))
         if slots is None:
             raise RuntimeError(f"KV allocation failed for an admitted prefill of {int((seq - prefix).sum())} tokens")
-        start = 0
-        for req, n in zip(self.reqs, (seq - prefix).tolist()):
-            pools.req_to_token_pool.write(req.req_pool_idx, req.kv_end, slots[start : start + n])
-            start += n
+        lens, rows = seq - prefix, torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
+        # One scatter for the whole batch (a mixed one has a request per rider).
+        pools.req_to_token_pool.write_at(rows.repeat_interleave(lens), ragged_arange(prefix, lens), slots)
         self.out_cache_loc, self.seq_lens = slots, seq.tolist()
         return slots
 

@@ -59,6 +59,15 @@ class ReqToTokenPool:
             raise ValueError(f"ReqToTokenPool: position {end} exceeds max_context_len {self.max_context_len}")
         self.req_to_token[row, start:end] = slots.to(device=self.device, dtype=torch.int32)
 
+    def write_at(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Record ``slots[i]`` as the KV slot of position ``positions[i]`` of
+        row ``rows[i]``, for every ``i`` in one scatter (``rows`` and
+        ``positions`` on the host)."""
+        if len(positions) and int(positions.max()) >= self.max_context_len:
+            raise ValueError(f"ReqToTokenPool: position {int(positions.max())} exceeds max_context_len "
+                             f"{self.max_context_len}")
+        self.req_to_token[rows.to(self.device), positions.to(self.device)] = slots.to(self.device, torch.int32)
+
     def clear(self) -> None:
         self._free_rows = list(range(self.size))
 
