@@ -39,6 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--chunked-prefill-size", type=int, default=512)
     add("--max-total-tokens", type=int, help="KV pool tokens (default: every request's whole length)")
     add("--enable-mixed-chunk", action="store_true")
+    add("--repetition-penalty", type=float, default=1.0, help="every request's (penalties keep state per row)")
     add("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     for name in ("num_prompts", "input_len", "output_len", "max_running_requests", "chunked_prefill_size"):
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         start = time.perf_counter()
         engine.generate(input_ids=prompts, sampling_params={
-            "max_new_tokens": args.output_len, "ignore_eos": True, "temperature": 0})
+            "max_new_tokens": args.output_len, "ignore_eos": True, "temperature": 0,
+            "repetition_penalty": args.repetition_penalty})
         wall = time.perf_counter() - start
     finally:
         del scheduler._next_batch  # no cycle keeps the engine's pools alive
@@ -91,7 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
         "bench": "scheduler_host", "model": args.model_path, "device": args.device,
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "max_running_requests": args.max_running_requests, "chunked_prefill_size": args.chunked_prefill_size,
-        "enable_mixed_chunk": args.enable_mixed_chunk, "wall_s": round(wall, 2),
+        "enable_mixed_chunk": args.enable_mixed_chunk, "repetition_penalty": args.repetition_penalty,
+        "wall_s": round(wall, 2),
         **{f"next_batch_{kind}": _summary(times) for kind, times in by_kind.items()},
     }
     print(json.dumps(result))
