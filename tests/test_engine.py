@@ -346,6 +346,29 @@ def test_overlap_equals_sync_with_sampling_penalties_and_stops(llama, max_runnin
 
 
 
+@torch.no_grad()
+def hf_greedy_penalized(hf, ids, n, penalty):
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                      repetition_penalty=penalty)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("overlap, mixed", [(False, False), (True, False), (True, True)])
+def test_repetition_penalty_matches_hf_as_requests_join(llama, overlap, mixed):
+    """Greedy with HF's repetition penalty (over prompt and outputs), against
+    HF's generate: requests join the running batch at different steps, in
+    chunks, mixed or not, so the penalty's state is carried, extended and
+    filtered on the device rather than rebuilt from the tokens."""
+    folder, hf = llama
+    batch = prompts([30, 9, 44, 17, 5, 26], seed=13)
+    lens = (20, 32, 14, 24, 28, 18)
+    params = [{**GREEDY, "max_new_tokens": n, "repetition_penalty": 3.0} for n in lens]
+    with engine(folder, overlap, max_running_requests=3, chunked_prefill_size=16, enable_mixed_chunk=mixed) as eng:
+        outs = eng.generate(input_ids=batch, sampling_params=params)
+    for ids, n, out in zip(batch, lens, outs):
+        assert out["output_ids"] == hf_greedy_penalized(hf, ids, n, 3.0)
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_overlap_queues_the_next_chunk_behind_the_one_in_flight(llama, page_size):
     """Long prompts in chunks of 16, two of them identical (so one's chunks

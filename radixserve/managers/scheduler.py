@@ -297,14 +297,15 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
         elif decoding:
             info = SamplingBatchInfo.from_reqs(reqs[: len(reqs) - len(decoding)], self.vocab_size, self.device)
             batch, riders = schedule_batch.get_model_worker_batch(info), state.info
+            riders_pending = state.replace(reqs, info)  # its rows are the running requests' next state
 
             def before() -> None:
-                state.apply_pending()
+                for update in riders_pending:
+                    update()
                 info.merge(riders)
-
-            state.invalidate()  # the riders' tokens are counted in the mixed batch's info: rebuild it after
         else:
             batch, before = schedule_batch.get_model_worker_batch(), None
+            state.absorb(reqs, batch.sampling_info)  # the prompts that finish join with their rows
         forward = self.worker.launch_forward(batch, before)
         for req, seq in zip(reqs, batch.seq_lens_cpu):
             req.kv_inflight = seq - req.kv_len
