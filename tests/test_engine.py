@@ -369,6 +369,18 @@ def test_repetition_penalty_matches_hf_as_requests_join(llama, overlap, mixed):
         assert out["output_ids"] == hf_greedy_penalized(hf, ids, n, 3.0)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_decode_sampling_state_keeps_only_what_may_decode(llama, overlap):
+    """Requests that end with their prefill (max_new_tokens 1) never decode:
+    their rows do not pile up in the running batch's sampling state."""
+    folder, _ = llama
+    with engine(folder, overlap) as eng:
+        for seed in range(6):
+            eng.generate(input_ids=prompts([8, 9, 10], seed=seed), sampling_params={"max_new_tokens": 1})
+        state = eng.scheduler.decode_sampling
+        assert len(state.reqs) <= 3 and len(state._pending) <= 1
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_overlap_queues_the_next_chunk_behind_the_one_in_flight(llama, page_size):
     """Long prompts in chunks of 16, two of them identical (so one's chunks

@@ -204,6 +204,8 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
         """A prefill if one can be admitted, else a decode of the running requests."""
         batch = self._get_new_batch_prefill()
         running = self.running_batch
+        if running.is_empty():  # no row is needed (and none piles up on a prefill server)
+            self.decode_sampling.invalidate()
         if batch is not None or running.is_empty():
             return batch
         self._ensure_decode_memory()
