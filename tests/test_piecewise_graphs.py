@@ -1,12 +1,17 @@
 """Piecewise CUDA graphs' cutting and padding, on a CPU: the runner replays
 its pieces eagerly (``use_graphs=False``) on the same static buffers, so the
 token counts, the padding rows and the eager attention between pieces run
-here as on a GPU. The graphs themselves are checked on the H200
+here as on a GPU, with the CPU's attention and with the GPU's Triton kernels
+(Triton's interpreter). The graphs themselves are checked on the H200
 (``test_gpu_engine.py``). Also the server flags, as SGLang names them."""
 
 from __future__ import annotations
 
 import bisect
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -104,6 +109,44 @@ def test_mixed_steps_cached_prefixes_and_logprobs_through_pieces(llama, overlap)
             got, want = piece["meta_info"][key], plain["meta_info"][key]
             assert [t for _, t in got] == [t for _, t in want]
             assert [lp for lp, _ in got[1:]] == pytest.approx([lp for lp, _ in want[1:]], abs=1e-4)
+
+
+_TRITON_SCRIPT = """
+import json, sys
+import radixserve
+from radixserve.model_executor.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
+batch, params = json.loads(sys.argv[1])
+result = {}
+for pieces in (False, True):
+    eng = radixserve.Engine(model_path="tiny-llama", device="cpu", attention_backend="triton", disable_tqdm=True,
+                            max_total_tokens=2048, max_running_requests=2, chunked_prefill_size=16,
+                            enable_mixed_chunk=True)
+    seen = []
+    if pieces:
+        runner = eng.scheduler.model_runner
+        runner.piecewise_runner = PiecewiseCudaGraphRunner(runner, [8, 16, 32], use_graphs=False)
+        forward = runner.piecewise_runner.forward
+        runner.piecewise_runner.forward = lambda fb: (seen.append(fb.num_decoding), forward(fb))[1]
+    result[str(pieces)] = [o["output_ids"] for o in eng.generate(input_ids=batch, sampling_params=params)]
+    result["riders"] = sum(seen)
+    eng.shutdown()
+print(json.dumps(result))
+"""
+
+
+def test_triton_attention_between_pieces():
+    """The GPU's attention kernels between the pieces (Triton's interpreter,
+    in a process of its own: the flag is read when kernels are defined),
+    riders of mixed steps through the decode kernel included: the same tokens
+    as without pieces."""
+    pytest.importorskip("triton")
+    batch = prompts([40, 9, 30, 5], seed=7)
+    params = [{**GREEDY, "max_new_tokens": n} for n in (6, 9, 5, 7)]
+    proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT, json.dumps([batch, params])], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["True"] == result["False"] and result["riders"] > 0
 
 
 def test_models_without_the_layout_are_not_cut():
