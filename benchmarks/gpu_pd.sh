@@ -125,16 +125,7 @@ if [[ " $PIECES " == *" replicas "* ]]; then
     stop_all
 fi
 
-"$PY" - "$OUT" <<'EOF'
-import glob, json, os, sys
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "w5-*.json"))):
-    for r in json.load(open(path))["runs"]:
-        f = lambda v: "n/a" if v is None else f"{v:.3g}"
-        print(f"{os.path.basename(path):18} rate {r['request_rate']!s:>4}  ok {r['completed']}/"
-              f"{r['completed'] + r['failed'] + r['unfinished']}  {r['request_throughput']:.2f} req/s  "
-              f"in SLO {f(r['slo_attainment'])}  TTFT p50/p99 {f(r['ttft_ms']['median'])}/{f(r['ttft_ms']['p99'])} ms  "
-              f"ITL p50/p99 {f(r['itl_ms']['median'])}/{f(r['itl_ms']['p99'])} ms" + ("  INTERRUPTED" if r["interrupted"] else ""))
-EOF
+compgen -G "$OUT/w5-*.json" >/dev/null && "$PY" -m radixserve.bench.serving_report "$OUT"/w5-*.json
 ls -l "$OUT"
 log "done in ${SECONDS}s; failed: ${FAILED[*]:-none}"
 ((${#FAILED[@]} == 0))

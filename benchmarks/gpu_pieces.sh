@@ -75,12 +75,7 @@ run_w5() {
             --request-rate $W5_RATES --seed 3 --slo-ttft 1000 --slo-tpot 50 --label "$label" \
             >"$LOGDIR/w5-$n.log" 2>&1 || fail "w5 $label" "$LOGDIR/w5-$n.log"
         stop_server
-        [[ -f $OUT/w5-$n.json ]] && "$PY" -c '
-import json, sys
-for r in json.load(open(sys.argv[1]))["runs"]:
-    q = lambda k: "%.1f / %.1f" % (r[k]["median"], r[k]["p99"])
-    print("%s, %s req/s: sustained %.2f, in SLO %.3f, TTFT %s ms, ITL %s ms" % (r["label"], r["request_rate"],
-          r["request_throughput"], r["slo_attainment"], q("ttft_ms"), q("itl_ms")))' "$OUT/w5-$n.json"
+        [[ -f $OUT/w5-$n.json ]] && "$PY" -m radixserve.bench.serving_report "$OUT/w5-$n.json"
     done
 }
 

@@ -96,17 +96,7 @@ if [[ -e ${w4_files[0]} ]]; then
     "$PY" -m radixserve.bench.serving --compare "${w4_files[@]}" --plot "$OUT/w4" >"$LOGDIR/w4-compare.log" 2>&1 ||
         fail "w4 plots" "$LOGDIR/w4-compare.log"
 fi
-"$PY" - "$OUT" <<'EOF'
-import glob, json, os, sys
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
-    for r in json.load(open(path))["runs"]:
-        f = lambda v, s=1: "n/a" if v is None else f"{v * s:.3g}"
-        print(f"{os.path.basename(path):16} {r['label'][:14]:14} rate {r['request_rate']!s:>4}  ok {r['completed']}/"
-              f"{r['completed'] + r['failed'] + r['unfinished']}  {r['duration_s']:.1f} s  out {r['output_throughput']:.0f} tok/s  "
-              f"TTFT p50/p99 {f(r['ttft_ms']['median'])}/{f(r['ttft_ms']['p99'])} ms  TPOT p50 {f(r['tpot_ms']['median'])} ms"
-              f"  hit {f(r['cache_hit_rate_requests'], 100)}% (ideal {f(r['ideal_cache_hit_rate'], 100)}%)"
-              f"  goodput {f(r['goodput'])}" + ("  INTERRUPTED" if r["interrupted"] else ""))
-EOF
+compgen -G "$OUT/*.json" >/dev/null && "$PY" -m radixserve.bench.serving_report "$OUT"/*.json
 ls -l "$OUT"
 log "done in ${SECONDS}s; failed: ${FAILED[*]:-none}"
 ((${#FAILED[@]} == 0))

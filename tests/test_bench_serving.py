@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from radixserve.bench import serving
+from radixserve.bench import serving, serving_report
 from radixserve.bench.datasets import (TokenSampler, generated_shared_prefix_dataset, jsonl_dataset,
                                        multi_turn_dataset, random_dataset)
 from radixserve.bench.serving import RequestRecord, compute_metrics, itls, tpot, ttft
@@ -191,7 +191,7 @@ def _run(server, tmp_path, name, *args):
     return rc, json.loads(out.read_text())
 
 
-def test_random_run_at_two_rates_completes_without_failures(server, tmp_path):
+def test_random_run_at_two_rates_completes_without_failures(server, tmp_path, capsys):
     rc, out = _run(server, tmp_path, "random", "--num-prompts", "12", "--random-input-len", "48",
                    "--random-output-len", "48", "--random-range-ratio", "0.5", "--request-rate", "20", "inf",
                    "--poll-interval", "0.05", "--slo-ttft", "60000", "--plot", "--save-requests")
@@ -204,6 +204,9 @@ def test_random_run_at_two_rates_completes_without_failures(server, tmp_path):
         assert 0 < run["ttft_ms"]["median"] <= run["e2e_ms"]["median"]
         assert run["itl_ms"]["p99"] is not None and run["goodput"] == pytest.approx(run["request_throughput"])
     assert out["server"]["model"] == "tiny-llama"
+    serving_report.main([str(tmp_path / "random.json")])  # the scripts' one-line summaries
+    lines = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert [line.split()[0] for line in lines] == ["random.json"] * 2 and "rate 20.0  ok 12/12" in lines[0]
     assert (tmp_path / "random-latency.png").stat().st_size > 0 and (tmp_path / "random-rates.png").exists()
     # the saved timelines reproduce the figures, and --compare draws them again without a server
     saved = [RequestRecord(**d) for d in out["runs"][1]["requests"]]

@@ -1,9 +1,15 @@
-"""bench.serving's output: the result table and the JSON file."""
+"""bench.serving's output: the result table and the JSON file, and one line
+per run of saved JSON files, for the benchmark scripts' summaries:
+
+    python -m radixserve.bench.serving_report OUT/w5-*.json
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 
 from radixserve.bench.serving_workers import format_breakdown
 
@@ -56,3 +62,32 @@ def write_json(path: str, output: dict) -> None:
     text = re.sub(r'"@@record(\d+)@@"', lambda m: compact[int(m.group(1))], text)
     with open(path, "w", encoding="utf-8") as f:
         f.write(text + "\n")
+
+
+def format_run_line(name: str, run: dict) -> str:
+    """One run of a saved file: rate, completion, throughput, SLO, latency
+    medians and p99s, cache hits."""
+    def f(v, scale=1):
+        return "n/a" if v is None else f"{v * scale:.3g}"
+
+    def q(key):
+        return f"{f(run[key]['median'])}/{f(run[key]['p99'])}"
+
+    total = run["completed"] + run["failed"] + run["unfinished"]
+    return (f"{name:18} {str(run.get('label') or '')[:24]:24} rate {run['request_rate']!s:>4}  ok {run['completed']}/{total}"
+            f"  {run['duration_s']:.1f} s  {run['request_throughput']:.2f} req/s  out {run['output_throughput']:.0f} tok/s"
+            f"  goodput {f(run['goodput'])}  in SLO {f(run['slo_attainment'])}  TTFT p50/p99 {q('ttft_ms')} ms  ITL p50/p99 {q('itl_ms')} ms"
+            f"  TPOT p50 {f(run['tpot_ms']['median'])} ms  hit {f(run['cache_hit_rate_requests'], 100)}%"
+            f" (ideal {f(run['ideal_cache_hit_rate'], 100)}%)" + ("  INTERRUPTED" if run["interrupted"] else ""))
+
+
+def main(paths: list[str]) -> None:
+    for path in sorted(paths):
+        with open(path, encoding="utf-8") as f:
+            runs = json.load(f)["runs"]
+        for run in runs:
+            print(format_run_line(os.path.basename(path), run))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
