@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# E7: piecewise CUDA graphs for extends (--enable-piecewise-cuda-graph) on one GPU, in one call,
+# E7: piecewise CUDA graphs for extends (on by default; --disable-piecewise-cuda-graph) on one GPU, in one call,
 # within BUDGET seconds. PIECES picks what runs, in this order:
 #   tests    the GPU tests (their engine and mixed-chunk tests replay pieces) -> gpu-tests.txt
 #   prefill  bench.one_batch's prefill latency at W3's shapes scaled to PREFILL_LENS tokens a
@@ -21,7 +21,7 @@ set -uo pipefail
 MODEL=${MODEL:-llama-3.1-8b} PIECES=${PIECES:-tests prefill w5}
 PREFILL_LENS=${PREFILL_LENS:-128 512} PREFILL_BS=${PREFILL_BS:-1 2 4 8}
 W5_PROMPTS=${W5_PROMPTS:-1000} W5_RATES=${W5_RATES:-12 16 20 24} W5_INPUT=${W5_INPUT:-1024} W5_OUTPUT=${W5_OUTPUT:-256}
-W5_CONFIGS=${W5_CONFIGS:-"mixed 512=--enable-mixed-chunk --chunked-prefill-size 512;mixed 512, pieces=--enable-mixed-chunk --chunked-prefill-size 512 --enable-piecewise-cuda-graph"}
+W5_CONFIGS=${W5_CONFIGS:-"mixed 512, eager=--enable-mixed-chunk --chunked-prefill-size 512 --disable-piecewise-cuda-graph;mixed 512=--enable-mixed-chunk --chunked-prefill-size 512"}
 BUDGET=${BUDGET:-570} START_TIMEOUT=${START_TIMEOUT:-240} TESTS_TIMEOUT=${TESTS_TIMEOUT:-330}
 RESERVE=20                            # s kept back to stop a server after the last piece
 PY=${PYTHON:-python3} PORT=${PORT:-31000}
@@ -42,7 +42,7 @@ run_tests() {
 run_prefill() {
     local mode flags len t
     for mode in eager pieces; do
-        flags=(); [[ $mode == pieces ]] && flags=(--enable-piecewise-cuda-graph)
+        flags=(); [[ $mode == eager ]] && flags=(--disable-piecewise-cuda-graph)
         for len in $PREFILL_LENS; do
             t=$(cap 200); ((t >= 30)) || { FAILED+=("prefill $mode $len (no time left)"); continue; }
             log "prefill, $mode, $len tokens a request"

@@ -70,10 +70,11 @@ class ServerArgs:
     cuda_graph_max_bs: int | None = field(default=None, metadata={
         "help": "largest decode batch replayed from a CUDA graph (default min(256, max-running-requests))"})
     enable_piecewise_cuda_graph: bool = field(default=False, metadata={
-        "help": "run extends (prefills and mixed steps) up to --piecewise-cuda-graph-max-tokens through CUDA "
-                "graphs of the pieces between attentions (CUDA only)"})
+        "help": "accepted for SGLang command lines: on CUDA, extends (prefills and mixed steps) up to "
+                "--piecewise-cuda-graph-max-tokens run through CUDA graphs of the pieces between attentions "
+                "by default"})
     disable_piecewise_cuda_graph: bool = field(default=False, metadata={
-        "help": "run extends eagerly even with --enable-piecewise-cuda-graph"})
+        "help": "run extends eagerly (so does --disable-cuda-graph)"})
     piecewise_cuda_graph_max_tokens: int | None = field(default=None, metadata={
         "help": "largest extend, in tokens, replayed from piecewise CUDA graphs "
                 "(default min(chunked-prefill-size, 4096))"})
@@ -299,10 +300,9 @@ class ServerArgs:
 
     def resolved_piecewise_cuda_graph_tokens(self) -> list[int]:
         """The token counts extends are captured for; [] when they run
-        eagerly: without --enable-piecewise-cuda-graph (or with
-        --disable-piecewise-cuda-graph), off CUDA, or on a decode server (it
-        never prefills)."""
-        if (not self.enable_piecewise_cuda_graph or self.disable_piecewise_cuda_graph
+        eagerly: with --disable-piecewise-cuda-graph or --disable-cuda-graph,
+        off CUDA, or on a decode server (it never prefills)."""
+        if (self.disable_piecewise_cuda_graph or self.disable_cuda_graph
                 or self.resolved_device() != "cuda" or self.disaggregation_mode == "decode"):
             return []
         from radixserve.model_executor.piecewise_cuda_graph_runner import DEFAULT_MAX_TOKENS, default_token_sizes

@@ -73,6 +73,25 @@ def test_w3_overrides_need_an_input_length():
         parse_args(["--workload", "W3", "--batch-sizes", "2"])
 
 
+def test_prefill_only_cases_report_the_median_of_their_repeats(monkeypatch):
+    import radixserve.bench.one_batch as one_batch
+
+    prefills, real = [], one_batch.run_case
+
+    def recording(*args, **kwargs):
+        timing, ids = real(*args, **kwargs)
+        prefills.append(timing.prefill_s)
+        return timing, ids
+
+    monkeypatch.setattr(one_batch, "run_case", recording)
+    (rec,) = main(["--workload", "W3", "--model-path", "tiny-llama", "--batch-sizes", "2", "--input-len", "8",
+                   "--prefill-repeats", "3"])
+    assert len(prefills) == 4  # the untimed run, then three
+    assert rec["prefill_repeats"] == 3 and rec["prefill_ms"] == round(sorted(prefills[1:])[1] * 1e3, 4)
+    with pytest.raises(SystemExit):
+        parse_args(["--workload", "W3", "--input-len", "8", "--prefill-repeats", "0"])
+
+
 def test_one_batch_at_tp2_runs_every_rank_and_times_the_all_reduces():
     """--tp-size 2: rank 1 runs the same cases in its own process; rank 0
     reports per-rank shapes and what a step's all-reduces cost."""

@@ -72,7 +72,7 @@ def test_greedy_and_logprobs_match_hf(checkpoint, cuda_graph, overlap):
     params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in OUTPUT_LENS]
     with radixserve.Engine(
         model_path=folder, device="cuda", dtype="bfloat16", attention_backend="triton", max_running_requests=16,
-        max_total_tokens=16384, disable_cuda_graph=not cuda_graph, enable_piecewise_cuda_graph=cuda_graph,
+        max_total_tokens=16384, disable_cuda_graph=not cuda_graph,
         disable_overlap_schedule=not overlap, check_invariants=True, disable_tqdm=True,
     ) as eng:
         runner = eng.scheduler.model_runner
@@ -154,7 +154,7 @@ def test_mixed_chunk_keeps_outputs(checkpoint):
     prompts = _prompts(SHAPE["vocab_size"])
     with radixserve.Engine(
         model_path=folder, device="cuda", dtype="bfloat16", max_running_requests=3, chunked_prefill_size=64,
-        max_total_tokens=16384, enable_mixed_chunk=True, enable_piecewise_cuda_graph=True, check_invariants=True,
+        max_total_tokens=16384, enable_mixed_chunk=True, check_invariants=True,
         disable_tqdm=True,
     ) as eng:
         launch, mixed = eng.scheduler._launch_forward, []

@@ -154,9 +154,11 @@ def test_models_without_the_layout_are_not_cut():
 
 
 def test_server_flags():
-    on = dict(model_path="m", enable_piecewise_cuda_graph=True)
+    on = dict(model_path="m")  # the default on CUDA; SGLang's --enable-piecewise-cuda-graph changes nothing
     assert ServerArgs(**on, device="cpu").resolved_piecewise_cuda_graph_tokens() == []
-    assert ServerArgs(model_path="m", device="cuda").resolved_piecewise_cuda_graph_tokens() == []
+    assert ServerArgs(**on, device="cuda", enable_piecewise_cuda_graph=True
+                      ).resolved_piecewise_cuda_graph_tokens() == ServerArgs(**on, device="cuda").resolved_piecewise_cuda_graph_tokens()
+    assert ServerArgs(**on, device="cuda", disable_cuda_graph=True).resolved_piecewise_cuda_graph_tokens() == []
     assert ServerArgs(**on, device="cuda", chunked_prefill_size=1024
                       ).resolved_piecewise_cuda_graph_tokens() == default_token_sizes(1024)
     assert ServerArgs(**on, device="cuda").resolved_piecewise_cuda_graph_tokens()[-1] == 4096

@@ -259,10 +259,18 @@ def _forward_and_sample(runner, sampler, batch, reqs) -> torch.Tensor:
     return sampler(out.next_token_logits, batch.sampling_info).next_token_ids
 
 
-def warm_and_run(runner, sampler, prompts: torch.Tensor, output_len: int) -> tuple[Timing, torch.Tensor]:
-    """One untimed run with the same shapes (fewer decode steps), then the measured one."""
+def warm_and_run(runner, sampler, prompts: torch.Tensor, output_len: int,
+                 repeats: int = 1) -> tuple[Timing, torch.Tensor]:
+    """One untimed run with the same shapes (fewer decode steps), then the
+    measured one. A prefill-only case (``output_len`` 1) is measured
+    ``repeats`` times and reports the median (one prefill is a few ms: a
+    single timing is noise)."""
     run_case(runner, sampler, prompts, min(output_len, WARMUP_MAX_OUTPUT_LEN))
-    return run_case(runner, sampler, prompts, output_len)
+    if output_len > 1:
+        return run_case(runner, sampler, prompts, output_len)
+    runs = [run_case(runner, sampler, prompts, output_len) for _ in range(repeats)]
+    timing, ids = runs[0]
+    return Timing(float(np.median([t.prefill_s for t, _ in runs])), decode_s=[]), ids
 
 
 # -- HF transformers ---------------------------------------------------------------------
@@ -282,17 +290,17 @@ def load_hf_model(model_config, device: torch.device):
 
 
 @torch.inference_mode()
-def run_hf_case(model, prompts: torch.Tensor, output_len: int, device: torch.device) -> Timing:
-    """Prefill-only (``output_len`` 1): one forward over the batch. Otherwise
-    ``generate``: a 1-token generate for the prefill, a full one for the steps.
-    Untimed calls of the same shapes go first."""
+def run_hf_case(model, prompts: torch.Tensor, output_len: int, device: torch.device, repeats: int = 1) -> Timing:
+    """Prefill-only (``output_len`` 1): one forward over the batch, the median
+    of ``repeats``. Otherwise ``generate``: a 1-token generate for the prefill,
+    a full one for the steps. Untimed calls of the same shapes go first."""
     ids = prompts.to(device)
     mask = torch.ones_like(ids)
     if output_len == 1:
         def prefill():
             model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
         prefill()
-        return Timing(_timed(prefill, device))
+        return Timing(float(np.median([_timed(prefill, device) for _ in range(repeats)])))
 
     def generate(new_tokens: int) -> None:
         # eos_token_id=None: no stopping (ignore_eos), greedy.
@@ -321,7 +329,7 @@ def _timed(fn, device: torch.device) -> float:
 _ENGINE_OPTIONS = {
     "model_path": str, "load_format": str, "dtype": str, "device": str, "attention_backend": str,
     "page_size": int, "max_total_tokens": int, "mem_fraction_static": float, "random_seed": int,
-    "disable_cuda_graph": bool, "enable_piecewise_cuda_graph": bool, "tp_size": int, "dist_timeout": float,
+    "disable_cuda_graph": bool, "disable_piecewise_cuda_graph": bool, "tp_size": int, "dist_timeout": float,
 }
 
 
@@ -345,6 +353,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--input-len", type=int, help="override the workload's input length")
     add("--output-len", type=int, help="tokens generated per request, the prefill's included (1: prefill only)")
     add("--seed", type=int, default=0, help="seed of the prompt token ids")
+    add("--prefill-repeats", type=int, default=5, help="prefill-only cases (output length 1): timed runs, the median reported")
     add("--peak-bandwidth", type=float, default=H200_COPY_BANDWIDTH, help="B/s, the decode roofline")
     add("--gemv-bandwidth", type=float, default=H200_GEMV_BANDWIDTH, help="B/s that a plain GEMV reaches")
     add("--peak-flops", type=float, default=H200_BF16_FLOPS, help="FLOP/s, the prefill roofline")
@@ -352,7 +361,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--output-json", help="append the JSON lines to this file")
     add("--torch-threads", type=int, help="torch.set_num_threads for both backends (default: torch's own)")
     args = parser.parse_args(argv)
-    for name in ("input_len", "output_len", "torch_threads"):
+    for name in ("input_len", "output_len", "torch_threads", "prefill_repeats"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.batch_sizes and min(args.batch_sizes) < 1:
@@ -505,20 +514,22 @@ def main(argv: list[str] | None = None, tp_rank: int = 0, init: str | None = Non
     model_config = resolve_model(model_path, server_args.load_format, server_args.dtype, str(device))
     runner = build_runner(server_args, model_config, wl, tp_rank, init)
     if tp_rank > 0:
-        _run_cases(runner, Sampler(), wl, {c: make_prompts(*c, model_config.vocab_size, args.seed) for c in wl.cases})
+        _run_cases(runner, Sampler(), wl, {c: make_prompts(*c, model_config.vocab_size, args.seed) for c in wl.cases},
+                   args.prefill_repeats)
         runner.shutdown()
         return []
     report = Report({
         "bench": "one_batch", "workload": args.workload, "full_size": wl == spec and model_path == spec.model_path,
         "model": os.path.basename(model_path.rstrip("/")), "device": device.type,
         "dtype": str(model_config.dtype).removeprefix("torch."), "torch_threads": torch.get_num_threads(),
-        "tp_size": runner.tp_size, **environment(device),
+        "tp_size": runner.tp_size, "prefill_repeats": args.prefill_repeats if wl.output_len == 1 else 1,
+        **environment(device),
     }, ModelShape.of(runner.model, model_config, runner.head_layout), Peaks(args.peak_bandwidth, args.gemv_bandwidth, args.peak_flops),
         wl.output_len, args.output_json)
     prompts = {case: make_prompts(*case, model_config.vocab_size, args.seed) for case in wl.cases}
 
     ours = {}
-    for case, (timing, allreduce_ms) in _run_cases(runner, Sampler(), wl, prompts).items():
+    for case, (timing, allreduce_ms) in _run_cases(runner, Sampler(), wl, prompts, args.prefill_repeats).items():
         ours[case] = report.case("radixserve", *case, timing, attention_backend=server_args.resolved_attention_backend(),
                                  cuda_graph=runner.cuda_graph_runner is not None,
                                  piecewise_cuda_graph=runner.piecewise_runner is not None, page_size=server_args.page_size,
@@ -533,17 +544,18 @@ def main(argv: list[str] | None = None, tp_rank: int = 0, init: str | None = Non
             torch.cuda.empty_cache()
         hf_model = load_hf_model(model_config, device)
         for case in wl.cases:
-            hf = report.case("hf_transformers", *case, run_hf_case(hf_model, prompts[case], wl.output_len, device))
+            hf = report.case("hf_transformers", *case, run_hf_case(hf_model, prompts[case], wl.output_len, device,
+                                                                    args.prefill_repeats))
             report.summary(ours[case], hf)
     return report.records
 
 
-def _run_cases(runner, sampler, wl: Workload, prompts: dict) -> dict:
+def _run_cases(runner, sampler, wl: Workload, prompts: dict, repeats: int) -> dict:
     """Each case's timing and, under TP, its all-reduce cost per decode step
     (every rank runs this, in the same order)."""
     out = {}
     for case in wl.cases:
-        timing, _ = warm_and_run(runner, sampler, prompts[case], wl.output_len)
+        timing, _ = warm_and_run(runner, sampler, prompts[case], wl.output_len, repeats)
         out[case] = timing, allreduce_ms_per_step(runner, case[0])
     return out
 
