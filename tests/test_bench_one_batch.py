@@ -92,6 +92,15 @@ def test_prefill_only_cases_report_the_median_of_their_repeats(monkeypatch):
         parse_args(["--workload", "W3", "--input-len", "8", "--prefill-repeats", "0"])
 
 
+def test_an_fp8_kv_cache_reads_a_quarter_of_float32_kv_bytes():
+    (fp32,) = main(["--workload", "W2", "--model-path", "tiny-llama", "--batch-sizes", "2", "--input-len", "8",
+                    "--output-len", "3"])
+    (fp8,) = main(["--workload", "W2", "--model-path", "tiny-llama", "--batch-sizes", "2", "--input-len", "8",
+                   "--output-len", "3", "--kv-cache-dtype", "fp8_e4m3"])
+    assert (fp32["kv_cache_dtype"], fp8["kv_cache_dtype"]) == ("float32", "float8_e4m3fn")
+    assert fp8["kv_bytes_per_step"] * 4 == fp32["kv_bytes_per_step"] and fp8["weight_bytes"] == fp32["weight_bytes"]
+
+
 def test_one_batch_at_tp2_runs_every_rank_and_times_the_all_reduces():
     """--tp-size 2: rank 1 runs the same cases in its own process; rank 0
     reports per-rank shapes and what a step's all-reduces cost."""

@@ -8,14 +8,11 @@ here as on a GPU, with the CPU's attention and with the GPU's Triton kernels
 from __future__ import annotations
 
 import bisect
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from test_engine import GREEDY, hf_greedy, llama, prompts, tiny  # noqa: F401 (fixtures)
+from triton_interpreter import run_interpreted
 
 import radixserve
 from radixserve.model_executor.piecewise_cuda_graph_runner import (
@@ -139,13 +136,9 @@ def test_triton_attention_between_pieces():
     in a process of its own: the flag is read when kernels are defined),
     riders of mixed steps through the decode kernel included: the same tokens
     as without pieces."""
-    pytest.importorskip("triton")
     batch = prompts([40, 9, 30, 5], seed=7)
     params = [{**GREEDY, "max_new_tokens": n} for n in (6, 9, 5, 7)]
-    proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT, json.dumps([batch, params])], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_interpreted(_TRITON_SCRIPT, [batch, params])
     assert result["True"] == result["False"] and result["riders"] > 0
 
 

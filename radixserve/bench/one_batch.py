@@ -90,8 +90,9 @@ class ModelShape:
     itemsize: int
 
     @classmethod
-    def of(cls, model: torch.nn.Module, model_config, heads=None) -> "ModelShape":
-        """One rank's shape: its weights, and ``heads`` (its ``HeadLayout``) under TP."""
+    def of(cls, model: torch.nn.Module, model_config, heads=None, kv_dtype: torch.dtype | None = None) -> "ModelShape":
+        """One rank's shape: its weights, ``heads`` (its ``HeadLayout``) under
+        TP, and KV in ``kv_dtype`` (default the model's)."""
         from radixserve.layers.vocab_embedding import VocabParallelEmbedding
 
         params = list(model.parameters())  # a tied embedding appears once
@@ -103,7 +104,7 @@ class ModelShape:
             num_heads=heads.num_heads if heads else model_config.num_attention_heads,
             num_kv_heads=heads.num_kv_heads if heads else model_config.num_key_value_heads,
             head_dim=model_config.head_dim,
-            itemsize=model_config.dtype.itemsize,
+            itemsize=(kv_dtype or model_config.dtype).itemsize,
         )
 
     def kv_bytes(self, tokens: float) -> float:
@@ -329,7 +330,7 @@ def _timed(fn, device: torch.device) -> float:
 _ENGINE_OPTIONS = {
     "model_path": str, "load_format": str, "dtype": str, "device": str, "attention_backend": str,
     "page_size": int, "max_total_tokens": int, "mem_fraction_static": float, "random_seed": int,
-    "disable_cuda_graph": bool, "disable_piecewise_cuda_graph": bool, "tp_size": int, "dist_timeout": float,
+    "disable_cuda_graph": bool, "disable_piecewise_cuda_graph": bool, "kv_cache_dtype": str, "tp_size": int, "dist_timeout": float,
 }
 
 
@@ -521,10 +522,11 @@ def main(argv: list[str] | None = None, tp_rank: int = 0, init: str | None = Non
     report = Report({
         "bench": "one_batch", "workload": args.workload, "full_size": wl == spec and model_path == spec.model_path,
         "model": os.path.basename(model_path.rstrip("/")), "device": device.type,
-        "dtype": str(model_config.dtype).removeprefix("torch."), "torch_threads": torch.get_num_threads(),
+        "dtype": str(model_config.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(runner.kv_cache_dtype).removeprefix("torch."), "torch_threads": torch.get_num_threads(),
         "tp_size": runner.tp_size, "prefill_repeats": args.prefill_repeats if wl.output_len == 1 else 1,
         **environment(device),
-    }, ModelShape.of(runner.model, model_config, runner.head_layout), Peaks(args.peak_bandwidth, args.gemv_bandwidth, args.peak_flops),
+    }, ModelShape.of(runner.model, model_config, runner.head_layout, runner.kv_cache_dtype), Peaks(args.peak_bandwidth, args.gemv_bandwidth, args.peak_flops),
         wl.output_len, args.output_json)
     prompts = {case: make_prompts(*case, model_config.vocab_size, args.seed) for case in wl.cases}
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from radixserve.disaggregation.base import KVArgs
+from radixserve.mem_cache.memory_pool import copy_view
 
 
 class KVMessageLayout:
@@ -82,16 +83,16 @@ class KVMessageLayout:
     def gather(self, pages: torch.Tensor, heads: range) -> torch.Tensor:
         """Heads ``heads`` of ``pages`` as one flat uint8 message (a copy)."""
         slots = self._slots(pages)
-        parts = [b.narrow(1, heads.start, len(heads)).index_select(0, slots).reshape(slots.numel(), -1)
+        parts = [copy_view(b).narrow(1, heads.start, len(heads)).index_select(0, slots).reshape(slots.numel(), -1)
                  for b in self.args.kv_buffers]
         return torch.cat(parts, dim=1).view(torch.uint8).reshape(-1)
 
     def scatter(self, pages: torch.Tensor, message: torch.Tensor, heads: range) -> None:
         """Write a message made by :meth:`gather` into heads ``heads`` of ``pages`` of the pool."""
         slots = self._slots(pages)
-        values = message.view(self.args.k_buffers[0].dtype).view(slots.numel(), -1)
+        values = message.view(copy_view(self.args.k_buffers[0]).dtype).view(slots.numel(), -1)
         col = 0
-        for buf in self.args.kv_buffers:
+        for buf in map(copy_view, self.args.kv_buffers):
             block = buf.narrow(1, heads.start, len(heads))
             width = len(heads) * buf.shape[2]
             block.index_copy_(0, slots, values[:, col : col + width].reshape(slots.numel(), len(heads), buf.shape[2]))

@@ -22,6 +22,7 @@ def build_model_runner(args: ServerArgs, model_config, tp_rank: int = 0, dist_in
     (``overrides`` replace its keyword arguments: ``max_total_tokens``,
     ``max_running_requests``, ``max_context_len``)."""
     from radixserve.distributed import DEFAULT_TIMEOUT_S
+    from radixserve.mem_cache.memory_pool import resolve_kv_cache_dtype
     from radixserve.model_executor.model_runner import ModelRunner
 
     if args.tp_size > 1 and dist_init_method is None:
@@ -37,6 +38,7 @@ def build_model_runner(args: ServerArgs, model_config, tp_rank: int = 0, dist_in
         seed=args.random_seed,
         cuda_graph_max_bs=args.resolved_cuda_graph_max_bs(),
         piecewise_cuda_graph_tokens=args.resolved_piecewise_cuda_graph_tokens(),
+        kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, model_config.dtype),
         tp_rank=tp_rank,
         tp_size=args.tp_size,
         dist_init_method=dist_init_method,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
-from radixserve.mem_cache.memory_pool import MHATokenToKVPool
+from radixserve.mem_cache.memory_pool import MHATokenToKVPool, copy_view
 
 # A transfer is staged on the device in pieces of at most this many bytes.
 STAGING_BYTES = 256 << 20
@@ -55,6 +55,7 @@ class HostKVPool:
         self.token_shape = (self.layer_num, 2, self.head_num, self.head_dim)
         self.buffer = torch.empty((self.size + self.page_size, *self.token_shape), dtype=self.dtype, pin_memory=pin)
         self.bytes_per_token = self.buffer[0].numel() * self.dtype.itemsize
+        self._copies = copy_view(self.buffer)  # the same bytes, in a dtype every copy kernel takes
 
     def mem_bytes(self) -> int:
         return self.buffer.numel() * self.dtype.itemsize
@@ -71,12 +72,12 @@ class HostKVPool:
         device_slots = device_slots.to(pool.device, torch.int64)
         for start, end in self._pieces(len(device_slots)):
             idx = device_slots[start:end]
-            staging = torch.empty((end - start, *self.token_shape), dtype=self.dtype, device=pool.device)
+            staging = torch.empty((end - start, *self.token_shape), dtype=self._copies.dtype, device=pool.device)
             for layer in range(self.layer_num):
-                torch.index_select(pool.k_buffer[layer], 0, idx, out=staging[:, layer, 0])
-                torch.index_select(pool.v_buffer[layer], 0, idx, out=staging[:, layer, 1])
+                torch.index_select(copy_view(pool.k_buffer[layer]), 0, idx, out=staging[:, layer, 0])
+                torch.index_select(copy_view(pool.v_buffer[layer]), 0, idx, out=staging[:, layer, 1])
             for host_start, offset, length in runs(host_slots[start:end]):
-                self.buffer[host_start : host_start + length].copy_(staging[offset : offset + length], non_blocking=True)
+                self._copies[host_start : host_start + length].copy_(staging[offset : offset + length], non_blocking=True)
 
     def load_to_device(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
         """Copy ``host_slots`` into the device pool's ``device_slots``, issued
@@ -84,13 +85,13 @@ class HostKVPool:
         pool = self.device_pool
         device_slots = device_slots.to(pool.device, torch.int64)
         for start, end in self._pieces(len(device_slots)):
-            staging = torch.empty((end - start, *self.token_shape), dtype=self.dtype, device=pool.device)
+            staging = torch.empty((end - start, *self.token_shape), dtype=self._copies.dtype, device=pool.device)
             for host_start, offset, length in runs(host_slots[start:end]):
-                staging[offset : offset + length].copy_(self.buffer[host_start : host_start + length], non_blocking=True)
+                staging[offset : offset + length].copy_(self._copies[host_start : host_start + length], non_blocking=True)
             idx = device_slots[start:end]
             for layer in range(self.layer_num):
-                pool.k_buffer[layer].index_copy_(0, idx, staging[:, layer, 0])
-                pool.v_buffer[layer].index_copy_(0, idx, staging[:, layer, 1])
+                copy_view(pool.k_buffer[layer]).index_copy_(0, idx, staging[:, layer, 0])
+                copy_view(pool.v_buffer[layer]).index_copy_(0, idx, staging[:, layer, 1])
 
     def read(self, host_slots: torch.Tensor) -> torch.Tensor:
         """The KV of ``host_slots`` as one ``[n, layers, 2, heads, dim]`` tensor (a copy)."""

@@ -76,8 +76,39 @@ class PoolExhausted(RuntimeError):
     """Raised when a pool cannot satisfy an allocation."""
 
 
+KV_CACHE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+                   "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """``--kv-cache-dtype`` as a torch dtype: ``auto`` is the model's."""
+    return model_dtype if name == "auto" else KV_CACHE_DTYPES[name]
+
+
+def to_kv_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in the pool's ``dtype``. fp8 stores values unscaled, so values
+    beyond its range saturate to its largest finite value instead of
+    becoming NaN or inf (e4m3 has no inf)."""
+    if x.dtype == dtype:
+        return x
+    if dtype in FP8_DTYPES:
+        limit = torch.finfo(dtype).max
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
+
+
+def copy_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor that ``index_select`` / ``index_copy_`` accept: an
+    fp8 tensor as ``uint8`` over the same bytes (torch lacks fp8 kernels for
+    them), any other as itself."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+
+
 class MHATokenToKVPool:
-    """Per-layer K and V buffers of shape ``[size + page_size, kv_heads, head_dim]``.
+    """Per-layer K and V buffers of shape ``[size + page_size, kv_heads, head_dim]``
+    in ``dtype`` (``--kv-cache-dtype``: the model's, bf16 or fp8; attention
+    reads fp8 K/V back into the model's dtype).
 
     Slot indices come from :class:`~radixserve.mem_cache.allocator.TokenToKVPoolAllocator`;
     slots ``0 .. page_size-1`` form the dummy page.
@@ -117,8 +148,7 @@ class MHATokenToKVPool:
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
         """Store ``cache_k`` / ``cache_v`` (``[n, kv_heads, head_dim]``) at slots ``loc``."""
-        if cache_k.dtype != self.dtype:
-            cache_k, cache_v = cache_k.to(self.dtype), cache_v.to(self.dtype)
+        cache_k, cache_v = to_kv_dtype(cache_k, self.dtype), to_kv_dtype(cache_v, self.dtype)
         self.k_buffer[layer_id][loc] = cache_k
         self.v_buffer[layer_id][loc] = cache_v
 

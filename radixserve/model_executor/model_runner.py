@@ -14,7 +14,8 @@ Scheduler's; the runner only owns the memory they share:
   (all zeros, i.e. the dummy KV slot 0) for padded batches such as CUDA-graph
   decode, so exactly ``max_running_requests`` rows are free for requests.
 - ``token_to_kv_pool``: an ``MHATokenToKVPool`` of ``max_total_tokens`` slots
-  (plus the dummy page) in the model's dtype, of this rank's KV heads.
+  (plus the dummy page) in ``kv_cache_dtype`` (default the model's dtype),
+  of this rank's KV heads.
 - ``token_to_kv_pool_allocator``: hands out those slots in pages.
 """
 
@@ -88,6 +89,7 @@ class ModelRunner:
         model: nn.Module | None = None,
         cuda_graph_max_bs: int = 0,
         piecewise_cuda_graph_tokens: list[int] | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
         tp_group: TPGroup | None = None,
@@ -105,6 +107,7 @@ class ModelRunner:
         self.head_layout = model_config.head_layout(self.tp_size, self.tp_rank)
         torch.manual_seed(seed)
         self.dtype = model_config.dtype
+        self.kv_cache_dtype = kv_cache_dtype or self.dtype
         self.page_size = page_size
         self.max_running_requests = max_running_requests
         self.model = (model if model is not None else self._load_model()).eval()
@@ -160,7 +163,7 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         """KV bytes per token on this rank (its KV heads only)."""
         c = self.model_config
-        return c.num_hidden_layers * self.head_layout.num_kv_heads * c.head_dim * 2 * self.dtype.itemsize
+        return c.num_hidden_layers * self.head_layout.num_kv_heads * c.head_dim * 2 * self.kv_cache_dtype.itemsize
 
     def _kv_pool_tokens(self, max_total_tokens: int | None, mem_fraction_static: float) -> int:
         if self.device.type == "cuda":
@@ -192,7 +195,7 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.max_context_len, self.device)
         self.padding_req_row = self.req_to_token_pool.alloc(1)[0]
         self.token_to_kv_pool = MHATokenToKVPool(
-            self.max_total_tokens, self.page_size, self.dtype, self.head_layout.num_kv_heads, c.head_dim,
+            self.max_total_tokens, self.page_size, self.kv_cache_dtype, self.head_layout.num_kv_heads, c.head_dim,
             c.num_hidden_layers, self.device,
         )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
@@ -200,7 +203,7 @@ class ModelRunner:
         )
         logger.info(
             "KV pool: %d tokens (%.2f GiB, %s, %d KV heads on TP rank %d of %d), %d request rows of %d tokens",
-            self.max_total_tokens, self.token_to_kv_pool.mem_bytes() / 2**30, self.dtype,
+            self.max_total_tokens, self.token_to_kv_pool.mem_bytes() / 2**30, self.kv_cache_dtype,
             self.head_layout.num_kv_heads, self.tp_rank, self.tp_size, self.max_running_requests, self.max_context_len,
         )
 

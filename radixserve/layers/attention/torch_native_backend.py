@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from radixserve.layers.attention import cpu_kernels
 from radixserve.layers.attention.base import AttentionBackend
+from radixserve.mem_cache.memory_pool import to_kv_dtype
 
 if TYPE_CHECKING:
     from radixserve.layers.radix_attention import RadixAttention
@@ -98,7 +99,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         )
         if not save_kv_cache:  # the pool lacks the new token: put it in place
             rows, last = torch.arange(bs, device=k.device), forward_batch.seq_lens - 1
-            keys[rows, last], values[rows, last] = k.to(keys.dtype), v.to(values.dtype)
+            keys[rows, last], values[rows, last] = to_kv_dtype(k, keys.dtype), to_kv_dtype(v, values.dtype)
         q = q.reshape(bs, kv_heads, layer.num_heads // kv_heads, d)
         out = F.scaled_dot_product_attention(
             q, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype), attn_mask=md.mask, scale=layer.scaling

@@ -1,5 +1,7 @@
 """One kernel that stores a forward's new K and V rows into the KV pool
-(instead of two indexed copies, plus two casts when the dtypes differ)."""
+(instead of two indexed copies, plus two casts when the dtypes differ). An
+fp8 pool's values saturate at its largest finite value, as
+``memory_pool.to_kv_dtype`` does."""
 
 from __future__ import annotations
 
@@ -7,20 +9,26 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.mem_cache.memory_pool import FP8_DTYPES
+
 
 @triton.jit
 def _store_kv_kernel(
     K, V, K_buf, V_buf, Loc,
     stride_kt, stride_vt, stride_kbt, stride_vbt,
     K_ROW: tl.constexpr, BLOCK_K: tl.constexpr, V_ROW: tl.constexpr, BLOCK_V: tl.constexpr,
+    LIMIT: tl.constexpr,  # the largest finite value of an fp8 pool; 0 for other dtypes
 ):
     t = tl.program_id(0)
     slot = tl.load(Loc + t).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     k = tl.load(K + t.to(tl.int64) * stride_kt + offs_k, mask=offs_k < K_ROW)
-    tl.store(K_buf + slot * stride_kbt + offs_k, k.to(K_buf.dtype.element_ty), mask=offs_k < K_ROW)
     offs_v = tl.arange(0, BLOCK_V)
     v = tl.load(V + t.to(tl.int64) * stride_vt + offs_v, mask=offs_v < V_ROW)
+    if LIMIT > 0:
+        k = tl.clamp(k.to(tl.float32), -LIMIT, LIMIT)
+        v = tl.clamp(v.to(tl.float32), -LIMIT, LIMIT)
+    tl.store(K_buf + slot * stride_kbt + offs_k, k.to(K_buf.dtype.element_ty), mask=offs_k < K_ROW)
     tl.store(V_buf + slot * stride_vbt + offs_v, v.to(V_buf.dtype.element_ty), mask=offs_v < V_ROW)
 
 
@@ -41,5 +49,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor, v_buffer:
         k, v, k_buffer, v_buffer, loc,
         k.stride(0), v.stride(0), k_buffer.stride(0), v_buffer.stride(0),
         K_ROW=k_row, BLOCK_K=triton.next_power_of_2(k_row), V_ROW=v_row, BLOCK_V=triton.next_power_of_2(v_row),
+        LIMIT=torch.finfo(k_buffer.dtype).max if k_buffer.dtype in FP8_DTYPES else 0.0,
         num_warps=4,
     )
