@@ -158,14 +158,16 @@ def test_unknown_backend_is_rejected():
 @needs_kernel
 @pytest.mark.parametrize("splits", [1, 3, 8])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (4, 4, 16), (14, 2, 64)])
-def test_cpu_decode_kernel_shapes_and_splits(num_heads, num_kv_heads, head_dim, splits, monkeypatch):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_cpu_decode_kernel_shapes_and_splits(num_heads, num_kv_heads, head_dim, kv_dtype, splits, monkeypatch):
     """Model head shapes, q as a strided view of a qkv row, keys split any
-    number of ways (more splits than keys included), slots scattered."""
+    number of ways (more splits than keys included), slots scattered; fp8
+    pools (--kv-cache-dtype) read through the kernel's table."""
     monkeypatch.setattr(cpu_kernels, "num_kv_splits", lambda *_: splits)
     gen = torch.Generator().manual_seed(splits)
     lens = [1, 2, 33, 300]
     pool_rows = 1024
-    k_buf, v_buf = (torch.randn(pool_rows, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    k_buf, v_buf = (torch.randn(pool_rows, num_kv_heads, head_dim, generator=gen).to(kv_dtype) for _ in range(2))
     req_to_token = torch.zeros(6, 512, dtype=torch.int32)
     rows = torch.tensor([4, 1, 5, 2])
     for row, n in zip(rows.tolist(), lens):
@@ -178,7 +180,7 @@ def test_cpu_decode_kernel_shapes_and_splits(num_heads, num_kv_heads, head_dim, 
     )
     for i, (row, n) in enumerate(zip(rows.tolist(), lens)):
         slots = req_to_token[row, :n].long()
-        ref = dense_reference(q[i].view(1, num_heads, head_dim), k_buf[slots], v_buf[slots], n - 1, scale)
+        ref = dense_reference(q[i].view(1, num_heads, head_dim), k_buf[slots].float(), v_buf[slots].float(), n - 1, scale)
         torch.testing.assert_close(out[i].view(1, num_heads, head_dim), ref, atol=1e-5, rtol=1e-5)
 
 

@@ -112,6 +112,16 @@ def test_locks_protect_from_eviction_and_move_counters(p):
     cache.check_invariants()
 
 
+def test_a_leaf_passed_over_while_locked_is_evicted_once_unlocked():
+    cache, alloc = make_cache()
+    insert_fresh(cache, alloc, seq(4))
+    node = cache.match_prefix(seq(2)).last_node
+    cache.inc_lock_ref(node)
+    assert cache.evict(10**6) == 2  # the tail goes; its parent, now a leaf, is locked
+    cache.dec_lock_ref(node)
+    assert cache.evict(10**6) == 2 and alloc.available_size() == 1024
+
+
 @pytest.mark.parametrize("p", [1, 16])
 def test_request_life_cycle_shares_prefix_and_returns_memory(p):
     h = Harness(pool_size=64 * p, page_size=p)

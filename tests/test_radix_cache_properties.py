@@ -134,8 +134,23 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, 64))
     def evict(self, n):
-        evictable = self.h.cache.evictable_size()
-        freed = self.h.cache.evict(n)
+        """Each leaf evicted is, when it goes, one of the lowest priority among
+        the unlocked leaves of the whole tree (the policy, checked by a walk
+        of the tree against the cache's incrementally kept heap)."""
+        cache = self.h.cache
+        evictable = cache.evictable_size()
+        drop = cache._drop_leaf
+
+        def checked_drop(leaf):
+            candidates = [m for m in cache._nodes() if m is not cache.root and not m.children and m.lock_ref == 0]
+            assert cache._priority(leaf) == min(cache._priority(m) for m in candidates)
+            drop(leaf)
+
+        cache._drop_leaf = checked_drop
+        try:
+            freed = cache.evict(n)
+        finally:
+            del cache._drop_leaf
         assert freed >= min(n, evictable) or freed == evictable
         self._sync_after_possible_eviction()
 

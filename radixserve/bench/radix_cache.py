@@ -1,5 +1,7 @@
 """Micro-benchmark of the RadixCache: ``match_prefix`` and ``insert``
-operations per second over sequences that share prefixes.
+operations per second over sequences that share prefixes, then ``evict``
+calls of ``--evict-tokens`` each on the full tree (what every prefill pays
+once a long-running server's pool is full of cached prefixes).
 
     python -m radixserve.bench.radix_cache [--num-seqs 10000] [--page-sizes 1 16]
 
@@ -17,6 +19,7 @@ import time
 import numpy as np
 import torch
 
+from radixserve.mem_cache.allocator import TokenToKVPoolAllocator, page_aligned
 from radixserve.mem_cache.radix_cache import RadixCache
 
 
@@ -34,31 +37,37 @@ def make_sequences(num_seqs: int, min_len: int, max_len: int, seed: int) -> list
     return seqs
 
 
-def run(seqs: list[list[int]], page_size: int) -> dict:
-    cache = RadixCache(None, None, page_size=page_size)
-    values, offset = [], 0
-    for s in seqs:
-        values.append(torch.arange(offset, offset + len(s), dtype=torch.int64))
-        offset += len(s)
+def run(seqs: list[list[int]], page_size: int, evict_tokens: int = 64, evict_calls: int = 200) -> dict:
+    alloc = TokenToKVPoolAllocator(sum(page_aligned(len(s), page_size) for s in seqs), page_size)
+    cache = RadixCache(None, alloc, page_size=page_size)
+    values = [alloc.alloc(len(s)) for s in seqs]
     t0 = time.perf_counter()
-    for s, v in zip(seqs, values):
-        cache.insert(s, v)
+    present = [cache.insert(s, v) for s, v in zip(seqs, values)]
     t_insert = time.perf_counter() - t0
+    for s, v, n in zip(seqs, values, present):  # what the tree did not take: duplicates, a partial last page
+        alloc.free(torch.cat([v[:n], v[len(s) // page_size * page_size :]]))
     t0 = time.perf_counter()
     matched = sum(len(cache.match_prefix(s).device_indices) for s in seqs)
     t_match = time.perf_counter() - t0
     total = sum(len(s) for s in seqs)
+    nodes = sum(1 for _ in cache._nodes()) - 1
+    t0 = time.perf_counter()
+    evicted = sum(cache.evict(evict_tokens) for _ in range(evict_calls))
+    t_evict = time.perf_counter() - t0
     return {
         "bench": "radix_cache",
         "page_size": page_size,
         "num_seqs": len(seqs),
         "total_tokens": total,
-        "cached_tokens": cache.total_size(),
+        "cached_tokens": cache.total_size() + evicted,
+        "tree_nodes": nodes,
         "insert_ops_per_s": round(len(seqs) / t_insert, 1),
         "match_ops_per_s": round(len(seqs) / t_match, 1),
         "insert_tokens_per_s": round(total / t_insert),
         "match_tokens_per_s": round(matched / t_match),
         "match_hit_fraction": round(matched / total, 4),
+        "evict_tokens_per_call": evict_tokens,
+        "evict_ms_per_call": round(t_evict / evict_calls * 1e3, 4),
     }
 
 
@@ -69,10 +78,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-len", type=int, default=4096)
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--evict-tokens", type=int, default=64, help="tokens each timed evict call asks for")
+    parser.add_argument("--evict-calls", type=int, default=200)
     args = parser.parse_args(argv)
     seqs = make_sequences(args.num_seqs, args.min_len, args.max_len, args.seed)
     for p in args.page_sizes:
-        print(json.dumps(run(seqs, p)), flush=True)
+        print(json.dumps(run(seqs, p, args.evict_tokens, args.evict_calls)), flush=True)
 
 
 if __name__ == "__main__":

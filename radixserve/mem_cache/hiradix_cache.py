@@ -270,7 +270,8 @@ class HiRadixCache(RadixCache):
 
         self.allocator.free_group_begin()
         try:
-            freed = self._evict_by_policy(num_tokens, self._device_evictable, demote)
+            # A device node whose children are all host-only is no leaf: look at every node.
+            freed = self._evict_by_policy(num_tokens, self._device_evictable, demote, self._nodes())
         finally:
             self.allocator.free_group_end()
         if copying and self._write_stream is not None:
@@ -284,6 +285,7 @@ class HiRadixCache(RadixCache):
         if any(n.transfer is not None or n.host_ref for n in below):
             self._settle()  # their host slots are being written or read
         for n in below:
+            self._leaves.discard(n)
             self.host.allocator.free(n.host_value)
             if self.kv_events is not None:
                 self.kv_events.on_evict(n)

@@ -9,7 +9,8 @@ owns whole pages of the KV pool. Children are indexed by their first page
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, Callable
+import itertools
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
@@ -107,6 +108,11 @@ class RadixCache(BasePrefixCache):
         self._clock = 0
         self.root = self._new_node([], _EMPTY, None)
         self.root.lock_ref = 1  # the root is never evicted
+        self._leaves: set[TreeNode] = set()  # every node but the root without children
+        # Eviction candidates (priority, id, entry number, node): every leaf is in it at its current
+        # priority; entries of nodes that changed since are stale and skipped when popped.
+        self._heap: list = []
+        self._entries = itertools.count()
         self._evictable = 0
         self._protected = 0
         if self.kv_events is not None:
@@ -124,6 +130,19 @@ class RadixCache(BasePrefixCache):
         self._clock += 1
         node.last_access = self._clock
         node.hit_count += 1
+        self._offer(node)
+
+    def _offer(self, node: TreeNode) -> None:
+        """Enter ``node`` in the eviction heap at its current priority if it
+        is a leaf (called whenever a leaf appears, changes priority or is
+        unlocked). The heap is rebuilt from the leaves when stale entries
+        outnumber them, so it stays within a few times the leaf count."""
+        if node is self.root or node.children:
+            return
+        heapq.heappush(self._heap, (self._priority(node), node.id, next(self._entries), node))
+        if len(self._heap) > 2 * len(self._leaves) + 1024:
+            self._heap = [(self._priority(n), n.id, next(self._entries), n) for n in self._leaves]
+            heapq.heapify(self._heap)
 
     def _aligned(self, n: int) -> int:
         return n // self.page_size * self.page_size
@@ -142,6 +161,7 @@ class RadixCache(BasePrefixCache):
         and inlines the hot path: this loop runs once per tree level."""
         p = self.page_size
         node, pos, values, end = self.root, 0, [], self._aligned(len(key))
+        touched = None
         while pos < end:
             child = node.children.get(key[pos] if p == 1 else tuple(key[pos : pos + p]))
             if child is None:
@@ -149,6 +169,7 @@ class RadixCache(BasePrefixCache):
             self._clock += 1
             child.last_access = self._clock
             child.hit_count += 1
+            touched = child  # only the last one touched can be a leaf (the lower half after a split)
             klen = len(child.key)
             segment = key[pos : pos + klen]
             n = klen if segment == child.key else _common_len(child.key, segment, p)
@@ -156,6 +177,8 @@ class RadixCache(BasePrefixCache):
                 child = self._split(child, n)
             values.append(child.value)
             node, pos = child, pos + n
+        if touched is not None:
+            self._offer(touched)
         return node, pos, values
 
     def match_prefix(self, key: list[int]) -> MatchResult:
@@ -196,8 +219,10 @@ class RadixCache(BasePrefixCache):
         """A new leaf under ``parent`` at depth ``start``, on the device when
         ``value`` (its slots) is given."""
         leaf = self._new_node(list(key), None if value is None else value.to(torch.int64).clone(), parent)
-        self._touch(leaf)
         parent.children[self._child_key(leaf.key)] = leaf
+        self._leaves.discard(parent)
+        self._leaves.add(leaf)
+        self._touch(leaf)
         if value is not None:
             self._evictable += len(leaf.key)
         if self.kv_events is not None:
@@ -221,6 +246,8 @@ class RadixCache(BasePrefixCache):
                 self._evictable += len(node.key)
                 self._protected -= len(node.key)
             node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._offer(node)
             node = node.parent
 
     # -- eviction ----------------------------------------------------------
@@ -228,24 +255,30 @@ class RadixCache(BasePrefixCache):
         """Evict unlocked leaves (by policy) until ``num_tokens`` slots are
         freed or nothing is evictable; returns the number freed."""
         self.allocator.free_group_begin()
+        freed = 0
         try:
-            return self._evict_by_policy(num_tokens, self._evictable_leaf, self._drop_leaf)
+            while freed < num_tokens and self._heap:
+                priority, _, _, node = heapq.heappop(self._heap)
+                if node in self._leaves and node.lock_ref == 0 and priority == self._priority(node):
+                    self._drop_leaf(node)  # its parent enters the heap if it is now a leaf
+                    freed += len(node.key)
+            return freed
         finally:
             self.allocator.free_group_end()
-
-    def _evictable_leaf(self, node: TreeNode) -> bool:
-        return node is not self.root and node.is_leaf() and node.lock_ref == 0
 
     def _drop_leaf(self, leaf: TreeNode) -> None:
         self.allocator.free(leaf.value)
         self._delete_leaf(leaf)
 
     def _evict_by_policy(self, num_tokens: int, evictable: Callable[[TreeNode], bool],
-                         remove: Callable[[TreeNode], None]) -> int:
-        """``remove`` the ``evictable`` nodes in eviction-policy order until
-        their keys add up to ``num_tokens``; a node's parent is considered once
-        it has been removed. Returns the tokens removed."""
-        heap = [(self._priority(n), n.id, n) for n in self._nodes() if evictable(n)]
+                         remove: Callable[[TreeNode], None], candidates: Iterable[TreeNode] | None = None) -> int:
+        """``remove`` the ``evictable`` nodes among ``candidates`` (default:
+        the leaves, kept up to date as the tree changes, so a call costs the
+        leaves and what it evicts, not the whole tree) in eviction-policy
+        order until their keys add up to ``num_tokens``; a node's parent is
+        considered once it has been removed. Returns the tokens removed."""
+        nodes = self._leaves if candidates is None else candidates
+        heap = [(self._priority(n), n.id, n) for n in nodes if evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -260,6 +293,10 @@ class RadixCache(BasePrefixCache):
     def _delete_leaf(self, leaf: TreeNode) -> TreeNode:
         parent = leaf.parent
         del parent.children[self._child_key(leaf.key)]
+        self._leaves.discard(leaf)
+        if not parent.children and parent is not self.root:
+            self._leaves.add(parent)
+            self._offer(parent)
         if leaf.value is not None:
             self._evictable -= len(leaf.key)
         if self.kv_events is not None:
@@ -335,6 +372,9 @@ class RadixCache(BasePrefixCache):
                 f"counters evictable={self._evictable} protected={self._protected} "
                 f"!= recomputed {evictable} / {protected}"
             )
+        leaves = {n for n in self._nodes() if n is not self.root and not n.children}
+        if leaves != self._leaves:
+            problems.append(f"leaf set: {len(self._leaves - leaves)} stale, {len(leaves - self._leaves)} missing")
         if problems:
             raise AssertionError("RadixCache invariant violated: " + "; ".join(problems[:5]))
 

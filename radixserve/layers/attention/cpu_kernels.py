@@ -34,6 +34,8 @@ CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trappi
 BUILD_TIMEOUT_S = 300
 # Split a request's keys only while that leaves at least this many per split.
 MIN_KEYS_PER_SPLIT = 256
+# Pool dtypes the kernel reads: float32, and fp8 through a table of its 256 values.
+KV_DTYPES = (torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _cpu_identity() -> str:
@@ -94,9 +96,9 @@ def _library() -> ctypes.CDLL | None:
         logger.info("built CPU kernels into %s", path)
     lib = ctypes.CDLL(path)
     logger.info("CPU decode attention: C kernel %s", os.path.basename(path))
-    fn = lib.rs_decode_attention_f32
+    fn = lib.rs_decode_attention
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [p, i64, p, p, p, i64, p, p, p, i32, i32, i32, i32, ctypes.c_float, i32, i32]
+    fn.argtypes = [p, i64, p, p, p, p, i64, p, p, p, i32, i32, i32, i32, ctypes.c_float, i32, i32]
     fn.restype = i32
     return lib
 
@@ -112,9 +114,15 @@ def num_kv_splits(batch_size: int, max_len: int, threads: int) -> int:
     return max(1, min(want, max_len // MIN_KEYS_PER_SPLIT))
 
 
+@functools.cache
+def _decode_table(dtype: torch.dtype) -> torch.Tensor:
+    """The float32 value of each of the 256 bytes of a one-byte dtype."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+
+
 def decode_attention(
     q: torch.Tensor,  # [bs, num_heads * head_dim] float32, rows may be strided (a view of qkv)
-    k_buffer: torch.Tensor,  # [pool_rows, num_kv_heads, head_dim] float32, contiguous
+    k_buffer: torch.Tensor,  # [pool_rows, num_kv_heads, head_dim] float32 or fp8, contiguous
     v_buffer: torch.Tensor,  # same shape
     req_to_token: torch.Tensor,  # [rows, max_context] int32
     req_pool_indices: torch.Tensor,  # [bs] int64
@@ -127,15 +135,18 @@ def decode_attention(
     from the paged pool; returns ``[bs, num_heads * head_dim]``."""
     bs = q.shape[0]
     num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
-    assert q.dtype == k_buffer.dtype == v_buffer.dtype == torch.float32 and req_to_token.dtype == torch.int32
+    assert q.dtype == torch.float32 and k_buffer.dtype == v_buffer.dtype and req_to_token.dtype == torch.int32
+    assert k_buffer.dtype in KV_DTYPES
     assert q.stride(1) == 1 and k_buffer.is_contiguous() and v_buffer.is_contiguous() and req_to_token.stride(1) == 1
     assert v_buffer.shape == k_buffer.shape and q.shape[1] == num_heads * head_dim and num_heads % num_kv_heads == 0
     rows = req_pool_indices.to(torch.int64).contiguous()
     lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty(bs, num_heads * head_dim, dtype=torch.float32)
     threads = torch.get_num_threads()
-    rc = _library().rs_decode_attention_f32(
-        q.data_ptr(), q.stride(0), k_buffer.data_ptr(), v_buffer.data_ptr(), req_to_token.data_ptr(),
+    lut = None if k_buffer.dtype == torch.float32 else _decode_table(k_buffer.dtype)
+    rc = _library().rs_decode_attention(
+        q.data_ptr(), q.stride(0), k_buffer.data_ptr(), v_buffer.data_ptr(), None if lut is None else lut.data_ptr(),
+        req_to_token.data_ptr(),
         req_to_token.stride(0), rows.data_ptr(), lens.data_ptr(), out.data_ptr(), bs, num_heads, num_kv_heads,
         head_dim, scale, num_kv_splits(bs, max_len, threads), threads,
     )

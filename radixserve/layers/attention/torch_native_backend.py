@@ -4,8 +4,8 @@ GPU reference).
 Each request's context lives in KV slots ``req_to_token[row, :seq_len]``,
 scattered over the pool in any page layout.
 
-- DECODE on a CPU, float32: the C kernel of ``cpu_kernels.py``, which reads
-  each request's K/V rows straight from the pool (about 3x faster than the
+- DECODE on a CPU, float32 model: the C kernel of ``cpu_kernels.py``, which
+  reads each request's K/V rows (float32 or fp8) straight from the pool (about 3x faster than the
   SDPA path below at 64 requests of ~200 tokens, SmolLM2 head shapes, 2 cores).
 - DECODE otherwise: one batched SDPA. Keys are gathered (one
   ``index_select`` per buffer, on CPU several times faster than advanced
@@ -61,14 +61,15 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def __init__(self, model_runner=None):
         self._workspaces: list[torch.Tensor | None] = [None, None]  # decode K and V gathers
+        self.model_dtype = getattr(model_runner, "dtype", torch.float32)  # the queries' (the C kernel's is float32)
         # CPU float32 decode runs the C kernel when it could be built (tests may turn it off).
         self.cpu_decode_kernel = cpu_kernels.decode_attention_available()
 
     def _kernel_decodes(self, forward_batch: "ForwardBatch") -> bool:
         pool = forward_batch.token_to_kv_pool
         return (
-            self.cpu_decode_kernel and pool.device.type == "cpu" and pool.dtype == torch.float32
-            and pool.v_head_dim == pool.head_dim
+            self.cpu_decode_kernel and pool.device.type == "cpu" and self.model_dtype == torch.float32
+            and pool.dtype in cpu_kernels.KV_DTYPES and pool.v_head_dim == pool.head_dim
         )
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:

@@ -8,7 +8,9 @@
  * at the end (split-KV, for small batches with long contexts). Built at run time by cpu_kernels.py with
  * the host's vector ISA; OpenMP is the one torch already runs.
  *
- * float32 only. Layouts (element strides):
+ * q and out are float32; the pool is float32, or one-byte elements (fp8) that
+ * a 256-entry table turns into float32, one slot's row at a time, as they are
+ * read. Layouts (element strides):
  *   q       [bs, num_heads, head_dim], row stride q_stride (a view of qkv)
  *   k, v    [pool_rows, num_kv_heads, head_dim], contiguous
  *   req_to_token [*, rtt_stride] int32; rows [bs] int64; seq_lens [bs] int64
@@ -22,8 +24,19 @@
 #define BLOCK 32   /* keys scored before each softmax rescale */
 #define PREFETCH 4 /* keys ahead whose K rows are prefetched */
 
-static inline void prefetch_row(const float *row, int floats) {
-    for (int i = 0; i < floats; i += 16) __builtin_prefetch(row + i, 0, 3);
+static inline void prefetch_row(const void *pool, const float *lut, int32_t slot, int kv_row) {
+    int64_t bytes = lut == NULL ? (int64_t)kv_row * 4 : kv_row;
+    const char *row = (const char *)pool + slot * bytes;
+    for (int i = 0; i < bytes; i += 64) __builtin_prefetch(row + i, 0, 3);
+}
+
+/* Slot ``slot``'s row of ``pool`` as floats: in place for a float32 pool, else
+ * decoded through ``lut`` into ``buf`` (kv_row floats). */
+static inline const float *pool_row(const void *pool, const float *lut, int32_t slot, int kv_row, float *buf) {
+    if (lut == NULL) return (const float *)pool + (int64_t)slot * kv_row;
+    const uint8_t *bytes = (const uint8_t *)pool + (int64_t)slot * kv_row;
+    for (int i = 0; i < kv_row; i++) buf[i] = lut[bytes[i]];
+    return buf;
 }
 
 /* exp(x) for x <= 0 to about 2 ulp (Cephes' expf polynomial); vectorizable. */
@@ -51,10 +64,10 @@ static inline void exp_block(float *x, int n) {
  * key's K (then V) row of all KV heads is read once, contiguously, so rows of
  * consecutive slots stream from memory. Leaves per query head the running max
  * m, the sum l and the unnormalized acc [num_heads, head_dim]; s is scratch of
- * num_heads * BLOCK floats. */
-static void attend_span(const float *q, const float *k, const float *v, const int32_t *slots,
+ * num_heads * BLOCK floats, row of kv_row floats (an fp8 row decoded). */
+static void attend_span(const float *q, const void *k, const void *v, const float *lut, const int32_t *slots,
                         int begin, int end, int num_heads, int group, int head_dim, int kv_row,
-                        float scale, float *s, float *m, float *l, float *acc) {
+                        float scale, float *s, float *m, float *l, float *acc, float *row) {
     for (int hq = 0; hq < num_heads; hq++) {
         m[hq] = -INFINITY;
         l[hq] = 0.0f;
@@ -63,11 +76,11 @@ static void attend_span(const float *q, const float *k, const float *v, const in
     for (int t0 = begin; t0 < end; t0 += BLOCK) {
         int n = end - t0 < BLOCK ? end - t0 : BLOCK;
         for (int j = 0; j < n; j++) {
-            const float *kp = k + (int64_t)slots[t0 + j] * kv_row;
+            const float *kp = pool_row(k, lut, slots[t0 + j], kv_row, row);
             /* Slots need not be contiguous: fetch the K row PREFETCH keys ahead,
              * and this key's V row for the P @ V pass below. */
-            if (t0 + j + PREFETCH < end) prefetch_row(k + (int64_t)slots[t0 + j + PREFETCH] * kv_row, kv_row);
-            prefetch_row(v + (int64_t)slots[t0 + j] * kv_row, kv_row);
+            if (t0 + j + PREFETCH < end) prefetch_row(k, lut, slots[t0 + j + PREFETCH], kv_row);
+            prefetch_row(v, lut, slots[t0 + j], kv_row);
             for (int hq = 0; hq < num_heads; hq++) {
                 const float *qp = q + hq * head_dim, *kh = kp + (hq / group) * head_dim;
                 float dot = 0.0f;
@@ -94,7 +107,7 @@ static void attend_span(const float *q, const float *k, const float *v, const in
             }
         }
         for (int j = 0; j < n; j++) {
-            const float *vp = v + (int64_t)slots[t0 + j] * kv_row;
+            const float *vp = pool_row(v, lut, slots[t0 + j], kv_row, row);
             for (int hq = 0; hq < num_heads; hq++) {
                 const float p = s[hq * BLOCK + j], *vh = vp + (hq / group) * head_dim;
                 float *ah = acc + hq * head_dim;
@@ -105,13 +118,15 @@ static void attend_span(const float *q, const float *k, const float *v, const in
     }
 }
 
-int rs_decode_attention_f32(const float *q, int64_t q_stride, const float *k, const float *v,
-                            const int32_t *req_to_token, int64_t rtt_stride, const int64_t *rows,
-                            const int64_t *seq_lens, float *out, int bs, int num_heads,
-                            int num_kv_heads, int head_dim, float scale, int num_splits,
-                            int num_threads) {
+/* k and v are float32 rows when lut is NULL, else one-byte rows that lut
+ * (256 floats) decodes. */
+int rs_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v, const float *lut,
+                        const int32_t *req_to_token, int64_t rtt_stride, const int64_t *rows,
+                        const int64_t *seq_lens, float *out, int bs, int num_heads,
+                        int num_kv_heads, int head_dim, float scale, int num_splits,
+                        int num_threads) {
     const int group = num_heads / num_kv_heads;
-    const int kv_row = num_kv_heads * head_dim; /* floats per pool slot */
+    const int kv_row = num_kv_heads * head_dim; /* elements per pool slot */
     const int part = head_dim + 2;              /* acc, m, l of one query head and split */
     const int64_t items = (int64_t)bs * num_splits;
     float *partial = malloc(sizeof(float) * items * num_heads * part);
@@ -120,7 +135,7 @@ int rs_decode_attention_f32(const float *q, int64_t q_stride, const float *k, co
 
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scratch = malloc(sizeof(float) * num_heads * (BLOCK + 2 + head_dim));
+        float *scratch = malloc(sizeof(float) * (num_heads * (BLOCK + 2 + head_dim) + kv_row));
         if (scratch == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -138,8 +153,8 @@ int rs_decode_attention_f32(const float *q, int64_t q_stride, const float *k, co
                 continue;
             }
             float *s = scratch, *m = s + num_heads * BLOCK, *l = m + num_heads, *acc = l + num_heads;
-            attend_span(q + b * q_stride, k, v, req_to_token + rows[b] * rtt_stride, begin, end,
-                        num_heads, group, head_dim, kv_row, scale, s, m, l, acc);
+            attend_span(q + b * q_stride, k, v, lut, req_to_token + rows[b] * rtt_stride, begin, end,
+                        num_heads, group, head_dim, kv_row, scale, s, m, l, acc, acc + num_heads * head_dim);
             for (int hq = 0; hq < num_heads; hq++) {
                 memcpy(p + hq * part, acc + hq * head_dim, sizeof(float) * head_dim);
                 p[hq * part + head_dim] = m[hq];
