@@ -262,7 +262,8 @@ def test_gpu_fast_path_reads_fp8_like_the_reference_backend(llama, kv_dtype):
                                check_invariants=True, disable_tqdm=True) as eng:
             runs.append(eng.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True))
     for fast, ref in zip(*runs):
-        n = next((i for i, (a, b) in enumerate(zip(fast["output_ids"], ref["output_ids"])) if a != b), GREEDY["max_new_tokens"])
+        pairs = enumerate(zip(fast["output_ids"], ref["output_ids"]))
+        n = next((i for i, (a, b) in pairs if a != b), GREEDY["max_new_tokens"])
         got = [lp for lp, _ in fast["meta_info"]["output_token_logprobs"][:n]]
         want = [lp for lp, _ in ref["meta_info"]["output_token_logprobs"][:n]]
         assert n >= 3 and got == pytest.approx(want, abs=5e-2)

@@ -270,8 +270,7 @@ def warm_and_run(runner, sampler, prompts: torch.Tensor, output_len: int,
     if output_len > 1:
         return run_case(runner, sampler, prompts, output_len)
     runs = [run_case(runner, sampler, prompts, output_len) for _ in range(repeats)]
-    timing, ids = runs[0]
-    return Timing(float(np.median([t.prefill_s for t, _ in runs])), decode_s=[]), ids
+    return Timing(float(np.median([t.prefill_s for t, _ in runs])), decode_s=[]), runs[0][1]
 
 
 # -- HF transformers ---------------------------------------------------------------------

@@ -5,8 +5,9 @@ Each request's context lives in KV slots ``req_to_token[row, :seq_len]``,
 scattered over the pool in any page layout.
 
 - DECODE on a CPU, float32 model: the C kernel of ``cpu_kernels.py``, which
-  reads each request's K/V rows (float32 or fp8) straight from the pool (about 3x faster than the
-  SDPA path below at 64 requests of ~200 tokens, SmolLM2 head shapes, 2 cores).
+  reads each request's K/V rows (float32 or fp8) straight from the pool
+  (about 3x faster than the SDPA path below at 64 requests of ~200 tokens,
+  SmolLM2 head shapes, 2 cores).
 - DECODE otherwise: one batched SDPA. Keys are gathered (one
   ``index_select`` per buffer, on CPU several times faster than advanced
   indexing) into ``[bs, max_len]`` rows (padding points at dummy slot 0,
