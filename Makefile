@@ -14,7 +14,8 @@ SGLANG_SPEC ?= sglang==0.5.23; python_version >= "3.11"
 STAMP := $(VENV)/.installed
 COMPAT_STAMP := $(VENV)/.installed-compat
 SERVE_ARGS ?=
-PYTEST_ARGS ?=
+# the slowest tests are listed at the end, to keep the suite within its time budget
+PYTEST_ARGS ?= --durations=20
 
 .PHONY: install model serve test clean
 
