@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig
+from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from test_engine import llama, prompts  # noqa: F401 (the tiny Llama checkpoint fixture)
 from triton_interpreter import run_interpreted
 
 import radixserve
@@ -23,10 +24,6 @@ from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.model_loader import resolve_model
 from radixserve.server_args import ServerArgs
 
-SHAPE = dict(
-    vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
-)
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 GREEDY = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
 
@@ -42,22 +39,6 @@ def _fp8_decode_attention(dtype):
 
 for _name, _dtype in FP8.items():
     AttentionInterface.register(f"test_{_name}_kv", _fp8_decode_attention(_dtype))
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPE, architectures=["LlamaForCausalLM"]),
-                                          dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
-    folder = tmp_path_factory.mktemp("llama")
-    hf.save_pretrained(folder)
-    return str(folder), hf
-
-
-def prompts(lengths, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 320, (n,), generator=gen).tolist() for n in lengths]
 
 
 @torch.no_grad()

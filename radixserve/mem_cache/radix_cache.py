@@ -139,10 +139,13 @@ class RadixCache(BasePrefixCache):
         outnumber them, so it stays within a few times the leaf count."""
         if node is self.root or node.children:
             return
-        heapq.heappush(self._heap, (self._priority(node), node.id, next(self._entries), node))
+        heapq.heappush(self._heap, self._heap_entry(node))
         if len(self._heap) > 2 * len(self._leaves) + 1024:
-            self._heap = [(self._priority(n), n.id, next(self._entries), n) for n in self._leaves]
+            self._heap = [self._heap_entry(n) for n in self._leaves]
             heapq.heapify(self._heap)
+
+    def _heap_entry(self, node: TreeNode) -> tuple:
+        return self._priority(node), node.id, next(self._entries), node
 
     def _aligned(self, n: int) -> int:
         return n // self.page_size * self.page_size
