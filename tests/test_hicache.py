@@ -8,6 +8,7 @@ checked after every scheduler step."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ import torch
 import radixserve
 from radixserve.mem_cache import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.mem_cache.hicache_storage import FileTier
-from radixserve.mem_cache.hiradix_cache import HiRadixCache
+from radixserve.mem_cache import hiradix_cache
+from radixserve.mem_cache.hiradix_cache import WRITE_POLICIES, HiRadixCache
 from radixserve.mem_cache.storage import HiCacheFile
 from radixserve.mem_cache.host_pool import HostKVPool, host_pool_tokens, runs
 from radixserve.sampling.sampling_params import SamplingParams
@@ -257,6 +259,64 @@ def test_page_size_4_splits_both_tiers():
     assert wait.finished
     assert len(cache.match_prefix(a).device_indices) == 16
     cache.check_invariants()
+
+
+def test_a_device_node_over_host_only_children_is_evicted_in_its_turn():
+    cache, alloc, _ = make_cache(size=96)
+    p, q, r = list(range(32)), list(range(100, 132)), list(range(200, 232))
+    put(cache, alloc, p)
+    put(cache, alloc, p + q)
+    cache.evict(32)  # q goes to the host: p, its parent, is now a device leaf but no leaf of the tree
+    put(cache, alloc, r)
+    assert cache.evict(32) == 32  # p, older than r, goes
+    assert len(cache.match_prefix(r).device_indices) == 32
+    assert cache.match_prefix(p + q + [0]).host_hit_length == 64
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", WRITE_POLICIES)
+def test_device_eviction_takes_the_policy_first_of_the_whole_tree(monkeypatch, policy, eviction):
+    """Device eviction pops a heap of device leaves kept up to date as the
+    tree changes; each node it gives up must be the one a walk of the whole
+    tree picks: the least (priority, id) among the unlocked nodes on the
+    device without a child there (a node whose children are all host-only
+    is one), under random inserts, matches, load-backs, locks and evictions."""
+    monkeypatch.setattr(hiradix_cache, "LOAD_BACK_THRESHOLD", 1)
+    rng = random.Random(0)
+    _, hostpool = make_pools(128, 1, 256)
+    alloc = TokenToKVPoolAllocator(128, 1)
+    cache = HiRadixCache(ReqToTokenPool(8, 256), alloc, 1, hostpool, policy, eviction)
+    demote, given_up, locked = cache._demote, [], []
+
+    def checked_demote(node):
+        leaves = [n for n in cache._nodes() if n is not cache.root and n.value is not None and n.lock_ref == 0
+                  and all(c.value is None for c in n.children.values())]
+        assert (cache._priority(node), node.id) == min((cache._priority(n), n.id) for n in leaves)
+        given_up.append(bool(node.children))
+        return demote(node)
+
+    cache._demote = checked_demote
+    for _ in range(600):
+        key = [rng.randrange(4) for _ in range(rng.randint(1, 30))]
+        op = rng.random()
+        if op < 0.4:
+            cache.evict(len(key) - alloc.available_size())
+            if alloc.available_size() >= len(key):
+                put(cache, alloc, key)
+        elif op < 0.6:  # a request's match, and the load-back of its host hit
+            cache.fetch(key, cache.match_prefix(key), alloc.available_size() + cache.evictable_size())
+        elif op < 0.7 and len(locked) < 4:
+            locked.append(cache.match_prefix(key).last_node)
+            cache.inc_lock_ref(locked[-1])
+        elif op < 0.8 and locked:
+            cache.dec_lock_ref(locked.pop(rng.randrange(len(locked))))
+        else:
+            cache.evict(rng.randint(1, 48))
+        if rng.random() < 0.5:
+            cache.poll()
+        cache.check_invariants()
+    assert len(given_up) > 100 and sum(given_up) > 10, "too few evictions, or none of a node that is no tree leaf"
 
 
 def test_admission_counts_what_a_load_back_locks():

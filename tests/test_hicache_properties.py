@@ -1,16 +1,18 @@
 """A Hypothesis state machine over the two-tier radix tree (docs/hicache.md):
 random requests that match, load back, extend, decode, finish and abort,
-with device evictions (demotions), host evictions, every write policy, and
-copies that complete some steps after they are issued.
+with device evictions (demotions), host evictions, every write policy and
+eviction policy, and copies that complete some steps after they are issued.
 After every step: the memory invariant over both tiers, and the KV itself:
-every cached token's device and host copies hold what its forward wrote."""
+every cached token's device and host copies hold what its forward wrote.
+Every node the device gives up is, when it goes, the policy's first choice
+among the whole tree's unlocked device leaves."""
 
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
-from mem_harness import Harness, RequestRules
+from mem_harness import Harness, RequestRules, request_tokens
 from radixserve.mem_cache import MHATokenToKVPool
 from radixserve.mem_cache import hiradix_cache
 from radixserve.mem_cache.hiradix_cache import WRITE_POLICIES, HiRadixCache
@@ -44,16 +46,29 @@ class HiHarness(Harness):
     "forward" writes a KV value that names each token and position, and
     whose copies complete ``lag`` polls after they are issued."""
 
-    def __init__(self, pool_size, page_size, host_size, policy, lag):
+    def __init__(self, pool_size, page_size, host_size, policy, lag, eviction="lru"):
         super().__init__(pool_size=pool_size, page_size=page_size, max_reqs=6, max_len=128)
         self.kv = MHATokenToKVPool(pool_size, page_size, torch.float32, head_num=1, head_dim=2, layer_num=LAYERS)
-        self.cache = HiRadixCache(self.req_pool, self.alloc, page_size, HostKVPool(self.kv, host_size), policy)
+        host = HostKVPool(self.kv, host_size)
+        self.cache = cache = HiRadixCache(self.req_pool, self.alloc, page_size, host, policy, eviction)
+        demote = cache._demote
 
         def copy(stream, issue, after):
             issue()
             return LaggingEvent(lag)
 
-        self.cache._copy = copy
+        def checked_demote(node):
+            """The node the device gives up has the least (priority, id) of
+            the unlocked device leaves, found by a walk of the whole tree
+            (against the cache's incrementally kept heap)."""
+            leaves = [m for m in cache._nodes() if m is not cache.root and m.value is not None and m.lock_ref == 0
+                      and all(c.value is None for c in m.children.values())]
+            assert node in leaves, f"{node} is not an unlocked device leaf"
+            assert (cache._priority(node), node.id) == min((cache._priority(m), m.id) for m in leaves)
+            return demote(node)
+
+        cache._copy = copy
+        cache._demote = checked_demote
 
     def start(self, tokens):
         m = self.cache.match_prefix(tokens)
@@ -77,14 +92,22 @@ class HiHarness(Harness):
 
 class HiCacheMachine(RequestRules):
     @initialize(page_size=st.sampled_from([1, 2, 4]), policy=st.sampled_from(WRITE_POLICIES),
-                host_pages=st.integers(48, 120), lag=st.integers(0, 3))
-    def setup(self, page_size, policy, host_pages, lag):
+                host_pages=st.integers(48, 120), lag=st.integers(0, 3), eviction=st.sampled_from(["lru", "lfu"]))
+    def setup(self, page_size, policy, host_pages, lag, eviction):
         hiradix_cache.LOAD_BACK_THRESHOLD = 1  # short keys: load back any host hit (restored in teardown)
-        self.h = HiHarness(48 * page_size, page_size, host_pages * page_size, policy, lag)
+        self.h = HiHarness(48 * page_size, page_size, host_pages * page_size, policy, lag, eviction)
+
+    @rule(key=request_tokens)
+    def serve(self, key):
+        """A request's whole life in one step, so the tree fills up quickly."""
+        req = self.h.start(key)
+        if req is not None:
+            self.h.finish(req)
 
     @rule(n=st.integers(1, 64))
     def evict(self, n):
-        self.h.cache.evict(n)
+        evictable = self.h.cache.evictable_size()
+        assert self.h.cache.evict(n) >= min(n, evictable)  # every unlocked device token can go
 
     @rule()
     def poll(self):

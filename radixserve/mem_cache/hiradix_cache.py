@@ -34,9 +34,11 @@ same code runs.
 Invariants (``check_invariants``): every node has a copy in some tier; the
 device nodes form the top of the tree (a device node's parent is on the
 device); the device counters (evictable, protected) count device nodes
-only; and host slots held by nodes + host slots being prefetched + free
-host slots == the host pool's size. KV events (``kv_events``) count a block
-as stored while its node is in the tree, in any tier.
+only; device eviction's candidates, kept as the tree changes, are the
+device nodes without a device child; and host slots held by nodes + host
+slots being prefetched + free host slots == the host pool's size. KV
+events (``kv_events``) count a block as stored while its node is in the
+tree, in any tier.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ import torch
 
 from radixserve.mem_cache.base_prefix_cache import MatchResult
 from radixserve.mem_cache.host_pool import HostKVPool
-from radixserve.mem_cache.radix_cache import _EMPTY, RadixCache, TreeNode, _common_len
+from radixserve.mem_cache.radix_cache import _EMPTY, RadixCache, TreeNode, _common_len, _EvictionHeap
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 SELECTIVE_HITS = 2  # write_through_selective backs a node up at its second hit
@@ -115,6 +117,9 @@ class HiRadixCache(RadixCache):
         files: they are keyed by content and stay valid)."""
         self.synchronize()
         super().reset()
+        # The device eviction candidates: the nodes on the device without a child there. A node whose
+        # children are all host-only is one though it is no leaf of the tree, so these are kept apart.
+        self._device_leaves = _EvictionHeap(self._priority)
         self.host.allocator.clear()
         self._arrivals = []
         if self.storage is not None:
@@ -164,8 +169,7 @@ class HiRadixCache(RadixCache):
             return self.insert(key, value)
         pos = present
         for n in self._chain(host_node, node) if host_node is not None else []:
-            n.value = value[pos : pos + len(n.key)].to(torch.int64).clone()
-            self._evictable += len(n.key)
+            self._to_device(n, value[pos : pos + len(n.key)].to(torch.int64).clone())
             pos += len(n.key)
         end = self._aligned(len(key))
         if pos < end:
@@ -173,6 +177,41 @@ class HiRadixCache(RadixCache):
             if self.write_policy == "write_through":
                 self._backup([leaf])
         return present
+
+    def _add_leaf(self, parent: TreeNode, key: list[int], value: torch.Tensor | None, start: int) -> TreeNode:
+        leaf = super()._add_leaf(parent, key, value, start)
+        if value is not None:
+            self._joined_device(leaf)
+        return leaf
+
+    def _to_device(self, node: TreeNode, slots: torch.Tensor) -> None:
+        """Give host-only ``node`` (under a device node) device ``slots``."""
+        node.value = slots
+        self._evictable += len(node.key)
+        self._joined_device(node)
+
+    def _joined_device(self, node: TreeNode) -> None:
+        """``node`` has come onto the device: no child of it is there (the
+        device nodes are the top of the tree), and its parent has a device
+        child now."""
+        self._device_leaves.discard(node.parent)
+        self._device_leaves.add(node)
+
+    def _left_device(self, node: TreeNode) -> None:
+        """``node`` has left the device (demoted or deleted): its parent may
+        have no device child left."""
+        self._device_leaves.discard(node)
+        parent = node.parent
+        if parent is not self.root and self._is_device_leaf(parent):
+            self._device_leaves.add(parent)
+
+    @staticmethod
+    def _is_device_leaf(node: TreeNode) -> bool:
+        return node.value is not None and not any(c.value is not None for c in node.children.values())
+
+    def _offer(self, node: TreeNode) -> None:
+        super()._offer(node)
+        self._device_leaves.offer(node)
 
     @staticmethod
     def _chain(bottom: TreeNode, top: TreeNode, keep=lambda n: True) -> list[TreeNode]:
@@ -243,40 +282,40 @@ class HiRadixCache(RadixCache):
         self.stats.hicache_host_evicted += self._evict_by_policy(num_tokens, self._host_evictable, drop)
 
     # -- device eviction -------------------------------------------------------------
-    def _device_evictable(self, node: TreeNode) -> bool:
-        """An unlocked device node with no device children (a load-back in
-        flight is locked; a backup in flight may be evicted)."""
-        return (node is not self.root and node.value is not None and node.lock_ref == 0
-                and not any(c.value is not None for c in node.children.values()))
-
     def evict(self, num_tokens: int) -> int:
-        """Free device slots of unlocked device leaves (by policy): a node with
-        a host copy is demoted to the host, one without (``write_back`` backs
-        it up first, when the host has room) leaves the tree with the
-        host-only nodes under it."""
+        """Free device slots of unlocked device leaves (nodes on the device
+        without a child there; a load-back in flight is locked, a backup in
+        flight may be evicted), by policy, until ``num_tokens`` are freed or
+        none is left; a call costs what it evicts, not the tree."""
         copying = False
-
-        def demote(leaf: TreeNode) -> None:
-            nonlocal copying
-            if leaf.host_value is None and self.write_policy == "write_back":
-                self._backup([leaf])
-            copying |= leaf.transfer is not None  # a backup still reading these slots
-            self.allocator.free(leaf.value)
-            if leaf.host_value is not None:
-                leaf.value = None
-                self._evictable -= len(leaf.key)
-            else:
-                self._delete_subtree(leaf)
-
+        freed = 0
         self.allocator.free_group_begin()
         try:
-            # A device node whose children are all host-only is no leaf: look at every node.
-            freed = self._evict_by_policy(num_tokens, self._device_evictable, demote, self._nodes())
+            while freed < num_tokens and (node := self._device_leaves.pop()) is not None:
+                copying |= self._demote(node)
+                freed += len(node.key)
         finally:
             self.allocator.free_group_end()
         if copying and self._write_stream is not None:
             self._forward_stream.wait_stream(self._write_stream)  # no forward writes a slot still being copied
         return freed
+
+    def _demote(self, node: TreeNode) -> bool:
+        """Free the device slots of ``node``, a device leaf: with a host copy
+        it stays on the host; without one (``write_back`` backs it up first,
+        when the host has room) it leaves the tree with the host-only nodes
+        under it. True if a backup is still reading the freed slots."""
+        if node.host_value is None and self.write_policy == "write_back":
+            self._backup([node])
+        copying = node.transfer is not None
+        self.allocator.free(node.value)
+        if node.host_value is not None:
+            node.value = None
+            self._evictable -= len(node.key)
+        else:
+            self._delete_subtree(node)
+        self._left_device(node)
+        return copying
 
     def _delete_subtree(self, node: TreeNode) -> None:
         """Remove ``node`` (its device slots already freed) and the host-only
@@ -348,9 +387,9 @@ class HiRadixCache(RadixCache):
                              [self._forward_stream, self._write_stream])
         pos = 0
         for n in chain:
-            n.value, n.transfer = slots[pos : pos + len(n.key)], t
+            self._to_device(n, slots[pos : pos + len(n.key)])
+            n.transfer = t
             pos += len(n.key)
-            self._evictable += len(n.key)
         self.inc_lock_ref(chain[-1])
         self._loads.append(t)
         self.stats.hicache_loaded_back += n_tokens
@@ -462,6 +501,10 @@ class HiRadixCache(RadixCache):
 
     def check_invariants(self) -> None:
         super().check_invariants()
+        device_leaves = {n for n in self._nodes() if n is not self.root and self._is_device_leaf(n)}
+        problems = self._device_leaves.problems(device_leaves, "device leaf")
+        if problems:
+            raise AssertionError("HiRadixCache invariant violated: " + "; ".join(problems))
         in_nodes = sum(len(n.host_value) for n in self._nodes() if n.host_value is not None)
         prefetching = self.storage.host_slots_held() if self.storage is not None else 0
         used = self.host.size - self.host.allocator.available_size()

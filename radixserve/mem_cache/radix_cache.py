@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -74,6 +74,67 @@ _EVICTION_PRIORITY: dict[str, Callable[[TreeNode], tuple]] = {
 }
 
 
+class _EvictionHeap:
+    """A set of eviction candidates (``nodes``) and a lazy min-heap of their
+    priorities, so that taking the next victim costs a few heap operations,
+    not a walk of the tree. Every unlocked member has an entry at its current
+    priority: the owner calls :meth:`offer` whenever a member's priority
+    changes or its lock count drops to zero. Entries of nodes that left the
+    set, were locked or changed priority since are stale and skipped when
+    popped; the heap is rebuilt from the members when stale entries outnumber
+    them, so it stays within a few times their count."""
+
+    __slots__ = ("nodes", "_priority", "_heap", "_entries")
+
+    def __init__(self, priority: Callable[[TreeNode], tuple]):
+        self.nodes: set[TreeNode] = set()
+        self._priority = priority
+        # (priority, id, entry number, node): the id breaks ties, the entry number keeps nodes uncompared.
+        self._heap: list = []
+        self._entries = itertools.count()
+
+    def add(self, node: TreeNode) -> None:
+        self.nodes.add(node)
+        self.offer(node)
+
+    def discard(self, node: TreeNode) -> None:
+        self.nodes.discard(node)
+
+    def offer(self, node: TreeNode) -> None:
+        """Enter ``node`` at its current priority if it is a member."""
+        if node not in self.nodes:
+            return
+        heapq.heappush(self._heap, self._entry(node))
+        if len(self._heap) > 2 * len(self.nodes) + 1024:
+            self._heap = [self._entry(n) for n in self.nodes]
+            heapq.heapify(self._heap)
+
+    def _entry(self, node: TreeNode) -> tuple:
+        return self._priority(node), node.id, next(self._entries), node
+
+    def pop(self) -> TreeNode | None:
+        """The unlocked member of least (priority, id), or None; it stays a
+        member until its owner removes it."""
+        while self._heap:
+            priority, _, _, node = heapq.heappop(self._heap)
+            if node in self.nodes and node.lock_ref == 0 and priority == self._priority(node):
+                return node
+        return None
+
+    def problems(self, expected: set[TreeNode], name: str) -> list[str]:
+        """What is wrong with the members against ``expected`` (a full
+        recomputation) and with the heap: an unlocked member without an
+        entry at its priority would never be popped."""
+        out = []
+        if expected != self.nodes:
+            out.append(f"{name} set: {len(self.nodes - expected)} stale, {len(expected - self.nodes)} missing")
+        entered = {node for priority, _, _, node in self._heap if priority == self._priority(node)}
+        unentered = [n for n in self.nodes if n.lock_ref == 0 and n not in entered]
+        if unentered:
+            out.append(f"{name} heap: no entry at the current priority of {unentered[:3]}")
+        return out
+
+
 class RadixCache(BasePrefixCache):
     """Prefix cache over a paged KV pool (see ``base_prefix_cache`` for the
     ownership contract). ``evictable_size`` and ``protected_size`` are counters
@@ -108,11 +169,7 @@ class RadixCache(BasePrefixCache):
         self._clock = 0
         self.root = self._new_node([], _EMPTY, None)
         self.root.lock_ref = 1  # the root is never evicted
-        self._leaves: set[TreeNode] = set()  # every node but the root without children
-        # Eviction candidates (priority, id, entry number, node): every leaf is in it at its current
-        # priority; entries of nodes that changed since are stale and skipped when popped.
-        self._heap: list = []
-        self._entries = itertools.count()
+        self._leaves = _EvictionHeap(self._priority)  # every node but the root without children
         self._evictable = 0
         self._protected = 0
         if self.kv_events is not None:
@@ -133,19 +190,9 @@ class RadixCache(BasePrefixCache):
         self._offer(node)
 
     def _offer(self, node: TreeNode) -> None:
-        """Enter ``node`` in the eviction heap at its current priority if it
-        is a leaf (called whenever a leaf appears, changes priority or is
-        unlocked). The heap is rebuilt from the leaves when stale entries
-        outnumber them, so it stays within a few times the leaf count."""
-        if node is self.root or node.children:
-            return
-        heapq.heappush(self._heap, self._heap_entry(node))
-        if len(self._heap) > 2 * len(self._leaves) + 1024:
-            self._heap = [self._heap_entry(n) for n in self._leaves]
-            heapq.heapify(self._heap)
-
-    def _heap_entry(self, node: TreeNode) -> tuple:
-        return self._priority(node), node.id, next(self._entries), node
+        """``node`` changed priority or was unlocked: re-enter it in the
+        eviction heaps it is a candidate of."""
+        self._leaves.offer(node)
 
     def _aligned(self, n: int) -> int:
         return n // self.page_size * self.page_size
@@ -224,8 +271,8 @@ class RadixCache(BasePrefixCache):
         leaf = self._new_node(list(key), None if value is None else value.to(torch.int64).clone(), parent)
         parent.children[self._child_key(leaf.key)] = leaf
         self._leaves.discard(parent)
-        self._leaves.add(leaf)
         self._touch(leaf)
+        self._leaves.add(leaf)
         if value is not None:
             self._evictable += len(leaf.key)
         if self.kv_events is not None:
@@ -260,11 +307,9 @@ class RadixCache(BasePrefixCache):
         self.allocator.free_group_begin()
         freed = 0
         try:
-            while freed < num_tokens and self._heap:
-                priority, _, _, node = heapq.heappop(self._heap)
-                if node in self._leaves and node.lock_ref == 0 and priority == self._priority(node):
-                    self._drop_leaf(node)  # its parent enters the heap if it is now a leaf
-                    freed += len(node.key)
+            while freed < num_tokens and (node := self._leaves.pop()) is not None:
+                self._drop_leaf(node)  # its parent enters the heap if it is now a leaf
+                freed += len(node.key)
             return freed
         finally:
             self.allocator.free_group_end()
@@ -274,14 +319,12 @@ class RadixCache(BasePrefixCache):
         self._delete_leaf(leaf)
 
     def _evict_by_policy(self, num_tokens: int, evictable: Callable[[TreeNode], bool],
-                         remove: Callable[[TreeNode], None], candidates: Iterable[TreeNode] | None = None) -> int:
-        """``remove`` the ``evictable`` nodes among ``candidates`` (default:
-        the leaves, kept up to date as the tree changes, so a call costs the
-        leaves and what it evicts, not the whole tree) in eviction-policy
-        order until their keys add up to ``num_tokens``; a node's parent is
-        considered once it has been removed. Returns the tokens removed."""
-        nodes = self._leaves if candidates is None else candidates
-        heap = [(self._priority(n), n.id, n) for n in nodes if evictable(n)]
+                         remove: Callable[[TreeNode], None]) -> int:
+        """``remove`` the ``evictable`` leaves (a call costs the leaves and
+        what it evicts, not the whole tree) in eviction-policy order until
+        their keys add up to ``num_tokens``; a node's parent is considered
+        once it has been removed. Returns the tokens removed."""
+        heap = [(self._priority(n), n.id, n) for n in self._leaves.nodes if evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -299,7 +342,6 @@ class RadixCache(BasePrefixCache):
         self._leaves.discard(leaf)
         if not parent.children and parent is not self.root:
             self._leaves.add(parent)
-            self._offer(parent)
         if leaf.value is not None:
             self._evictable -= len(leaf.key)
         if self.kv_events is not None:
@@ -375,9 +417,7 @@ class RadixCache(BasePrefixCache):
                 f"counters evictable={self._evictable} protected={self._protected} "
                 f"!= recomputed {evictable} / {protected}"
             )
-        leaves = {n for n in self._nodes() if n is not self.root and not n.children}
-        if leaves != self._leaves:
-            problems.append(f"leaf set: {len(self._leaves - leaves)} stale, {len(leaves - self._leaves)} missing")
+        problems += self._leaves.problems({n for n in self._nodes() if n is not self.root and not n.children}, "leaf")
         if problems:
             raise AssertionError("RadixCache invariant violated: " + "; ".join(problems[:5]))
 
