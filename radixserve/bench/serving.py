@@ -34,7 +34,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import numpy as np
 
@@ -44,7 +44,8 @@ from radixserve.bench.serving_metrics import (RequestRecord, compute_metrics, co
                                               ttft)
 from radixserve.bench.serving_plots import plot_compare, plot_latencies, plot_rates
 from radixserve.bench.serving_report import format_table, write_json
-from radixserve.bench.serving_workers import poll_server, read_server_state, read_workers, total_counters, worker_breakdown
+from radixserve.bench.serving_workers import (http_call, poll_server, read_server_state, read_workers, total_counters,
+                                              worker_breakdown)
 from radixserve.bench.datasets import (Conversation, Dataset, TokenSampler, generated_shared_prefix_dataset,
                                        jsonl_dataset, multi_turn_dataset, random_dataset)
 
@@ -176,22 +177,22 @@ def render_prompt(segments: list, backend, tokenizer) -> Any:
 
 
 async def send_request(client, cfg: ClientConfig, backend, prompt, max_tokens: int, record: RequestRecord) -> Chunk:
-    """Stream one request into ``record``; returns the last reply (its text / ids)."""
+    """Stream one request into ``record``; returns the last reply (its text / ids).
+    Events read in one go from the socket share their arrival time."""
     last, reply_text, tokens = Chunk(), "", 0
     body = backend.payload(prompt, max_tokens, cfg.sampling, cfg.model)
     record.start = time.perf_counter()
     try:
-        async with client.stream("POST", cfg.base_url + backend.path, json=body, headers=cfg.headers()) as resp:
-            if resp.status_code != 200:
-                record.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+        async with client.post(cfg.base_url + backend.path, json=body, headers=cfg.headers()) as resp:
+            if resp.status != 200:
+                record.error = f"HTTP {resp.status}: {(await resp.text(errors='replace'))[:300]}"
                 return last
-            async for line in resp.aiter_lines():
+            async for line, now in _sse_lines(resp):
                 if not line.startswith("data:"):
                     continue
                 payload = line[5:].strip()
                 if payload == "[DONE]":
                     break
-                now = time.perf_counter()
                 chunk = backend.parse(json.loads(payload), tokens)
                 if chunk.error:
                     record.error = chunk.error
@@ -217,6 +218,20 @@ async def send_request(client, cfg: ClientConfig, backend, prompt, max_tokens: i
     if not record.success:
         record.error = "the stream ended before the reply finished"
     return last
+
+
+async def _sse_lines(resp) -> AsyncIterator[tuple[str, float]]:
+    """A streamed body's lines, each with the time its bytes arrived. Splits
+    the raw reads itself: aiohttp's line iterator refuses lines past its
+    buffer size, and a cumulative reply's events grow with the reply."""
+    rest = b""
+    async for data in resp.content.iter_any():
+        now = time.perf_counter()
+        *lines, rest = (rest + data).split(b"\n")
+        for line in lines:
+            yield line.decode(errors="replace").rstrip("\r"), now
+    if rest:
+        yield rest.decode(errors="replace"), time.perf_counter()
 
 
 @dataclass
@@ -347,8 +362,8 @@ SERVER_FIELDS = ("version", "schedule_policy", "disable_radix_cache", "max_total
 
 async def _get_json(client, cfg: ClientConfig, path: str) -> dict | None:
     try:
-        resp = await client.get(cfg.base_url + path, headers=cfg.headers(), timeout=30)
-        return resp.json() if resp.status_code == 200 else None
+        status, text = await http_call(client, "GET", cfg.base_url + path, cfg.headers(), 30)
+        return json.loads(text) if status == 200 else None
     except Exception:  # noqa: BLE001
         return None
 
@@ -359,11 +374,11 @@ async def _flush_cache(client, cfg: ClientConfig, wait_s: float = 30.0) -> bool:
     deadline = time.perf_counter() + wait_s
     while True:
         try:
-            resp = await client.post(cfg.base_url + "/flush_cache", headers=cfg.headers(), timeout=30)
+            status, _ = await http_call(client, "POST", cfg.base_url + "/flush_cache", cfg.headers(), 30)
         except Exception:  # noqa: BLE001
             return False
-        if resp.status_code != 400 or time.perf_counter() > deadline:
-            return resp.status_code == 200
+        if status != 400 or time.perf_counter() > deadline:
+            return status == 200
         await asyncio.sleep(0.5)
 
 
@@ -411,11 +426,10 @@ async def _benchmark(args, cfg: ClientConfig, output: dict, live: dict,
                      kept: list[tuple[str, list[RequestRecord]]]) -> None:
     """Warm up, then run each request rate; ``live`` holds the run in progress
     (for a Ctrl-C report), ``kept`` each finished run's records (for the plots)."""
-    import httpx
+    import aiohttp  # as SGLang's bench_serving: httpx's streams could not keep up with a few hundred (docs/benchmarks.md)
 
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(cfg.request_timeout, connect=30)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    timeout = aiohttp.ClientTimeout(total=cfg.request_timeout, sock_connect=30)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as client:
         info = await _get_json(client, cfg, "/get_model_info") or {}
         server = await _get_json(client, cfg, "/get_server_info") or {}
         if not cfg.model:

@@ -18,6 +18,7 @@ worker but knows nothing of the workers' caches. Each worker counts
 from __future__ import annotations
 
 import asyncio
+import json
 
 from radixserve.bench.serving_metrics import parse_prometheus_gauges
 
@@ -64,17 +65,26 @@ def combine_states(states: list[dict]) -> dict:
     return out
 
 
+async def http_call(client, method: str, url: str, headers: dict, timeout: float) -> tuple[int, str]:
+    """One short request on bench-serving's ``aiohttp.ClientSession``: its
+    status and body."""
+    import aiohttp
+
+    async with client.request(method, url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        return resp.status, await resp.text()
+
+
 async def read_worker_counters(client, url: str, headers: dict) -> dict | None:
     """One worker's cumulative counters (see the module's docstring); None if
     it does not answer or reports no token counts."""
     counters: dict = {}
     try:
-        resp = await client.get(url + "/metrics", headers=headers, timeout=10)
-        if resp.status_code == 200:
-            counters.update(parse_prometheus_counters(resp.text))
-        resp = await client.get(url + "/get_server_info", headers=headers, timeout=10)
-        if resp.status_code == 200:
-            state = combine_states(resp.json().get("internal_states") or [{}])
+        status, text = await http_call(client, "GET", url + "/metrics", headers, 10)
+        if status == 200:
+            counters.update(parse_prometheus_counters(text))
+        status, text = await http_call(client, "GET", url + "/get_server_info", headers, 10)
+        if status == 200:
+            state = combine_states(json.loads(text).get("internal_states") or [{}])
             counters.update({k: state[k] for k in ("prompt_tokens", "cached_tokens") if k in state})
     except Exception:  # noqa: BLE001 - a worker that does not answer is reported as such
         return None
@@ -133,14 +143,14 @@ async def read_server_state(client, cfg, url: str | None = None) -> dict | None:
     ``url``: another server than the one benchmarked (a worker behind it)."""
     url = url or cfg.base_url
     try:
-        resp = await client.get(url + "/get_server_info", headers=cfg.headers(), timeout=10)
-        if resp.status_code == 200:
-            state = combine_states(resp.json().get("internal_states") or [{}])  # --dp-size: one per replica
+        status, text = await http_call(client, "GET", url + "/get_server_info", cfg.headers(), 10)
+        if status == 200:
+            state = combine_states(json.loads(text).get("internal_states") or [{}])  # --dp-size: one per replica
             if "running" in state:
                 return state
-        resp = await client.get(url + "/metrics", headers=cfg.headers(), timeout=10)
-        if resp.status_code == 200:
-            return parse_prometheus_gauges(resp.text)
+        status, text = await http_call(client, "GET", url + "/metrics", cfg.headers(), 10)
+        if status == 200:
+            return parse_prometheus_gauges(text)
     except Exception:  # noqa: BLE001 - server statistics are optional
         pass
     return None
