@@ -1,9 +1,9 @@
 """Sweep the Triton decode-attention launch config on one GPU; JSON lines to stdout.
 
-    python benchmarks/decode_attention_sweep.py [--quick]
+    python benchmarks/decode_attention_sweep.py [--quick] [--kv-cache-dtype fp8_e4m3]
 
 For each case (head shapes of W1's qwen3-0.6b and W2's llama-3.1-8b, page
-size 1, bf16, slots scattered over the pool), times one layer's
+size 1, a bf16 pool or an fp8 one (``--kv-cache-dtype``), slots scattered over the pool), times one layer's
 ``decode_attention_fwd`` under CUDA-graph replay for every stage-1 config
 (BLOCK_N x num_warps x num_stages) and, for the first case, split policy (programs per SM aimed
 at, minimum tokens per split), and reports GB/s of K/V read. Each config's
@@ -20,6 +20,7 @@ import torch
 import triton
 
 from radixserve.layers.attention.triton_ops import decode_attention as dec
+from radixserve.mem_cache.memory_pool import copy_view, resolve_kv_cache_dtype
 
 CASES = [  # name, heads, kv heads, head dim, batch, context range
     ("w1-qwen3-0.6b-bs256", 16, 8, 128, 256, (200, 1500)),
@@ -42,11 +43,11 @@ def graph_ms(fn) -> float:
     return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
 
 
-def run_case(name, heads, kv_heads, dim, bs, ctx_range, configs, policies, gen):
+def run_case(name, heads, kv_heads, dim, bs, ctx_range, configs, policies, gen, kv_dtype):
     lens = torch.randint(ctx_range[0], ctx_range[1] + 1, (bs,), generator=gen)
     total = int(lens.sum())
-    k_buf = torch.randn(total + 1, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
-    v_buf = torch.randn_like(k_buf)
+    k_buf = torch.randn(total + 1, kv_heads, dim, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
+    v_buf = torch.randn_like(k_buf, dtype=torch.bfloat16).to(kv_dtype)
     slots = (torch.randperm(total, generator=gen) + 1).to(torch.int32)
     req_to_token = torch.zeros(bs, int(lens.max()), dtype=torch.int32)
     start = 0
@@ -58,12 +59,13 @@ def run_case(name, heads, kv_heads, dim, bs, ctx_range, configs, policies, gen):
     seq_lens = lens.cuda()
     q = torch.randn(bs, heads, dim, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    kv_bytes = total * kv_heads * dim * 2 * 2
+    kv_bytes = total * kv_heads * dim * 2 * k_buf.element_size()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     default_cfg, ref = dict(dec.STAGE1_CONFIG), None
     # The ceiling for this access pattern: a plain gather of the same K/V rows.
     flat = slots.cuda().long()
-    gather_ms = graph_ms(lambda: (k_buf.index_select(0, flat), v_buf.index_select(0, flat)))
+    k_raw, v_raw = copy_view(k_buf), copy_view(v_buf)
+    gather_ms = graph_ms(lambda: (k_raw.index_select(0, flat), v_raw.index_select(0, flat)))
     print(json.dumps({"case": name, "gather_us": round(gather_ms * 1e3, 2),
                       "gather_GBps": round(2 * kv_bytes / gather_ms / 1e6, 1)}), flush=True)  # read + write
     results = []
@@ -101,11 +103,15 @@ def run_case(name, heads, kv_heads, dim, bs, ctx_range, configs, policies, gen):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="a few configs only")
+    parser.add_argument("--kv-cache-dtype", default="bf16", help="the pool's dtype: bf16, fp8_e4m3 or fp8_e5m2")
+    parser.add_argument("--block-n", nargs="+", type=int, default=[32, 64, 128], help="BLOCK_N values to sweep")
+    parser.add_argument("--num-warps", nargs="+", type=int, default=[2, 4, 8], help="num_warps values to sweep")
+    parser.add_argument("--num-stages", nargs="+", type=int, default=[1, 2, 3, 4], help="num_stages values to sweep")
     parser.add_argument("--cases", nargs="+", default=[c[0] for c in CASES], choices=[c[0] for c in CASES])
     args = parser.parse_args()
     configs = [
         {"BLOCK_N": bn, "num_warps": nw, "num_stages": ns}
-        for bn, nw, ns in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4))
+        for bn, nw, ns in itertools.product(args.block_n, args.num_warps, args.num_stages)
     ]
     policies = [(4, 64), (8, 64), (16, 128), (32, 256)]  # the first is the current one
     if args.quick:
@@ -116,8 +122,9 @@ def main() -> None:
         a @ a
     best = {}
     current = dict(dec.STAGE1_CONFIG)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16)
     for case in (c for c in CASES if c[0] in args.cases):  # split policies only for the first case
-        rows = [r for r in run_case(*case, configs, policies if case is CASES[0] else policies[:1], gen) if "us" in r]
+        rows = [r for r in run_case(*case, configs, policies if case is CASES[0] else policies[:1], gen, kv_dtype) if "us" in r]
         default = next((r for r in rows if all(r[k] == v for k, v in current.items())
                         and (r["per_sm"], r["min_tokens"]) == (4, 64)), None)
         best[case[0]] = {"default": default, "best": min(rows, key=lambda r: r["us"])}

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.mem_cache.memory_pool import FP8_DTYPES
+
 MAX_KV_SPLITS = 64  # splits per request at most
 MIN_TOKENS_PER_SPLIT = 64  # a shorter chunk is not worth its own program
 # Stage-1 launch: BLOCK_N context tokens per step inside a program. Chosen on
@@ -51,6 +53,7 @@ LOG2E = 1.4426950408889634
 def _decode_split_kernel(
     Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Num_kv_splits, Mid_o, Mid_lse,
     qk_scale,  # softmax scale * log2(e)
+    v_scale,  # fp8 pools: V's scale (see KV_FP8)
     stride_qb, stride_qh,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_r2t,
@@ -58,7 +61,7 @@ def _decode_split_kernel(
     stride_ml_b, stride_ml_h,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -81,7 +84,7 @@ def _decode_split_kernel(
         q = tl.load(
             Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
             mask=h_mask[:, None] & d_mask[None, :], other=0.0,
-        )
+        ).to(DOT_DTYPE)
         row_ptr = Req_to_token + tl.load(Req_pool_indices + b).to(tl.int64) * stride_r2t
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -94,7 +97,7 @@ def _decode_split_kernel(
                 K_buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
                 mask=n_mask[None, :] & d_mask[:, None], other=0.0,
             )
-            s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+            s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
             s = tl.where(n_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -104,7 +107,13 @@ def _decode_split_kernel(
                 V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
                 mask=n_mask[:, None] & dv_mask[None, :], other=0.0,
             )
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+            if KV_FP8:
+                # The dot needs V transposed through shared memory. Scaled by a
+                # runtime value, the tile is converted where it is loaded and
+                # transposed as float16; a bare conversion Triton moves past the
+                # transpose, which then reads the fp8 tile a byte at a time.
+                v = v.to(DOT_DTYPE) * tl.cast(v_scale, DOT_DTYPE)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
             m_i = m_new
 
         nonempty = end > start
@@ -199,7 +208,7 @@ def decode_attention_fwd(
         config["BLOCK_N"] = min(config["BLOCK_N"], SMALL_BLOCK_N)
     _decode_split_kernel[(bs, kv_heads, max_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse,
-        sm_scale * LOG2E,
+        sm_scale * LOG2E, 1.0,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
@@ -208,7 +217,7 @@ def decode_attention_fwd(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         D=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         DV=v_head_dim, BLOCK_DV=max(16, triton.next_power_of_2(v_head_dim)),
-        DOT_PRECISION=precision,
+        DOT_PRECISION=precision, DOT_DTYPE=dot_dtype(q.dtype, k_buffer.dtype), KV_FP8=k_buffer.dtype in FP8_DTYPES,
         **config,
     )
     _decode_merge_kernel[(bs, num_heads)](
@@ -221,6 +230,17 @@ def decode_attention_fwd(
         num_warps=4 if v_head_dim >= 128 else 2,
     )
     return out
+
+
+def dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tl.dtype:
+    """The dtype the attention dots run in: the query's, except over an fp8
+    pool, where float16: fp8 converts to it in one instruction per pair (to
+    bfloat16 it takes one more per element), both fp8 formats convert exactly,
+    and it keeps more of the query's and the probabilities' bits than
+    bfloat16 (a query beyond float16's range, 65,504, would not fit)."""
+    if kv_dtype in FP8_DTYPES and q_dtype != torch.float32:
+        return tl.float16
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[q_dtype]
 
 
 def _check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
