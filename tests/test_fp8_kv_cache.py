@@ -205,6 +205,18 @@ def test_pool_bytes_and_flag():
         ServerArgs(model_path="m", kv_cache_dtype="fp4_e2m1")
 
 
+def test_e4m3_is_refused_where_triton_cannot_read_it():
+    """Triton has no float8_e4m3fn before compute capability 8.9 (an A100 is
+    8.0): the triton backend refuses it at start-up with what to use instead."""
+    from radixserve.layers.attention.triton_backend import check_kv_dtype
+
+    with pytest.raises(ValueError, match="fp8_e4m3 needs a GPU of compute capability 8.9.*8.0.*fp8_e5m2"):
+        check_kv_dtype(torch.float8_e4m3fn, (8, 0))
+    for dtype, capability in ((torch.float8_e4m3fn, (8, 9)), (torch.float8_e4m3fn, (9, 0)),
+                              (torch.float8_e5m2, (8, 0)), (torch.bfloat16, (8, 0))):
+        check_kv_dtype(dtype, capability)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_store_kernel_rounds_like_torch_on_the_gpu():

@@ -1,17 +1,18 @@
-"""What the decode attention kernel compiles to, without a GPU: JSON to stdout.
+"""What the attention kernels compile to, without a GPU: JSON to stdout.
 
-    python -m radixserve.bench.kernel_sass [--kv-cache-dtype fp8_e4m3] [--arch 90]
+    python -m radixserve.bench.kernel_sass [--kernels decode extend] [--kv-cache-dtype fp8_e4m3] [--arch 90]
 
 Triton compiles for an NVIDIA target on any machine (its wheel carries ptxas
-and cuobjdump), so the machine code of ``_decode_split_kernel`` can be read
-where no GPU is: this compiles it as ``decode_attention_fwd`` launches it for
-llama-3.1-8b's heads (32 query heads, 8 KV heads, head size 128) over a bf16
-or fp8 pool, disassembles it, and counts the instructions by opcode. The
+and cuobjdump), so the machine code of the decode kernel's stage 1 and of
+the extend kernel can be read where no GPU is: this compiles each as its
+launcher does for llama-3.1-8b's heads (32 query heads, 8 KV heads, head
+size 128) over a bf16 or fp8 pool, disassembles it, and counts the
+instructions by opcode. The
 counts say how a tile moves (``LDGSTS``: asynchronous copies to shared
 memory; ``LDSM``: matrix loads from it; ``LDS.U8``: byte-wide loads;
 ``F2F``: one conversion per element), which decides whether the kernel can
 read K/V at the memory's speed; ``tests/test_triton_codegen.py`` keeps the
-fp8 path free of the slow ones.
+fp8 paths free of the slow ones.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 import triton
 
 from radixserve.layers.attention.triton_ops import decode_attention as dec
+from radixserve.layers.attention.triton_ops import extend_attention as ext
 from radixserve.mem_cache.memory_pool import resolve_kv_cache_dtype
 
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
@@ -40,36 +42,52 @@ def cuobjdump_path() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def compile_decode_kernel(kv_dtype: torch.dtype, q_dtype: torch.dtype = torch.bfloat16, arch: int = 90,
-                          heads: int = 32, kv_heads: int = 8, head_dim: int = 128):
-    """``_decode_split_kernel`` compiled for ``sm_<arch>`` with the launch
-    config and constexprs ``decode_attention_fwd`` would use for a large batch."""
+def _signature(pointers: dict[str, str], scalars: list[str], strides: list[str], const: dict):
+    sig = {**{name: f"*{t}" for name, t in pointers.items()}, **{name: "fp32" for name in scalars},
+           **{name: "i32" for name in strides}, **{name: "constexpr" for name in const}}
+    return sig
+
+
+def compile_kernel(kernel: str, kv_dtype: torch.dtype, q_dtype: torch.dtype = torch.bfloat16, arch: int = 90,
+                   heads: int = 32, kv_heads: int = 8, head_dim: int = 128):
+    """The decode kernel's stage 1 (``_decode_split_kernel``) or the extend
+    kernel (``_extend_kernel``) compiled for ``sm_<arch>`` with the launch
+    config and constexprs their launchers use for a bf16 model and a large batch."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    cfg = dict(dec.STAGE1_CONFIG)
     q_t, kv_t = TRITON_TYPES[q_dtype], TRITON_TYPES[kv_dtype]
-    sig = {"Q": f"*{q_t}", "K_buf": f"*{kv_t}", "V_buf": f"*{kv_t}", "Req_to_token": "*i32",
-           "Req_pool_indices": "*i64", "Seq_lens": "*i64", "Num_kv_splits": "*i32", "Mid_o": "*fp32",
-           "Mid_lse": "*fp32", "qk_scale": "fp32", "v_scale": "fp32"}
-    strides = ["stride_qb", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_r2t",
-               "stride_mo_b", "stride_mo_h", "stride_mo_s", "stride_ml_b", "stride_ml_h"]
-    sig.update({name: "i32" for name in strides})
     pow2 = max(16, triton.next_power_of_2(head_dim))
-    const = dict(GROUP=heads // kv_heads, BLOCK_H=max(16, triton.next_power_of_2(heads // kv_heads)),
-                 BLOCK_N=cfg["BLOCK_N"], D=head_dim, BLOCK_D=pow2, DV=head_dim, BLOCK_DV=pow2,
-                 DOT_PRECISION="ieee" if q_dtype == torch.float32 else "tf32",
-                 DOT_DTYPE=dec.dot_dtype(q_dtype, kv_dtype), KV_FP8=kv_dtype in dec.FP8_DTYPES)
-    sig.update({name: "constexpr" for name in const})
+    shape = dict(D=head_dim, BLOCK_D=pow2, DV=head_dim, BLOCK_DV=pow2,
+                 DOT_PRECISION="ieee" if q_dtype == torch.float32 else "tf32")
+    fp8 = dict(KV_FP8=kv_dtype in dec.FP8_DTYPES)
+    if kernel == "decode":
+        fn, cfg = dec._decode_split_kernel, dict(dec.STAGE1_CONFIG)
+        pointers = {"Q": q_t, "K_buf": kv_t, "V_buf": kv_t, "Req_to_token": "i32", "Req_pool_indices": "i64",
+                    "Seq_lens": "i64", "Num_kv_splits": "i32", "Mid_o": "fp32", "Mid_lse": "fp32"}
+        strides = ["stride_qb", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_r2t",
+                   "stride_mo_b", "stride_mo_h", "stride_mo_s", "stride_ml_b", "stride_ml_h"]
+        const = dict(GROUP=heads // kv_heads, BLOCK_H=max(16, triton.next_power_of_2(heads // kv_heads)),
+                     BLOCK_N=cfg.pop("BLOCK_N"), **shape, DOT_DTYPE=dec.dot_dtype(q_dtype, kv_dtype), **fp8)
+        unaligned = {"stride_ml_h"}  # mid_lse's head stride is the grid's split count
+    elif kernel == "extend":
+        fn, cfg = ext._extend_kernel, dict(ext.EXTEND_CONFIG)
+        pointers = {"Q": q_t, "K": q_t, "V": q_t, "O": q_t, "K_buf": kv_t, "V_buf": kv_t, "Req_to_token": "i32",
+                    "Req_pool_indices": "i64", "Prefix_lens": "i64", "Extend_lens": "i64", "Extend_start": "i64"}
+        strides = ["stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot",
+                   "stride_oh", "stride_kbt", "stride_kbh", "stride_vbt", "stride_vbh", "stride_r2t"]
+        const = dict(GROUP=heads // kv_heads, BLOCK_M=cfg.pop("BLOCK_M"), BLOCK_N=cfg.pop("BLOCK_N"), **shape,
+                     POOL_DOT_DTYPE=dec.dot_dtype(q_dtype, kv_dtype), **fp8)
+        unaligned = set()
+    else:
+        raise ValueError(f"unknown kernel {kernel!r}: decode or extend")
+    sig = _signature(pointers, ["qk_scale", "v_scale"], strides, const)
     names = list(sig)
-    # what the launcher's specialisation sees at run time: pointers and these
-    # strides are multiples of 16 (mid_lse's head stride is the split count)
-    aligned = [n for n in names if sig[n].startswith("*") or (n in strides and n != "stride_ml_h")]
-    src = ASTSource(fn=dec._decode_split_kernel, signature=sig,
-                    constexprs={(names.index(k),): v for k, v in const.items()},
+    # what the launcher's specialisation sees at run time: pointers and strides are multiples of 16
+    aligned = [n for n in names if n in pointers or (n in strides and n not in unaligned)]
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=cfg)
 
 
 def sass_opcodes(cubin: bytes) -> Counter:
@@ -82,23 +100,25 @@ def sass_opcodes(cubin: bytes) -> Counter:
     return Counter(m.group(1) for line in listing.splitlines() if (m := _SASS_LINE.match(line)))
 
 
-def summary(kv_cache_dtype: str, arch: int = 90) -> dict:
+def summary(kv_cache_dtype: str, kernel: str = "decode", arch: int = 90) -> dict:
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.bfloat16)
-    kernel = compile_decode_kernel(kv_dtype, arch=arch)
-    ops = sass_opcodes(kernel.asm["cubin"])
-    return {"bench": "kernel_sass", "kernel": "decode_attention stage 1", "kv_cache_dtype": str(kv_dtype),
-            "arch": f"sm_{arch}", "triton": triton.__version__, **dec.STAGE1_CONFIG,
-            "dot_dtype": str(dec.dot_dtype(torch.bfloat16, kv_dtype)), "shared_bytes": kernel.metadata.shared,
+    compiled = compile_kernel(kernel, kv_dtype, arch=arch)
+    ops = sass_opcodes(compiled.asm["cubin"])
+    return {"bench": "kernel_sass", "kernel": kernel, "kv_cache_dtype": str(kv_dtype), "arch": f"sm_{arch}",
+            "triton": triton.__version__, "config": dec.STAGE1_CONFIG if kernel == "decode" else ext.EXTEND_CONFIG,
+            "dot_dtype": str(dec.dot_dtype(torch.bfloat16, kv_dtype)), "shared_bytes": compiled.metadata.shared,
             "instructions": sum(ops.values()), "opcodes": dict(ops.most_common())}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kv-cache-dtype", nargs="+", default=["bf16", "fp8_e4m3", "fp8_e5m2"])
-    p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
+    p.add_argument("--kernels", nargs="+", choices=["decode", "extend"], default=["decode", "extend"])
+    p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper, 89: Ada)")
     args = p.parse_args()
-    for name in args.kv_cache_dtype:
-        print(json.dumps(summary(name, args.arch)), flush=True)
+    for kernel in args.kernels:
+        for name in args.kv_cache_dtype:
+            print(json.dumps(summary(name, kernel, args.arch)), flush=True)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,16 @@ class ExtendMetadata:
     riders: DecodeMetadata | None = None  # the decode of a mixed batch's last requests, if any
 
 
+def check_kv_dtype(kv_dtype: torch.dtype, capability: tuple[int, int]) -> None:
+    """Refuse, at start-up, a pool dtype that Triton cannot read on this GPU:
+    float8_e4m3fn needs compute capability 8.9 (Ada, Hopper) or newer."""
+    if kv_dtype == torch.float8_e4m3fn and tuple(capability) < (8, 9):
+        raise ValueError(
+            f"--kv-cache-dtype fp8_e4m3 needs a GPU of compute capability 8.9 or newer for the triton "
+            f"attention backend (this one is {capability[0]}.{capability[1]}): use fp8_e5m2, or "
+            f"--attention-backend torch_native")
+
+
 class TritonAttnBackend(AttentionBackend):
     """See the module docstring. With a ``model_runner`` the decode scratch is
     sized for its ``max_running_requests + 1`` rows (the padding row included)
@@ -67,6 +77,8 @@ class TritonAttnBackend(AttentionBackend):
         self._num_sms: dict[torch.device, int] = {}
         if model_runner is not None:
             heads, device = model_runner.head_layout, model_runner.device  # this TP rank's heads
+            if device.type == "cuda":
+                check_kv_dtype(model_runner.kv_cache_dtype, torch.cuda.get_device_capability(device))
             self.num_kv_heads = heads.num_kv_heads
             rows = model_runner.max_running_requests + 1  # the padding row too
             self._splits(rows, device)

@@ -22,6 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.attention.triton_ops.decode_attention import dot_dtype
+from radixserve.mem_cache.memory_pool import FP8_DTYPES
+
 LOG2E = 1.4426950408889634
 
 
@@ -40,14 +43,16 @@ def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 @triton.jit
 def _attend_block(
     q, m_i, l_i, acc, K_base, V_base, rows, offs_n, offs_m, n_end, kv_head,
-    stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
+    stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, v_scale,
     offs_d, d_mask, offs_dv, dv_mask,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """One key block: keys at ``rows`` (int64 ``[BLOCK_N]``) of the ``[rows,
     kv_heads, dim]`` buffers ``K_base``/``V_base``. ``MASKED``: keys at ``offs_n >= n_end`` are
     padding; ``CAUSAL``: key ``offs_n`` is visible to query ``offs_m`` only if
-    ``offs_n <= offs_m``. Full blocks inside the range skip both."""
+    ``offs_n <= offs_m``. Full blocks inside the range skip both. The dots run
+    in ``q``'s dtype; ``KV_FP8``: the buffers are an fp8 pool, V scaled by
+    ``v_scale`` (see decode_attention's kernel for why it is a runtime value)."""
     if MASKED:
         n_mask = offs_n < n_end
         k = tl.load(
@@ -67,6 +72,8 @@ def _attend_block(
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None])
         s = tl.where(visible, s, float("-inf"))
+    if KV_FP8:
+        v = v.to(q.dtype) * tl.cast(v_scale, q.dtype)
     return _online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, DOT_PRECISION)
 
 
@@ -74,12 +81,13 @@ def _attend_block(
 def _extend_kernel(
     Q, K, V, O, K_buf, V_buf, Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens, Extend_start,
     qk_scale,  # softmax scale * log2(e)
+    v_scale,  # fp8 pools: V's scale (1.0: values are stored unscaled)
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kbt, stride_kbh, stride_vbt, stride_vbh,
     stride_r2t,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, POOL_DOT_DTYPE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -101,6 +109,7 @@ def _extend_kernel(
             Q + (first + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
             mask=m_mask[:, None] & d_mask[None, :], other=0.0,
         )
+        q_pool = q.to(POOL_DOT_DTYPE)  # the prefix's dots: float16 over an fp8 pool, else q itself
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -113,17 +122,17 @@ def _extend_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             slots = tl.load(row_ptr + offs_n).to(tl.int64)
             m_i, l_i, acc = _attend_block(
-                q, m_i, l_i, acc, K_buf, V_buf, slots, offs_n, offs_m, prefix_len, kv_head,
-                stride_kbt, stride_kbh, stride_vbt, stride_vbh, qk_scale, offs_d, d_mask, offs_dv, dv_mask,
-                MASKED=False, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
+                q_pool, m_i, l_i, acc, K_buf, V_buf, slots, offs_n, offs_m, prefix_len, kv_head,
+                stride_kbt, stride_kbh, stride_vbt, stride_vbh, qk_scale, v_scale, offs_d, d_mask, offs_dv, dv_mask,
+                MASKED=False, CAUSAL=False, DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8,
             )
         for n0 in range(prefix_full, prefix_len, BLOCK_N):  # at most once
             offs_n = n0 + tl.arange(0, BLOCK_N)
             slots = tl.load(row_ptr + offs_n, mask=offs_n < prefix_len, other=0).to(tl.int64)
             m_i, l_i, acc = _attend_block(
-                q, m_i, l_i, acc, K_buf, V_buf, slots, offs_n, offs_m, prefix_len, kv_head,
-                stride_kbt, stride_kbh, stride_vbt, stride_vbh, qk_scale, offs_d, d_mask, offs_dv, dv_mask,
-                MASKED=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
+                q_pool, m_i, l_i, acc, K_buf, V_buf, slots, offs_n, offs_m, prefix_len, kv_head,
+                stride_kbt, stride_kbh, stride_vbt, stride_vbh, qk_scale, v_scale, offs_d, d_mask, offs_dv, dv_mask,
+                MASKED=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8,
             )
 
         # 2. The new tokens, causally. Keys before this query block are seen by
@@ -135,16 +144,16 @@ def _extend_kernel(
             rows = first + offs_n
             m_i, l_i, acc = _attend_block(
                 q, m_i, l_i, acc, K, V, rows, offs_n, offs_m, extend_len, kv_head,
-                stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, offs_d, d_mask, offs_dv, dv_mask,
-                MASKED=False, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
+                stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, 1.0, offs_d, d_mask, offs_dv, dv_mask,
+                MASKED=False, CAUSAL=False, DOT_PRECISION=DOT_PRECISION, KV_FP8=False,
             )
         for n0 in range(block_start, causal_end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             rows = first + offs_n
             m_i, l_i, acc = _attend_block(
                 q, m_i, l_i, acc, K, V, rows, offs_n, offs_m, extend_len, kv_head,
-                stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, offs_d, d_mask, offs_dv, dv_mask,
-                MASKED=True, CAUSAL=True, DOT_PRECISION=DOT_PRECISION,
+                stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, 1.0, offs_d, d_mask, offs_dv, dv_mask,
+                MASKED=True, CAUSAL=True, DOT_PRECISION=DOT_PRECISION, KV_FP8=False,
             )
 
         out = acc / l_i[:, None]
@@ -192,7 +201,7 @@ def extend_attention_fwd(
     grid = (bs, num_heads, triton.cdiv(max_extend_len, config["BLOCK_M"]))
     _extend_kernel[grid](
         q, k, v, out, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start,
-        sm_scale * LOG2E,
+        sm_scale * LOG2E, 1.0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
@@ -200,6 +209,7 @@ def extend_attention_fwd(
         D=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         DV=v_head_dim, BLOCK_DV=max(16, triton.next_power_of_2(v_head_dim)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        POOL_DOT_DTYPE=dot_dtype(q.dtype, k_buffer.dtype), KV_FP8=k_buffer.dtype in FP8_DTYPES,
         **config,
     )
     return out
