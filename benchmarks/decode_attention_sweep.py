@@ -66,7 +66,8 @@ def run_case(name, heads, kv_heads, dim, bs, ctx_range, configs, policies, gen, 
     flat = slots.cuda().long()
     k_raw, v_raw = copy_view(k_buf), copy_view(v_buf)
     gather_ms = graph_ms(lambda: (k_raw.index_select(0, flat), v_raw.index_select(0, flat)))
-    print(json.dumps({"case": name, "gather_us": round(gather_ms * 1e3, 2),
+    tag = {"case": name, "kv_cache_dtype": str(kv_dtype)}
+    print(json.dumps({**tag, "gather_us": round(gather_ms * 1e3, 2),
                       "gather_GBps": round(2 * kv_bytes / gather_ms / 1e6, 1)}), flush=True)  # read + write
     results = []
     for (per_sm, min_tokens), cfg in itertools.product(policies, configs):
@@ -89,12 +90,12 @@ def run_case(name, heads, kv_heads, dim, bs, ctx_range, configs, policies, gen, 
             err = float((out.float() - ref.float()).abs().max())
             ms = graph_ms(fn)
         except Exception as e:  # a config the compiler refuses (shared memory)
-            results.append({"case": name, **cfg, "per_sm": per_sm, "min_tokens": min_tokens, "error": repr(e)[:200]})
+            results.append({**tag, **cfg, "per_sm": per_sm, "min_tokens": min_tokens, "error": repr(e)[:200]})
             continue
         finally:
             dec.STAGE1_CONFIG.clear()
             dec.STAGE1_CONFIG.update(default_cfg)
-        results.append({"case": name, **cfg, "per_sm": per_sm, "min_tokens": min_tokens, "grid_splits": max_splits,
+        results.append({**tag, **cfg, "per_sm": per_sm, "min_tokens": min_tokens, "grid_splits": max_splits,
                         "us": round(ms * 1e3, 2), "GBps": round(kv_bytes / ms / 1e6, 1), "max_abs_diff": err})
         print(json.dumps(results[-1]), flush=True)
     return results

@@ -5,6 +5,9 @@
 #   prefill  bench.one_batch's prefill latency at W3's shapes scaled to PREFILL_LENS tokens a
 #            request and PREFILL_BS requests, eager extends then pieces, one process each
 #            -> prefill.jsonl (each line's "piecewise_cuda_graph" says which)
+#   fp8      the decode kernel over bf16 and fp8 pools (benchmarks/decode_attention_sweep.py, W2's and
+#            W5's batches, a few launch configs) and W2 (bench.one_batch) with --kv-cache-dtype auto
+#            and fp8_e4m3 -> sweep.jsonl, w2.jsonl (each line names its kv_cache_dtype)
 #   w5       W5 (random 1024 in / 256 out, Poisson at W5_RATES req/s, goodput at TTFT 1 s /
 #            TPOT 50 ms) against one server per configuration of W5_CONFIGS
 #            ("label=flags;label=flags", W5_PROMPTS requests a rate) -> w5-1.json, w5-2.json, ...
@@ -55,6 +58,23 @@ run_prefill() {
     done
 }
 
+run_fp8() {
+    local kv t
+    for kv in bf16 fp8_e4m3; do
+        t=$(cap 150); ((t >= 30)) || { FAILED+=("fp8 sweep $kv (no time left)"); continue; }
+        log "decode kernel sweep, $kv pool"
+        timeout -k 10 "$t" "$PY" benchmarks/decode_attention_sweep.py --kv-cache-dtype "$kv" \
+            --cases w2-llama-8b-bs256 w5-llama-8b-bs448 --block-n 64 128 --num-warps 4 --num-stages 2 3 \
+            >>"$OUT/sweep.jsonl" 2>"$LOGDIR/sweep-$kv.log" || fail "fp8 sweep $kv" "$LOGDIR/sweep-$kv.log"
+    done
+    for kv in auto fp8_e4m3; do
+        t=$(cap 150); ((t >= 30)) || { FAILED+=("fp8 w2 $kv (no time left)"); continue; }
+        log "W2, --kv-cache-dtype $kv"
+        timeout -k 10 "$t" "$PY" -m radixserve.bench.one_batch --workload W2 --model-path "$MODEL" --load-format dummy \
+            --kv-cache-dtype "$kv" --output-json "$OUT/w2.jsonl" >"$LOGDIR/w2-$kv.log" 2>&1 || fail "fp8 w2 $kv" "$LOGDIR/w2-$kv.log"
+    done
+}
+
 run_w5() {
     local cfg label flags n=0 t
     IFS=';' read -ra cfgs <<<"$W5_CONFIGS"
@@ -84,6 +104,7 @@ for piece in $PIECES; do
     case $piece in
         tests) run_tests ;;
         prefill) run_prefill ;;
+        fp8) run_fp8 ;;
         w5) run_w5 ;;
         *) FAILED+=("unknown piece $piece") ;;
     esac
