@@ -42,12 +42,6 @@ def cuobjdump_path() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def _signature(pointers: dict[str, str], scalars: list[str], strides: list[str], const: dict):
-    sig = {**{name: f"*{t}" for name, t in pointers.items()}, **{name: "fp32" for name in scalars},
-           **{name: "i32" for name in strides}, **{name: "constexpr" for name in const}}
-    return sig
-
-
 def compile_kernel(kernel: str, kv_dtype: torch.dtype, q_dtype: torch.dtype = torch.bfloat16, arch: int = 90,
                    heads: int = 32, kv_heads: int = 8, head_dim: int = 128):
     """The decode kernel's stage 1 (``_decode_split_kernel``) or the extend
@@ -81,7 +75,8 @@ def compile_kernel(kernel: str, kv_dtype: torch.dtype, q_dtype: torch.dtype = to
         unaligned = set()
     else:
         raise ValueError(f"unknown kernel {kernel!r}: decode or extend")
-    sig = _signature(pointers, ["qk_scale", "v_scale"], strides, const)
+    sig = {**{name: f"*{t}" for name, t in pointers.items()}, "qk_scale": "fp32", "v_scale": "fp32",
+           **{name: "i32" for name in strides}, **{name: "constexpr" for name in const}}
     names = list(sig)
     # what the launcher's specialisation sees at run time: pointers and strides are multiples of 16
     aligned = [n for n in names if n in pointers or (n in strides and n not in unaligned)]

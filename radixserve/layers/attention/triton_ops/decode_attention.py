@@ -232,6 +232,7 @@ def decode_attention_fwd(
     return out
 
 
+@functools.cache  # asked at every kernel launch
 def dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tl.dtype:
     """The dtype the attention dots run in: the query's, except over an fp8
     pool, where float16: fp8 converts to it in one instruction per pair (to
