@@ -20,6 +20,7 @@ from radixserve.mem_cache import hiradix_cache
 from radixserve.mem_cache.hiradix_cache import WRITE_POLICIES, HiRadixCache
 from radixserve.mem_cache.storage import HiCacheFile
 from radixserve.mem_cache.host_pool import HostKVPool, host_pool_tokens, runs
+from radixserve.mem_cache.invariants import check_memory_invariant
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 from test_engine import GREEDY, hf_greedy, llama  # noqa: F401  (fixture)
@@ -121,11 +122,11 @@ class CappedRanks:
         return [min(v, self.cap) for v in values]
 
 
-def file_cache(tmp_path, group=None):
+def file_cache(tmp_path, group=None, policy="write_through"):
     pool, hostpool = make_pools(256, 1, 512)
     storage = FileTier(HiCacheFile(str(tmp_path), "ns"), hostpool, 1, group)
     alloc = TokenToKVPoolAllocator(256, 1)
-    return HiRadixCache(ReqToTokenPool(8, 512), alloc, 1, hostpool, "write_through", storage=storage,
+    return HiRadixCache(ReqToTokenPool(8, 512), alloc, 1, hostpool, policy, storage=storage,
                         tp_group=group), alloc
 
 
@@ -157,6 +158,44 @@ def test_under_tp_the_file_tier_acts_on_what_every_rank_has(tmp_path):
     assert reader.match_prefix(key).host_hit_length == 64
     reader.check_invariants()
     reader.close()
+
+
+@pytest.mark.parametrize("tree_prefix", [64, 128])
+def test_a_prefetch_landing_while_an_eviction_waits_stays_out_of_the_deleted_subtree(tmp_path, tree_prefix):
+    """A device node with no host copy leaves the tree with the host-only
+    nodes under it, waiting first for their copies in flight. Blocks a
+    prefetch has read meanwhile, whose tokens run through that node, must
+    not be put into the tree under it (a leaf cut off with its host slots)
+    or through it (a split whose upper half keeps the freed device slots)."""
+    from test_hicache_properties import LaggingEvent
+
+    x_r = list(range(500, 628))  # two blocks on file: X, then R
+    writer, walloc = file_cache(tmp_path)
+    written = kv_of(writer.host.device_pool, put(writer, walloc, x_r))
+    writer.close()
+    _, hostpool = make_pools(256, 1, 192)
+    alloc = TokenToKVPoolAllocator(256, 1)
+    cache = HiRadixCache(ReqToTokenPool(8, 512), alloc, 1, hostpool, "write_back",
+                         storage=FileTier(HiCacheFile(str(tmp_path), "ns"), hostpool, 1))
+    key = x_r + [1]
+    assert cache.fetch(key, cache.match_prefix(key), 256)[0] is not None  # reads X and R into 128 host slots
+    p = x_r[:64] + list(range(900, 900 + tree_prefix - 64))  # X, or X and 64 tokens that are not R
+    q = list(range(1000, 1064))
+    cache.insert(p + q, alloc.alloc(tree_prefix + 64))  # no poll: the blocks are not in the tree yet
+    cache.insert(p, cache.match_prefix(p).device_indices)  # q becomes a node of its own under p
+    cache._copy = lambda stream, issue, after: (issue(), LaggingEvent(1))[1]
+    cache.evict(64)  # q is backed up (in flight) and demoted: the host is full
+    cache.storage.drain()  # the blocks are read
+    cache.evict(tree_prefix)  # p finds no host room: it leaves with q, once q's copy is done
+    check_memory_invariant(alloc, cache, [])
+    while cache.busy():
+        cache.poll()
+    m = cache.match_prefix(key)
+    assert len(m.device_indices) == 0 and m.host_hit_length == 128  # the blocks, where the tree has room
+    got = cache.host.read(m.last_host_node.host_value)[:, :, 0]
+    assert torch.equal(got.transpose(0, 1), written)
+    check_memory_invariant(alloc, cache, [])
+    cache.close()
 
 
 def test_demote_then_load_back_restores_the_kv():
@@ -205,6 +244,30 @@ def test_write_back_copies_on_eviction_only():
     cache.poll()
     cache.check_invariants()
     assert cache.match_prefix(a + [0]).host_hit_length + cache.match_prefix(b + [0]).host_hit_length == 30
+
+
+def test_write_back_load_back_keeps_its_source_on_the_host():
+    """Under write_back, the device eviction that makes room for a load-back
+    backs its victim up, and that backup evicts host leaves: never the nodes
+    being loaded back, whose host copies the load reads."""
+    cache, alloc, pool = make_cache("write_back", size=64, host=32)
+    a, b, c = list(range(100, 132)), list(range(200, 232)), list(range(300, 332))
+    original = kv_of(pool, put(cache, alloc, a))
+    cache.evict(32)  # a's backup fills the host
+    put(cache, alloc, b)
+    put(cache, alloc, c)  # the device is full; a is the host's only leaf
+    m = cache.match_prefix(a + [1])
+    assert m.host_hit_length == 32
+    wait, _ = cache.fetch(a, m, budget=64)  # evicts b, whose backup finds no host room
+    assert wait is not None
+    cache.check_invariants()
+    cache.poll()
+    m = cache.match_prefix(a)
+    assert len(m.device_indices) == 32
+    assert torch.equal(kv_of(pool, m.device_indices), original)
+    assert cache.match_prefix(b + [1]).host_hit_length == 0  # b, with no host copy, left the tree
+    assert cache.stats.hicache_backup_skipped == 32 and cache.stats.hicache_host_evicted == 0
+    cache.check_invariants()
 
 
 def test_device_eviction_without_host_room_drops_node_and_host_children():

@@ -1,6 +1,7 @@
 """The file storage tier (radixserve.mem_cache.storage.HiCacheFile): blocks
 survive a restart, damaged or mismatched files are never served, and the
-write queue is bounded without ever blocking the caller."""
+write queue is bounded without ever blocking the caller. Under the two-tier
+tree: a backup's pin on the host copies it reads is released in full."""
 
 import hashlib
 import os
@@ -308,3 +309,125 @@ def test_size_cap_order_and_total_survive_a_restart(tmp_path):
         assert [os.path.exists(again.path(key_of(i))) for i in range(4)] == [False, True, True, True]
     finally:
         again.close()
+
+
+# -- under the two-tier tree ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("parts, cuts", [([128], [64]), ([32, 128], [16, 96, 112])])
+def test_a_backup_releases_its_pin_on_every_part_of_a_split_node(tmp_path, parts, cuts):
+    """A file-tier backup pins the host copies of the nodes holding the blocks
+    it reads (``host_ref``) until its task is polled back. A split meanwhile
+    copies the pin to the new upper half: the release must clear every part,
+    or the host tier can never evict them."""
+    from test_hicache import file_cache, put
+
+    cache, alloc = file_cache(tmp_path)
+    release, write = threading.Event(), cache.storage._write
+
+    def held_write(task):
+        assert release.wait(10)
+        write(task)
+
+    cache.storage._write = held_write  # the tier's thread holds every backup until released
+    tokens = list(range(500, 628))  # two 64-token blocks, read by the backup of the node ending at 128
+    for n in parts:
+        put(cache, alloc, tokens[:n])
+    for cut in cuts:
+        cache.match_prefix(tokens[:cut] + [1])  # diverges inside a pinned node: it splits
+    nodes = [n for n in cache._nodes() if n is not cache.root]
+    assert len(nodes) == len(parts) + len(cuts) and all(n.host_ref == 1 for n in nodes)
+    cache.check_invariants()
+    release.set()
+    cache.storage.drain()
+    cache.poll()
+    assert not cache.busy() and [n.host_ref for n in nodes] == [0] * len(nodes)
+    cache.check_invariants()
+    assert cache.evict(128) == 128  # demoted: every part is host-only now
+    cache._evict_host(128)
+    assert cache.stats.hicache_host_evicted == 128 and not cache.root.children
+    cache.check_invariants()
+    cache.close()
+
+
+class HeldCopy:
+    """A device -> host copy that lands (runs) only at ``land``, as a GPU copy
+    lands when its event passes: until then ``query`` is False and its host
+    slots hold what they held before."""
+
+    def __init__(self, issue):
+        self.issue = issue
+
+    def land(self) -> None:
+        self.issue()
+        self.issue = None
+
+    def query(self) -> bool:
+        return self.issue is None
+
+
+def hold_copies(cache) -> list[HeldCopy]:
+    copies = []
+    cache._copy = lambda stream, issue, after: copies.append(HeldCopy(issue)) or copies[-1]
+    cache.host.buffer.fill_(float("nan"))  # what a host slot holds before a copy lands in it
+    return copies
+
+
+def served(tmp_path, tokens):
+    """The KV a server restarted on the file tier prefetches for ``tokens``
+    (the device pool's layout), or None if it finds not all of them."""
+    from test_hicache import file_cache
+
+    reader, _ = file_cache(tmp_path)
+    key = tokens + [1]
+    reader.prefetch(key)
+    reader.poll()
+    reader.storage.drain()
+    reader.poll()
+    m = reader.match_prefix(key)
+    kv = reader.host.read(m.last_host_node.host_value)[:, :, 0].transpose(0, 1) if m.host_hit_length else None
+    reader.close()
+    return kv if m.host_hit_length == len(tokens) else None
+
+
+def test_a_node_split_while_its_copy_is_in_flight_goes_to_file_whole(tmp_path):
+    """The copy's completion finds the node cut in two: the blocks that end in
+    either part go to file, not only those ending in the lower part."""
+    from test_hicache import file_cache, kv_of, put
+
+    cache, alloc = file_cache(tmp_path)
+    copies = hold_copies(cache)
+    tokens = list(range(500, 628))  # two 64-token blocks
+    written = kv_of(cache.host.device_pool, put(cache, alloc, tokens))
+    cache.match_prefix(tokens[:64] + [1])  # splits the node at the first block's end
+    copies[0].land()
+    cache.poll()
+    cache.check_invariants()
+    cache.close()
+    kv = served(tmp_path, tokens)
+    assert kv is not None and torch.equal(kv, written)
+
+
+def test_a_backup_waits_for_the_host_copies_above_it_to_land(tmp_path):
+    """write_back demotes a child, then its parent, copying each. A block
+    that ends in the child starts in the parent: it goes to file once the
+    parent's copy has landed too, even when the child's lands first."""
+    from test_hicache import file_cache, kv_of, put
+
+    cache, alloc = file_cache(tmp_path, policy="write_back")
+    tokens = list(range(500, 628))
+    written = kv_of(cache.host.device_pool, put(cache, alloc, tokens))
+    put(cache, alloc, tokens[:32])  # a parent of 32 tokens; the child's 96 end both blocks
+    copies = hold_copies(cache)
+    assert cache.evict(128) == 128  # the child is backed up and demoted, then the parent
+    child, parent = copies
+    child.land()
+    cache.poll()  # the child's copy is done, its parent's still in flight
+    cache.storage.drain()
+    cache.check_invariants()
+    parent.land()
+    cache.poll()
+    cache.check_invariants()
+    cache.close()
+    kv = served(tmp_path, tokens)
+    assert kv is not None and torch.equal(kv, written)

@@ -6,9 +6,11 @@ the block's end (the KV events' block digests, ``kv_events.chain_digests``),
 so a block's key names its whole prefix and a server restarted on the same
 directory finds what an earlier one stored.
 
-- **Backups**: when a node's host copy is complete, the blocks that end in
-  it go to files. The node is pinned (``host_ref``) until this tier's
-  thread has read its host slots; the backend writes on a thread of its own.
+- **Backups**: when a node's host copy is complete, and those of the nodes
+  above it (a block may start there), the blocks that end in it go to
+  files. The nodes holding them are pinned (``cache.pin_host``) until this
+  tier's thread has read their host slots; the backend writes on a thread
+  of its own.
 - **Prefetch**: a request whose match stops short of blocks that are on
   file gets host slots for them, and this tier's thread reads the files into
   those slots. The request waits in the queue until ``poll`` puts the blocks
@@ -71,7 +73,7 @@ class Prefetch:
 
 @dataclass(eq=False)
 class _Backup:
-    node: object  # pinned until done
+    pin: object  # the host copies read, held until done (HiRadixCache.pin_host)
     blocks: list[tuple[bytes, list[int], torch.Tensor]] = field(default_factory=list)  # key, tokens, host slots
     generation: int = 0
 
@@ -94,21 +96,20 @@ class FileTier:
         self._thread.start()
 
     # -- the scheduler's side --------------------------------------------------------
-    def backup(self, cache, node) -> None:
-        """Queue the blocks that end in ``node`` (its host copy complete) for files."""
+    def backup(self, cache, node, n_tokens: int) -> None:
+        """Queue for files the blocks that end in the last ``n_tokens`` up to
+        the end of ``node`` (the host copies of its whole path complete)."""
         path = cache.host_path(node)
         if path is None:
             return
         tokens, slots = path
         b, end = self.block, len(tokens)
-        first, last = (end - len(node.key)) // b, end // b  # blocks [first, last) end in the node
+        first, last = (end - n_tokens) // b, end // b  # blocks [first, last) end in those tokens
         if last <= first:
             return
         digests = chain_digests(tokens[: last * b], b)
         blocks = [(digests[k], tokens[k * b : (k + 1) * b], slots[k * b : (k + 1) * b]) for k in range(first, last)]
-        task = _Backup(node, blocks, self._generation)
-        node.host_ref += 1
-        self._submit(task)
+        self._submit(_Backup(cache.pin_host(node, end - first * b), blocks, self._generation))
 
     def prefetch(self, cache, key: list[int], matched: int) -> Prefetch | None:
         """Start reading the file blocks that continue a match of ``matched``
@@ -162,7 +163,7 @@ class FileTier:
         for task in tasks:
             self._in_flight -= 1
             if isinstance(task, _Backup):
-                task.node.host_ref -= 1
+                cache.unpin_host(task.pin)
                 continue
             task.finished = True
             if task.generation != self._generation:

@@ -36,7 +36,8 @@ device nodes form the top of the tree (a device node's parent is on the
 device); the device counters (evictable, protected) count device nodes
 only; device eviction's candidates, kept as the tree changes, are the
 device nodes without a device child; and host slots held by nodes + host
-slots being prefetched + free host slots == the host pool's size. KV
+slots being prefetched + free host slots == the host pool's size; and the
+host copies pinned (``host_ref``) are those of the readers in flight. KV
 events (``kv_events``) count a block as stored while its node is in the
 tree, in any tier.
 """
@@ -61,19 +62,33 @@ WAIT_S = 0.002  # an idle scheduler's wait for the file tier's thread
 
 
 class _Transfer:
-    """A copy between tiers in flight: a backup (``write``) or a load-back
-    (``load``) of ``nodes`` (top-down), done once ``event`` has passed."""
+    """A copy between tiers in flight: a backup (``write``) or a load-back (``load``) of ``nodes`` (top-down;
+    ``tokens`` each, with the parts a split puts above it), done once ``event`` has passed."""
 
-    __slots__ = ("kind", "nodes", "event", "keep", "finished", "deadline")
+    __slots__ = ("kind", "nodes", "tokens", "event", "keep", "finished", "deadline", "held")
 
     def __init__(self, kind: str, nodes: list[TreeNode], keep: tuple):
         self.kind, self.nodes, self.keep = kind, nodes, keep  # keep: its index tensors, alive until done
+        self.tokens = [len(n.key) for n in nodes]
+        self.held: list[_HostPin] = []  # file-tier backups below, waiting for this copy to land
         self.event = None
         self.finished = False
         self.deadline = math.inf  # a load-back is always waited for
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
+
+
+class _HostPin:
+    """A reader's hold on the host copies of the last ``tokens`` up to the end
+    of ``node`` (whole nodes when taken). A split puts the upper half above
+    the node it cut, with its ``host_ref``, and ``node`` stays the lowest
+    part: the same walk up over ``tokens`` finds every part to release."""
+
+    __slots__ = ("node", "tokens")
+
+    def __init__(self, node: TreeNode, tokens: int):
+        self.node, self.tokens = node, tokens
 
 
 @dataclass
@@ -110,6 +125,8 @@ class HiRadixCache(RadixCache):
         self._writes: deque[_Transfer] = deque()
         self._loads: deque[_Transfer] = deque()
         self._arrivals: list[list[int]] = []  # prompts to prefetch from file at the next poll
+        # Not cleared by a reset: a backup in flight then releases its pin on the old tree's nodes.
+        self._host_pins: set[_HostPin] = set()
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, eviction_policy, kv_events)
 
     def reset(self) -> None:
@@ -322,7 +339,9 @@ class HiRadixCache(RadixCache):
         nodes under it, freeing their host slots."""
         below = [n for n in self._nodes_under(node)]
         if any(n.transfer is not None or n.host_ref for n in below):
-            self._settle()  # their host slots are being written or read
+            # Their host slots are being written or read. Wait without polling: a poll would put prefetched
+            # blocks into the tree, under or through ``node``; the next step's poll finishes these copies.
+            self._drain()
         for n in below:
             self._leaves.discard(n)
             self.host.allocator.free(n.host_value)
@@ -371,7 +390,11 @@ class HiRadixCache(RadixCache):
             self._arrivals.append(key)
 
     def _load_back(self, chain: list[TreeNode], device_node: TreeNode, n_tokens: int) -> _Transfer | None:
-        self.inc_lock_ref(device_node)  # the load goes under it: keep it while evicting
+        # Keep what the load goes under while evicting, and the chain's host copies (its source): under
+        # write_back an eviction backs its victim up, which may evict host leaves.
+        self.inc_lock_ref(device_node)
+        for n in chain:
+            n.host_ref += 1
         try:
             short = n_tokens - self.allocator.available_size()
             if short > 0:
@@ -379,6 +402,8 @@ class HiRadixCache(RadixCache):
             slots = self.allocator.alloc(n_tokens)
         finally:
             self.dec_lock_ref(device_node)
+            for n in chain:
+                n.host_ref -= 1
         if slots is None:
             return None
         host_slots = torch.cat([n.host_value for n in chain])
@@ -415,17 +440,33 @@ class HiRadixCache(RadixCache):
                 self.storage.prefetch(self, key, device_len + host_len)
 
     def _finish(self, t: _Transfer) -> None:
-        for bottom in t.nodes:  # a split may have put upper parts above it
-            node = bottom
-            while node is not self.root and node.transfer is t:
-                node.transfer = None
+        for bottom, n_tokens in zip(t.nodes, t.tokens):
+            node, covered = bottom, 0
+            while covered < n_tokens:  # its parts (a load-back may have taken over one's transfer)
+                if node.transfer is t:
+                    node.transfer = None
+                covered += len(node.key)
                 node = node.parent
         if t.kind == "load":
             self.dec_lock_ref(t.nodes[-1])
         t.finished = True
-        if t.kind == "write" and self.storage is not None:
-            for node in t.nodes:
-                self.storage.backup(self, node)
+        if self.storage is not None:
+            for bottom, n_tokens in zip(t.nodes, t.tokens) if t.kind == "write" else ():
+                self._to_file(bottom, n_tokens)
+            for pin in t.held:
+                self.unpin_host(pin)
+                self._to_file(pin.node, pin.tokens)
+
+    def _to_file(self, node: TreeNode, n_tokens: int) -> None:
+        """File the blocks ending in the last ``n_tokens`` up to ``node``'s end once the host copies they read
+        (from the root) have landed: until then they wait, pinned, for the nearest copy in flight on that path."""
+        above = node
+        while above is not self.root and above.transfer is None:
+            above = above.parent
+        if above is self.root:
+            self.storage.backup(self, node, n_tokens)
+        else:
+            above.transfer.held.append(self.pin_host(node, n_tokens))
 
     def busy(self) -> bool:
         return bool(self._writes or self._loads) or (self.storage is not None and self.storage.busy())
@@ -453,12 +494,17 @@ class HiRadixCache(RadixCache):
             self._settle()
 
     def _settle(self) -> None:
+        self._drain()
+        self.poll()
+
+    def _drain(self) -> None:
+        """Wait until the copies and the file tier's thread have done what
+        they were given; ``poll`` has yet to finish it in the tree."""
         for stream in (self._write_stream, self._load_stream):
             if stream is not None:
                 stream.synchronize()
         if self.storage is not None:
             self.storage.drain()
-        self.poll()
 
     # -- the file tier's hooks ---------------------------------------------------------
     def host_path(self, node: TreeNode) -> tuple[list[int], torch.Tensor] | None:
@@ -472,6 +518,29 @@ class HiRadixCache(RadixCache):
             slots.append(node.host_value)
             node = node.parent
         return [t for k in reversed(keys) for t in k], torch.cat(slots[::-1]) if slots else _EMPTY
+
+    def pin_host(self, node: TreeNode, n_tokens: int) -> _HostPin:
+        """Keep the host copies of the last ``n_tokens`` up to the end of
+        ``node`` (the nodes holding them) until ``unpin_host``, whatever
+        splits happen meanwhile: a reader reads them off the scheduler's path."""
+        pin = _HostPin(node, self._add_host_ref(node, n_tokens, 1))
+        self._host_pins.add(pin)
+        return pin
+
+    def unpin_host(self, pin: _HostPin) -> None:
+        self._host_pins.remove(pin)
+        self._add_host_ref(pin.node, pin.tokens, -1)
+
+    @staticmethod
+    def _add_host_ref(node: TreeNode, n_tokens: int, delta: int) -> int:
+        """Add ``delta`` to the nodes from ``node`` up that hold the last
+        ``n_tokens`` up to its end; returns the tokens of those nodes."""
+        covered = 0
+        while covered < n_tokens:
+            node.host_ref += delta
+            covered += len(node.key)
+            node = node.parent
+        return covered
 
     def attach_host(self, tokens: list[int], host_slots: torch.Tensor, start: int) -> int:
         """Put prefetched KV (host slots of ``tokens[start:]``) into the tree
@@ -498,14 +567,23 @@ class HiRadixCache(RadixCache):
             problems.append(f"{node}: on the device under a node that is not")
         if node.value is None and node.lock_ref:
             problems.append(f"{node}: locked but not on the device")
+        if node.host_ref < 0 or (node.host_ref and node.host_value is None):
+            problems.append(f"{node}: host_ref {node.host_ref} (negative, or pinning no host copy)")
 
     def check_invariants(self) -> None:
         super().check_invariants()
-        device_leaves = {n for n in self._nodes() if n is not self.root and self._is_device_leaf(n)}
+        nodes = set(self._nodes())
+        device_leaves = {n for n in nodes if n is not self.root and self._is_device_leaf(n)}
         problems = self._device_leaves.problems(device_leaves, "device leaf")
         if problems:
             raise AssertionError("HiRadixCache invariant violated: " + "; ".join(problems))
-        in_nodes = sum(len(n.host_value) for n in self._nodes() if n.host_value is not None)
+        # A split keeps host_ref on both halves, so host_ref x tokens summed over the tree is what the
+        # readers in flight pinned (a reset leaves a backup's pin on the old tree's nodes).
+        pinned = sum(n.host_ref * len(n.key) for n in nodes)
+        reading = sum(p.tokens for p in self._host_pins if p.node in nodes)
+        if pinned != reading:
+            raise AssertionError(f"host pins: {pinned} tokens pinned in the tree != {reading} by readers in flight")
+        in_nodes = sum(len(n.host_value) for n in nodes if n.host_value is not None)
         prefetching = self.storage.host_slots_held() if self.storage is not None else 0
         used = self.host.size - self.host.allocator.available_size()
         self.host.allocator.check_invariants()

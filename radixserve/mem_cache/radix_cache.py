@@ -35,7 +35,7 @@ class TreeNode:
         self.value = value  # device KV slots; None while only the host tier holds the node (hiradix_cache.py)
         self.host_value = None  # the host tier's slots, with --enable-hierarchical-cache
         self.transfer = None  # the copy between tiers in flight, if any
-        self.host_ref = 0  # readers of the host copy (file-tier backups)
+        self.host_ref = 0  # readers of the host copy (file-tier backups, a load-back while it evicts)
         self.lock_ref = 0
         self.last_access = 0
         self.hit_count = 0
