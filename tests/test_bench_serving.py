@@ -13,6 +13,7 @@ from radixserve.bench import serving, serving_report
 from radixserve.bench.datasets import (TokenSampler, generated_shared_prefix_dataset, jsonl_dataset,
                                        multi_turn_dataset, random_dataset)
 from radixserve.bench.serving import RequestRecord, compute_metrics, itls, tpot, ttft
+from radixserve.bench.serving_metrics import stream_pacing
 
 # --------------------------------------------------------------------------- datasets
 
@@ -117,6 +118,18 @@ def test_per_request_latencies_on_a_fake_timeline():
     # OpenAI text streams carry no counts: every chunk is one token
     text = RequestRecord(0, 0, 0.0, 1.0, [0.2, 0.5, 1.0], [None, None, None], 10, 3, None, True)
     assert itls(text) == pytest.approx([0.3, 0.5])
+
+
+def test_stream_pacing_tells_coalesced_events_from_bunched_reads():
+    # events after the first: 2 (1 token), 4 (2 tokens, coalesced by the server), 5 (read with the one before)
+    coalesced = _record(0.0, [(0.5, 1), (0.6, 2), (0.8, 4), (0.8, 5)])
+    paced = _record(0.0, [(0.5, 1), (0.6, 2), (0.7, 3)])
+    p = stream_pacing([coalesced, paced])
+    assert p["coalesced_tokens"] == pytest.approx(2 / 6)  # 6 tokens after the first events, 2 came together
+    assert p["bunched_events"] == pytest.approx(1 / 5)
+    assert stream_pacing([paced]) == {"coalesced_tokens": 0.0, "bunched_events": 0.0}
+    assert stream_pacing([_record(0.0, [(0.5, 1)])]) == {"coalesced_tokens": None, "bunched_events": None}
+    assert compute_metrics([coalesced, paced], 1.0)["stream_pacing"] == p
 
 
 def test_aggregate_metrics_percentiles_throughput_and_goodput():

@@ -139,6 +139,14 @@ def test_disconnect_aborts_and_memory_comes_back(server, client):
     assert state["memory_check"] == "ok" and state["running"] == 0
 
 
+def test_a_client_leaving_a_plain_request_aborts_it(server):
+    body = {"text": "Tell me a long story.", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(server.url + "/generate", json=body, headers=server.headers(), timeout=httpx.Timeout(30, read=1.0))
+    state = server.wait_idle(timeout=30)  # 2,000 tokens would take minutes on a CPU
+    assert state["memory_check"] == "ok" and state["running"] == 0 and state["waiting"] == 0
+
+
 def test_abort_request_endpoint(server, client):
     async def run():
         async with httpx.AsyncClient(base_url=server.url, headers=server.headers(), timeout=120) as ac:

@@ -53,6 +53,26 @@ def itls(r: RequestRecord) -> list[float]:
     return out
 
 
+def stream_pacing(records: list[RequestRecord]) -> dict[str, float | None]:
+    """Whether the streams kept pace with the server's steps, over the events
+    after each request's first: ``coalesced_tokens``, the share of tokens
+    that came in an event bringing several (the server's front end sent
+    several steps at once); ``bunched_events``, the share of events that
+    arrived with the one before (the client read them in one go). A step
+    makes one token per request, so both are 0 when everything keeps pace."""
+    tokens = coalesced = events = bunched = 0
+    for r in records:
+        for i in range(1, len(r.chunk_times)):
+            events += 1
+            bunched += r.chunk_times[i] == r.chunk_times[i - 1]
+            prev, cur = r.chunk_tokens[i - 1], r.chunk_tokens[i]
+            n = cur - prev if prev is not None and cur is not None else 1
+            tokens += n
+            coalesced += n if n > 1 else 0
+    return {"coalesced_tokens": coalesced / tokens if tokens else None,
+            "bunched_events": bunched / events if events else None}
+
+
 def summarize(values: list[float], scale: float = 1000.0) -> dict[str, float | None]:
     """mean, median, p90, p99 (linear interpolation, as numpy), scaled (default: s to ms)."""
     if not values:
@@ -91,6 +111,7 @@ def compute_metrics(records: list[RequestRecord], duration: float, slo_ttft_ms: 
         "tpot_ms": summarize([t for r in ok if (t := tpot(r)) is not None]),
         "itl_ms": summarize([x for r in ok for x in itls(r)]),
         "e2e_ms": summarize([e2e(r) for r in ok]),
+        "stream_pacing": stream_pacing(ok),
         "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
         "goodput": good / dur, "slo_attainment": good / len(ok) if ok else None,
         "cache_hit_rate_requests": (sum(r.cached_tokens for r in known) / max(sum(r.prompt_len for r in known), 1)

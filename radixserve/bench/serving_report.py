@@ -35,6 +35,9 @@ def format_table(res: dict) -> str:
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E latency")):
         for stat in ("mean", "median", "p90", "p99"):
             rows.append((f"{stat.capitalize()} {name} (ms)", f(res[key][stat])))
+    pacing = res.get("stream_pacing") or {}
+    rows += [("Tokens in coalesced events", f(pacing.get("coalesced_tokens"), "{:.1%}")),
+             ("Events read together", f(pacing.get("bunched_events"), "{:.1%}"))]
     for turn, stats in (res.get("ttft_ms_by_turn") or {}).items():
         rows.append((f"TTFT median / p99, turn {turn} (ms)", f"{f(stats['median'])} / {f(stats['p99'])}"))
     title = " Serving Benchmark Result " + ("(interrupted) " if res["interrupted"] else "")

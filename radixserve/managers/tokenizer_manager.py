@@ -41,7 +41,6 @@ from radixserve.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-DISCONNECT_POLL_S = 0.5
 INLINE_TOKENIZE_CHARS = 8192  # shorter texts are tokenized on the event loop (faster than a thread hop)
 TOKENIZER_THREADS = 2
 
@@ -354,13 +353,15 @@ class TokenizerManager:
         return [one(lp, tok) for lp, tok in entries]
 
     async def _watch_disconnect(self, request, states: list[ReqState]) -> None:
-        while not all(s.finished for s in states):
-            await asyncio.sleep(DISCONNECT_POLL_S)
-            if await request.is_disconnected():
-                for st in states:
-                    if not st.finished:
-                        self.abort_request(st.rid)
-                return
+        """Abort what is unfinished when the client goes away. Its body is
+        read, so the connection's next ASGI message is ``http.disconnect``:
+        one wait, where polling ``is_disconnected`` cost every request in
+        flight host time twice a second, and noticed half a second late."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        for st in states:
+            if not st.finished:
+                self.abort_request(st.rid)
 
     def abort_request(self, rid: str) -> None:
         if self.dead is not None:
