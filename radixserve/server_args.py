@@ -119,6 +119,9 @@ class ServerArgs:
         "help": "publish KV cache events for routers, a JSON object, e.g. "
                 "'{\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}'"})
     check_invariants: bool = field(default=False, metadata={"help": "check the memory invariant after every step"})
+    stream_interval: int = field(default=1, metadata={
+        "help": "output tokens between a streamed request's events (a request's sampling_params.stream_interval "
+                "overrides it); larger values cost the server less per token with many streams"})
     # Limits on what clients may ask (docs/limits.md).
     max_queued_requests: int | None = field(default=4096, metadata={
         "help": "requests (each prompt and sample counts) that may wait beyond --max-running-requests; "

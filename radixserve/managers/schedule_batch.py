@@ -141,6 +141,7 @@ class Req:
         self.kv_receiver = None  # decode server: receives it
         self.aux_index: int | None = None  # its row of the first token's metadata
         self.disagg_finish: FinishReason | None = None  # prefill server: how it ends once the KV is sent
+        self.output_interval = 1  # output tokens between the batches sent on (scheduler_process.py)
 
     @functools.cached_property
     def prefix_group(self) -> tuple[int, ...]:

@@ -83,7 +83,6 @@ class ReqState:
     meta: dict = field(default_factory=dict)
     return_logprob: bool = False
     log_metrics: bool = True
-    stream_interval: int = 1  # output tokens between stream events
     streamed: int = 0  # output tokens when the last stream event went out
     finished: bool = False
     queued: bool = False  # on the queue already: later updates coalesce into that entry
@@ -281,8 +280,8 @@ class TokenizerManager:
             raise ValueError("rid: a request with this id is already running")
         queue: asyncio.Queue = asyncio.Queue()
         now = time.perf_counter()
-        states = [ReqState(r.rid, i, queue, now, return_logprob=r.return_logprob, log_metrics=obj.log_metrics,
-                           stream_interval=r.sampling_params.get("stream_interval") or 1) for i, r in enumerate(reqs)]
+        states = [ReqState(r.rid, i, queue, now, return_logprob=r.return_logprob, log_metrics=obj.log_metrics)
+                  for i, r in enumerate(reqs)]
         single = len(states) == 1 and obj.is_single
         watcher = None
         try:
@@ -294,7 +293,8 @@ class TokenizerManager:
             if request is not None:
                 watcher = asyncio.ensure_future(self._watch_disconnect(request, states))
             async for st in self._updates(queue, len(states)):
-                if st.finished or (obj.stream and len(st.output_ids) - st.streamed >= st.stream_interval):
+                # the scheduler sends a stream's tokens every stream_interval (scheduler_process.py)
+                if st.finished or (obj.stream and len(st.output_ids) > st.streamed):
                     st.streamed = len(st.output_ids)
                     yield self._result(st, obj, None if single else st.index)
         finally:
