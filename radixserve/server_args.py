@@ -156,7 +156,8 @@ class ServerArgs:
         for name, allowed in (("tool_call_parser", TOOL_CALL_PARSER_NAMES), ("reasoning_parser", REASONING_PARSER_NAMES)):
             if getattr(self, name) is not None:
                 _one_of(name, getattr(self, name), allowed)
-        for name in ("page_size", "max_running_requests", "max_prefill_tokens", "tp_size", "nnodes", "gpu_id_step", "dp_size"):
+        for name in ("page_size", "max_running_requests", "max_prefill_tokens", "tp_size", "nnodes", "gpu_id_step", "dp_size",
+                     "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunked_prefill_size is not None and (self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1):

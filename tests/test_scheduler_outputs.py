@@ -5,10 +5,13 @@ streamed request's first token at once, then one batch every
 
 from __future__ import annotations
 
+import pytest
+
 from radixserve.managers.io_struct import decode
 from radixserve.managers.schedule_batch import FinishReason, Req
 from radixserve.managers.scheduler_process import UNSTREAMED_OUTPUT_INTERVAL, SchedulerProcess
 from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.server_args import ServerArgs
 
 
 class _Sink:
@@ -69,3 +72,9 @@ def test_a_step_with_nothing_due_sends_no_message():
     reqs[1].finished_reason = FinishReason.aborted("stop")
     proc.send_outputs(reqs)
     assert proc.send.messages[-1].rids == ["r1"] and proc.send.messages[-1].new_ids == [[8]]
+
+
+def test_stream_interval_flag_is_checked():
+    assert ServerArgs.from_kwargs(model_path="tiny-llama", stream_interval=4).stream_interval == 4
+    with pytest.raises(ValueError, match="stream_interval must be >= 1"):
+        ServerArgs.from_kwargs(model_path="tiny-llama", stream_interval=0)
