@@ -357,8 +357,9 @@ class TokenizerManager:
         read, so the connection's next ASGI message is ``http.disconnect``:
         one wait per request, at no cost while it runs, and noticed at once
         (polling ``is_disconnected`` costs a cancel scope a call)."""
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
+        message = await request.receive()
+        while message["type"] != "http.disconnect":  # not expected once the body is read; wait on
+            message = await request.receive()
         for st in states:
             if not st.finished:
                 self.abort_request(st.rid)

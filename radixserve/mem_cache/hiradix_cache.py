@@ -393,8 +393,7 @@ class HiRadixCache(RadixCache):
         # Keep what the load goes under while evicting, and the chain's host copies (its source): under
         # write_back an eviction backs its victim up, which may evict host leaves.
         self.inc_lock_ref(device_node)
-        for n in chain:
-            n.host_ref += 1
+        pin = self.pin_host(chain[-1], n_tokens)
         try:
             short = n_tokens - self.allocator.available_size()
             if short > 0:
@@ -402,8 +401,7 @@ class HiRadixCache(RadixCache):
             slots = self.allocator.alloc(n_tokens)
         finally:
             self.dec_lock_ref(device_node)
-            for n in chain:
-                n.host_ref -= 1
+            self.unpin_host(pin)
         if slots is None:
             return None
         host_slots = torch.cat([n.host_value for n in chain])
