@@ -88,6 +88,10 @@ class ServerArgs:
                 "(default: steps up to --piecewise-cuda-graph-max-tokens)"})
     enable_mixed_chunk: bool = field(default=False, metadata={
         "help": "let the running requests decode inside a prefill batch instead of waiting for it"})
+    mixed_chunk_min_size: int = field(default=0, metadata={
+        "help": "with --enable-mixed-chunk, size each mixed step by the queue: the running requests plus an "
+                "eighth of the prompt tokens waiting, at least this many tokens, at most --chunked-prefill-size "
+                "(radixserve's; default 0: every mixed step takes --chunked-prefill-size)"})
     disable_overlap_schedule: bool = field(default=False, metadata={
         "help": "process each batch's results before scheduling the next (no CPU/GPU overlap)"})
     mem_fraction_static: float = field(default=0.8, metadata={"help": "GPU memory share for weights + KV"})
@@ -162,6 +166,9 @@ class ServerArgs:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunked_prefill_size is not None and (self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1):
             raise ValueError(f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size}")
+        if self.mixed_chunk_min_size < 0 or (self.mixed_chunk_min_size and not self.enable_mixed_chunk):
+            raise ValueError(f"mixed_chunk_min_size must be >= 0 and needs --enable-mixed-chunk, "
+                             f"got {self.mixed_chunk_min_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens {self.max_total_tokens} is smaller than one page ({self.page_size})")
         for name in ("max_queued_requests", "max_prompt_chars", "max_connections"):

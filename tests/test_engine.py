@@ -443,3 +443,40 @@ def test_mixed_chunk_decodes_inside_prefills_with_the_same_tokens(llama, overlap
     with engine(folder, overlap=overlap, max_running_requests=3, chunked_prefill_size=16) as eng:
         plain = [o["output_ids"] for o in eng.generate(input_ids=batch, sampling_params=sampled)]
     assert mixed == plain
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_mixed_steps_sized_by_the_queue_take_no_more_prompt_than_their_budget(llama, overlap, monkeypatch):
+    """--mixed-chunk-min-size: each mixed step's prompt tokens stay within the
+    budget that follows the queue (riders included), well under the chunk when
+    little waits, and greedy tokens still equal HF's."""
+    folder, hf = llama
+    batch = prompts([40, 9, 70, 23, 5, 55, 31, 12], seed=7)
+    params = [{**GREEDY, "max_new_tokens": n} for n in (9, 14, 6, 12, 10, 7, 13, 8)]
+    budgets, steps = [], []
+    sized = scheduler_module.mixed_step_budget
+
+    def spy_budget(*args):
+        budgets.append(sized(*args))
+        return budgets[-1]
+
+    monkeypatch.setattr(scheduler_module, "mixed_step_budget", spy_budget)
+    with engine(folder, overlap=overlap, enable_mixed_chunk=True, max_running_requests=3,
+                chunked_prefill_size=64, mixed_chunk_min_size=16) as eng:
+        prefill = eng.scheduler._get_new_batch_prefill
+
+        def spy_prefill():
+            budgets.append(None)
+            b = prefill()
+            if b is not None and b.decoding_reqs:
+                riders = len(b.decoding_reqs)
+                steps.append((budgets[-1], riders, sum(r.extend_input_len for r in b.reqs[:len(b.reqs) - riders])))
+            return b
+
+        eng.scheduler._get_new_batch_prefill = spy_prefill
+        outs = eng.generate(input_ids=batch, sampling_params=params)
+    for ids, p, out in zip(batch, params, outs):
+        assert out["output_ids"] == hf_greedy(hf, ids, p["max_new_tokens"])
+    assert all(budget is not None and 16 <= budget <= 64 for budget, _, _ in steps)
+    assert all(0 < tokens <= max(budget - riders, 1) for budget, riders, tokens in steps)
+    assert sum(1 for budget, riders, tokens in steps if budget - riders < 20) >= 3, "small steps when little waits"

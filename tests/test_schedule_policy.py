@@ -11,12 +11,15 @@ from radixserve.managers.schedule_batch import PREFIX_GROUP_TOKENS, Req
 from radixserve.managers.schedule_policy import (
     CACHE_AWARE_MAX_QUEUE,
     IN_BATCH_PREFIX_DEPRIORITIZE,
+    MIXED_QUEUE_STEPS,
     AddResult,
     PrefillAdder,
     SchedulePolicy,
+    mixed_step_budget,
 )
 from radixserve.mem_cache import ChunkCache, RadixCache, ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.server_args import ServerArgs
 
 VOCAB = 100_000
 
@@ -265,6 +268,34 @@ def test_decodes_riding_a_mixed_step_take_their_share_of_the_chunk_and_prefill_b
     other = req(seq(100, 4000))
     crowded.add_one_req(other)
     assert other.extend_input_len == 4, "more riders than the chunk: the prompt still advances a page a step"
+
+
+def test_a_mixed_step_sized_by_the_queue_takes_the_riders_and_an_eighth_of_what_waits():
+    """--mixed-chunk-min-size: riders + queued prompt tokens / MIXED_QUEUE_STEPS,
+    between the minimum and the chunk; a prompt's matched prefix and a chunked
+    prompt's computed part are not queued."""
+    assert MIXED_QUEUE_STEPS == 8
+    assert mixed_step_budget(5, [], None, 64, 512) == 64
+    short = [req(seq(100, 1000)), req(seq(60, 2000))]
+    assert mixed_step_budget(5, short, None, 16, 512) == 5 + 20
+    assert mixed_step_budget(5, short, None, 64, 512) == 64
+    short[0].prefix_indices = list(range(36))
+    assert mixed_step_budget(5, short, None, 16, 512) == 5 + 16  # 124 / 8, rounded up
+    chunked = req(seq(1000, 3000))
+    chunked.kv_len, chunked.kv_inflight = 500, 100  # 600 computed or in flight
+    assert mixed_step_budget(5, short, chunked, 16, 512) == 5 + 66  # (400 + 124) / 8
+    long = [req(seq(1000, 10_000 * i)) for i in range(1, 11)]
+    assert mixed_step_budget(5, long, None, 16, 512) == 512
+    assert mixed_step_budget(5, long, None, 16, -1) == 5 + 1250
+    assert mixed_step_budget(5, short, None, 600, 512) == 512, "the chunk caps the minimum too"
+
+
+def test_the_queue_sized_mixed_step_needs_mixing_and_a_minimum_of_at_least_zero():
+    args = ServerArgs.from_kwargs(model_path="tiny-llama", enable_mixed_chunk=True, mixed_chunk_min_size=512)
+    assert args.mixed_chunk_min_size == 512
+    for bad in ({"mixed_chunk_min_size": 512}, {"enable_mixed_chunk": True, "mixed_chunk_min_size": -1}):
+        with pytest.raises(ValueError, match="mixed_chunk_min_size must be >= 0 and needs --enable-mixed-chunk"):
+            ServerArgs.from_kwargs(model_path="tiny-llama", **bad)
 
 
 def test_every_cut_of_a_chunked_prompt_is_page_aligned():

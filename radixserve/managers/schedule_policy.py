@@ -26,6 +26,10 @@ IN_BATCH_PREFIX_CHECK = 32
 IN_BATCH_PREFIX_DEPRIORITIZE = 32
 # Cap of the per-request output estimate (tokens).
 CLIP_MAX_NEW_TOKENS = 4096
+# A mixed step sized by the queue (--mixed-chunk-min-size) prefills this share
+# of the prompt tokens waiting: a long queue is prefilled within about this
+# many steps, and a short one in small steps that stall the riders little.
+MIXED_QUEUE_STEPS = 8
 
 
 def prefix_key(req: Req) -> list[int]:
@@ -129,6 +133,24 @@ class SchedulePolicy:
             children = sorted(node.children.values(), key=lambda c: weight.get(id(c), 0))
             stack.extend(c for c in children if weight.get(id(c), 0))
         return rank
+
+
+def mixed_step_budget(riders: int, waiting: list[Req], chunked: Req | None, min_size: int, chunk: int) -> int:
+    """The tokens (prompts and riders) of a mixed step that follows the queue:
+    the riders plus ``1/MIXED_QUEUE_STEPS`` of the prompt tokens still to
+    prefill (the chunked request's rest, and each waiting prompt beyond the
+    prefix its last match found), at least ``min_size``, at most ``chunk``
+    (-1: no cap). Below the knee the queue is short and the steps stay near
+    ``min_size``: the riders' token gaps stay near a decode step's; under load
+    the steps grow back to the chunk, whose larger matrix products keep up."""
+    enough = (chunk if chunk > 0 else 1 << 62) * MIXED_QUEUE_STEPS
+    queued = len(chunked.fill_ids) - chunked.kv_end if chunked is not None else 0
+    for req in waiting:
+        if queued >= enough:
+            break
+        queued += len(req.fill_ids) - len(req.prefix_indices)
+    budget = max(riders + -(-queued // MIXED_QUEUE_STEPS), min_size)
+    return min(budget, chunk) if chunk > 0 else budget
 
 
 class AddResult(enum.Enum):

@@ -21,7 +21,7 @@ from radixserve.managers.disagg_prefill import PrefillDisaggregation
 from radixserve.managers.grammar_queue import GrammarQueue
 from radixserve.managers.profiler import phase
 from radixserve.managers.schedule_batch import KVPools, Req, ScheduleBatch
-from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
+from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy, mixed_step_budget
 from radixserve.managers.scheduler_input_mixin import SchedulerInputMixin
 from radixserve.managers.scheduler_output_processor_mixin import Launched, SchedulerOutputProcessorMixin
 from radixserve.managers.tp_worker import TpModelWorker
@@ -223,9 +223,11 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
         free_rows = (self.max_running - len(self.running_batch) - len(self._deferred)
                      - len(self.disagg.holding() if self.disagg is not None else []))
         riders = len(self.running_batch) if self.args.enable_mixed_chunk else 0  # see PrefillAdder
+        chunk = self.chunk_size if not (riders and self.args.mixed_chunk_min_size) else mixed_step_budget(
+            riders, self.waiting, self.chunked_req, self.args.mixed_chunk_min_size, self.chunk_size)
         adder = PrefillAdder(
             self.tree_cache, self.allocator.available_size(), self.running_batch.reqs, self.new_token_ratio,
-            self.args.max_prefill_tokens, self.chunk_size, max(free_rows, 0), self.page_size, riders,
+            self.args.max_prefill_tokens, chunk, max(free_rows, 0), self.page_size, riders,
         )
         continuing = self.chunked_req
         if continuing is not None:
