@@ -122,3 +122,37 @@ def test_a_catastrophic_stop_regex_ends_its_request_not_the_loop():
     patterns = compile_all([r"(a|aa)+$"])
     with pytest.raises(StopRegexTimeout, match="stop_regex"):
         first_match(patterns, "a" * 40 + "b")
+
+
+def test_decode_options_travel_once_and_stay_in_the_detokenizer(tokenizer, tmp_path):
+    """The scheduler sends a request's decode options with its first output
+    only; the detokenizer keeps them for the later ones (here a stop string
+    and no_stop_trim) and passes none of them on to the tokenizer manager."""
+    from radixserve.managers.schedule_batch import FinishReason, Req
+    from radixserve.managers.scheduler_process import SchedulerProcess
+    from radixserve.sampling.sampling_params import SamplingParams
+
+    sent = []
+    proc = SchedulerProcess.__new__(SchedulerProcess)  # only the output bookkeeping
+    proc.sent, proc.send = {}, type("Sink", (), {"send": staticmethod(lambda data: sent.append(decode(data)))})()
+    manager = DetokenizerManager(tokenizer, f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+    ids = tokenizer.encode("The answer is 42. STOP")
+    trimmed, kept = Req("trimmed", [1], SamplingParams(stop=["STOP"])), Req("kept", [1], SamplingParams(
+        stop=["STOP"], no_stop_trim=True))
+    text, keys = {"trimmed": "", "kept": ""}, []
+    for i, t in enumerate(ids):
+        for req in (trimmed, kept):
+            req.output_interval = 1
+            req.output_ids.append(t)
+            if i + 1 == len(ids):
+                req.finished_reason = FinishReason.stopped("STOP")
+        proc.send_outputs([trimmed, kept])
+        keys.append([set(m) for m in sent[-1].meta])  # the detokenizer takes the options out of them
+        out = manager.handle(sent[-1])
+        for rid, delta, meta in zip(out.rids, out.deltas, out.meta):
+            text[rid] += delta
+            assert set(meta) == {"prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason"}
+    assert all("stop" in k and "no_stop_trim" in k for k in keys[0])
+    assert all("stop" not in k and "no_stop_trim" not in k for step in keys[1:] for k in step)
+    assert text == {"trimmed": "The answer is 42. ", "kept": tokenizer.decode(ids)}
+    assert not manager.status

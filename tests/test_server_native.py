@@ -324,3 +324,21 @@ def test_profile_bad_options_are_400_by_field(client, body, param):
     r = client.post("/start_profile", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert client.post("/stop_profile").status_code == 400, "nothing was started"
+
+
+def test_stream_events_are_utf8_json_with_non_finite_floats_as_null():
+    """The native stream's events (orjson, as SGLang's server writes them):
+    UTF-8 text as is, tuples as arrays, and an infinite logprob as null,
+    which every JSON parser reads (``json.dumps`` wrote ``-Infinity``)."""
+    from radixserve.entrypoints.http_server import _json_events
+
+    async def outputs():
+        yield {"text": "héllo 🚀", "meta_info": {"output_token_logprobs": [(float("-inf"), 7, None)]}}
+
+    async def collect():
+        return [event async for event in _json_events(outputs())]
+
+    [event] = asyncio.run(collect())
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n") and "héllo 🚀".encode() in event
+    assert json.loads(event[6:], parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")) == {
+        "text": "héllo 🚀", "meta_info": {"output_token_logprobs": [[None, 7, None]]}}

@@ -19,6 +19,7 @@ import sys
 import threading
 from typing import Any, AsyncIterator
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -53,9 +54,11 @@ def error_response(message: str, status: int = 400, param: str | None = None, er
     return JSONResponse(error_body(message, status, err_type, param), status, headers=headers)
 
 
-async def _json_events(outputs: AsyncIterator[dict]) -> AsyncIterator[str]:
+async def _json_events(outputs: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    """Each output as an SSE event, in orjson as SGLang's server writes them
+    (a tenth of ``json.dumps``'s time; NaN and infinities go out as null)."""
     async for out in outputs:
-        yield "data: " + json.dumps(out, ensure_ascii=False) + "\n\n"
+        yield b"data: " + orjson.dumps(out) + b"\n\n"
 
 
 async def read_json(request: Request) -> Any:

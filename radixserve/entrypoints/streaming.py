@@ -29,13 +29,13 @@ async def peek(gen: AsyncIterator) -> AsyncIterator:
     return chained()
 
 
-async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[bytes]:
+async def sse_stream(events: AsyncIterator[str | bytes]) -> AsyncIterator[bytes]:
     """Encode ``data: ...`` events and close the stream with ``[DONE]``. A
     failure after the first event becomes an error event in OpenAI's shape
     (``data: {"error": {...}}``), which OpenAI's clients raise as an APIError."""
     try:
         async for event in events:
-            yield event.encode()
+            yield event if isinstance(event, bytes) else event.encode()
     except Exception as exc:
         status = _STATUS.get(type(exc), 400 if isinstance(exc, ValueError) else 500)
         if status == 500:

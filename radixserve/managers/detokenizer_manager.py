@@ -24,6 +24,11 @@ logger = logging.getLogger(__name__)
 CONTEXT_TOKENS = 5
 
 
+# A request's decode options (DecodeStatus's arguments): in the meta of its
+# first output only (the scheduler's ``req_meta``).
+DECODE_OPTIONS = ("skip_special_tokens", "spaces_between_special_tokens", "stop", "no_stop_trim", "stop_regex")
+
+
 class DecodeStatus:
     """Decoding state of one request's output."""
 
@@ -40,6 +45,7 @@ class DecodeStatus:
         self.sent = 0  # characters of the final text already handed out
         self.stop, self.stop_regex = list(stop or []), list(stop_regex or [])
         hold = max(max((len(s) - 1 for s in self.stop), default=0), stop_regex_lib.stream_hold(self.stop_regex))
+        self.no_stop_trim = no_stop_trim
         self.hold = 0 if no_stop_trim else hold
 
     def _decode(self, ids: list[int]) -> str:
@@ -133,14 +139,11 @@ class DetokenizerManager:
                            [out.meta[i] for i in keep])
 
     def _feed(self, rid: str, ids: list[int], meta: dict) -> str:
+        options = {key: meta.pop(key) for key in DECODE_OPTIONS if key in meta}  # kept here, not passed on
         st = self.status.get(rid)
         if st is None:
-            st = self.status[rid] = DecodeStatus(
-                self.tokenizer, meta.get("skip_special_tokens", True),
-                meta.get("spaces_between_special_tokens", True), meta.get("stop"), meta.get("no_stop_trim", False),
-                meta.get("stop_regex"),
-            )
-        delta = st.feed(ids, meta.get("finish_reason"), meta.get("no_stop_trim", False))
+            st = self.status[rid] = DecodeStatus(self.tokenizer, **options)
+        delta = st.feed(ids, meta.get("finish_reason"), st.no_stop_trim)
         if meta.get("finish_reason") is not None:
             del self.status[rid]
         return delta

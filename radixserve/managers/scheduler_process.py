@@ -49,20 +49,21 @@ STATS_INTERVAL_S = 0.5  # how often a busy scheduler reports its load (for /metr
 UNSTREAMED_OUTPUT_INTERVAL = 50
 
 
-def req_meta(req: Req, sent_logprobs: int) -> dict:
-    """What the detokenizer and the tokenizer manager need about a request."""
-    sp = req.sampling_params
+def req_meta(req: Req, sent_logprobs: int, first: bool) -> dict:
+    """What the detokenizer and the tokenizer manager need about a request.
+    Its decode options go with its ``first`` output only: the detokenizer
+    keeps them (``DECODE_OPTIONS``), and the per-step messages stay small."""
     meta = {
         "prompt_tokens": len(req.origin_input_ids),
         "completion_tokens": len(req.output_ids),
         "cached_tokens": req.cached_tokens,
         "finish_reason": req.finished_reason.to_json() if req.finished_reason else None,
-        "skip_special_tokens": sp.skip_special_tokens,
-        "spaces_between_special_tokens": sp.spaces_between_special_tokens,
-        "stop": list(sp.stop or []),
-        "stop_regex": list(sp.stop_regex or []),
-        "no_stop_trim": sp.no_stop_trim,
     }
+    if first:
+        sp = req.sampling_params
+        meta.update(skip_special_tokens=sp.skip_special_tokens,
+                    spaces_between_special_tokens=sp.spaces_between_special_tokens, stop=list(sp.stop or []),
+                    stop_regex=list(sp.stop_regex or []), no_stop_trim=sp.no_stop_trim)
     if req.return_logprob:
         meta["output_token_logprobs"] = req.output_token_logprobs[sent_logprobs:]
         meta["output_top_logprobs"] = req.output_top_logprobs[sent_logprobs:]
@@ -185,12 +186,13 @@ class SchedulerProcess:
             return
         rids, new_ids, metas = [], [], []
         for req in reqs:
+            first = req.rid not in self.sent
             n_ids, n_lp = self.sent.get(req.rid, (0, 0))
             if n_ids and not req.finished() and len(req.output_ids) - n_ids < req.output_interval:
                 continue  # the first token goes at once (TTFT), then every output_interval tokens, and the end
             rids.append(req.rid)
             new_ids.append(req.output_ids[n_ids:])
-            metas.append(req_meta(req, n_lp))
+            metas.append(req_meta(req, n_lp, first))
             if req.finished():
                 self.sent.pop(req.rid, None)
             else:
