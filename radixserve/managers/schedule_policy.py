@@ -144,11 +144,11 @@ def mixed_step_budget(riders: int, waiting: list[Req], chunked: Req | None, min_
     ``min_size``: the riders' token gaps stay near a decode step's; under load
     the steps grow back to the chunk, whose larger matrix products keep up."""
     enough = (chunk if chunk > 0 else 1 << 62) * MIXED_QUEUE_STEPS
-    queued = len(chunked.fill_ids) - chunked.kv_end if chunked is not None else 0
+    queued = chunked.seqlen - chunked.kv_end if chunked is not None else 0  # seqlen: len(fill_ids), unbuilt
     for req in waiting:
         if queued >= enough:
             break
-        queued += len(req.fill_ids) - len(req.prefix_indices)
+        queued += req.seqlen - len(req.prefix_indices)
     budget = max(riders + -(-queued // MIXED_QUEUE_STEPS), min_size)
     return min(budget, chunk) if chunk > 0 else budget
 
