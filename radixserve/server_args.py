@@ -126,6 +126,8 @@ class ServerArgs:
     stream_interval: int = field(default=1, metadata={
         "help": "output tokens between a streamed request's events (a request's sampling_params.stream_interval "
                 "overrides it); larger values cost the server less per token with many streams"})
+    incremental_streaming_output: bool = field(default=False, metadata={
+        "help": "each event of a native /generate stream carries only what is new: text, output_ids, logprobs"})
     # Limits on what clients may ask (docs/limits.md).
     max_queued_requests: int | None = field(default=4096, metadata={
         "help": "requests (each prompt and sample counts) that may wait beyond --max-running-requests; "

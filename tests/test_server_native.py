@@ -342,3 +342,45 @@ def test_stream_events_are_utf8_json_with_non_finite_floats_as_null():
     assert event.startswith(b"data: ") and event.endswith(b"\n\n") and "héllo 🚀".encode() in event
     assert json.loads(event[6:], parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")) == {
         "text": "héllo 🚀", "meta_info": {"output_token_logprobs": [[None, 7, None]]}}
+
+
+def test_incremental_streaming_output_sends_what_is_new():
+    """SGLang's --incremental-streaming-output: each event of a native stream
+    carries its prompt's new text, output_ids and output logprobs (input
+    logprobs in its first event only); without the flag, events are
+    cumulative. The route runs in-process over a tokenizer manager that
+    yields cumulative outputs, as the real one does."""
+    from radixserve.entrypoints.http_server import create_app
+    from radixserve.server_args import ServerArgs
+
+    def cumulative(index, n):
+        lp = [[-0.5 * i, 10 + i, None] for i in range(n)]  # lists: JSON has no tuples
+        return {"text": "ab" * n, "output_ids": [10 + i for i in range(n)], "index": index, "meta_info": {
+            "completion_tokens": n, "output_token_logprobs": lp, "input_token_logprobs": [[None, 1, None]]}}
+
+    class Manager:
+        dead = None
+
+        async def generate_request(self, obj, request=None):
+            for n in (1, 3, 4):
+                for index in (0, 1):
+                    yield cumulative(index, n + index)
+
+    async def events(flag):
+        args = ServerArgs.from_kwargs(model_path="tiny-llama", incremental_streaming_output=flag)
+        app = create_app(type("Engine", (), {"tokenizer_manager": Manager()})(), args)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as ac:
+            reply = await ac.post("/generate", json={"text": ["a", "b"], "stream": True})
+        return sse_events(reply.text)
+
+    plain, new = asyncio.run(events(False)), asyncio.run(events(True))
+    assert plain == [cumulative(i, n + i) for n in (1, 3, 4) for i in (0, 1)]
+    for index in (0, 1):
+        mine = [e for e in new if e["index"] == index]
+        assert [len(e["output_ids"]) for e in mine] == [1 + index, 2, 1]
+        assert "".join(e["text"] for e in mine) == "ab" * (4 + index)
+        assert sum((e["output_ids"] for e in mine), []) == cumulative(index, 4 + index)["output_ids"]
+        logprobs = sum((e["meta_info"]["output_token_logprobs"] for e in mine), [])
+        assert logprobs == cumulative(index, 4 + index)["meta_info"]["output_token_logprobs"]
+        assert [len(e["meta_info"]["input_token_logprobs"]) for e in mine] == [1, 0, 0]
+        assert [e["meta_info"]["completion_tokens"] for e in mine] == [1 + index, 3 + index, 4 + index]

@@ -31,7 +31,7 @@ from radixserve.entrypoints import http_guards
 from radixserve.entrypoints.http_guards import error_body
 from radixserve.entrypoints.launcher import EngineProcesses, start_engine_processes
 from radixserve.entrypoints.openai.adapters import validation_error_to_openai, value_error_to_openai
-from radixserve.entrypoints.streaming import peek, sse_stream
+from radixserve.entrypoints.streaming import incremental, peek, sse_stream
 from radixserve.managers.io_struct import GenerateReqInput
 from radixserve.managers.profiler import check_profile_options
 from radixserve.managers.tokenizer_manager import EngineDeadError, RequestTimeoutError, ServerBusyError
@@ -223,7 +223,10 @@ def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
         obj = generate_input(await read_json(request))
         gen = tm.generate_request(obj, request)
         if obj.stream:
-            return StreamingResponse(sse_stream(_json_events(await peek(gen))), media_type="text/event-stream")
+            outputs = await peek(gen)
+            if args.incremental_streaming_output:
+                outputs = incremental(outputs)
+            return StreamingResponse(sse_stream(_json_events(outputs)), media_type="text/event-stream")
         outs = [o async for o in gen]
         if obj.is_single and len(outs) == 1:
             return outs[0]

@@ -29,6 +29,26 @@ async def peek(gen: AsyncIterator) -> AsyncIterator:
     return chained()
 
 
+async def incremental(outputs: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    """``--incremental-streaming-output`` (SGLang's flag): each output of a
+    native stream carries what is new since that prompt's previous one, its
+    text, ``output_ids`` and output logprobs; input logprobs come in its
+    first (empty after). The outputs are cumulative (see TokenizerManager)."""
+    sent: dict = {}  # index -> (characters, output ids) sent
+    async for out in outputs:
+        index = out.get("index")
+        chars, ids = sent.get(index, (0, 0))
+        meta = dict(out["meta_info"])
+        for key in ("output_token_logprobs", "output_top_logprobs"):
+            if key in meta:
+                meta[key] = meta[key][ids:]
+        for key in ("input_token_logprobs", "input_top_logprobs"):
+            if key in meta and index in sent:
+                meta[key] = []
+        sent[index] = (len(out["text"]), len(out["output_ids"]))
+        yield {**out, "text": out["text"][chars:], "output_ids": out["output_ids"][ids:], "meta_info": meta}
+
+
 async def sse_stream(events: AsyncIterator[str | bytes]) -> AsyncIterator[bytes]:
     """Encode ``data: ...`` events and close the stream with ``[DONE]``. A
     failure after the first event becomes an error event in OpenAI's shape
