@@ -286,6 +286,25 @@ def test_multi_turn_run_resends_the_growing_history(server, tmp_path):
     assert ideal - 6 / run["total_input_tokens"] - 1e-9 <= run["cache_hit_rate_requests"] <= ideal + 1e-9
 
 
+def test_multi_turn_histories_are_exact_from_a_server_that_streams_what_is_new(tmp_path):
+    """With --incremental-streaming-output the client adds up each reply's
+    new output_ids (it reads the flag from /get_server_info), so every later
+    turn resends the exact history, as from a cumulative server."""
+    from tests.server_harness import ServerProcess
+
+    srv = ServerProcess("--model-path", "tiny-llama", "--max-total-tokens", "4096", "--incremental-streaming-output")
+    try:
+        rc, out = _run(srv, tmp_path, "mt-incremental", "--dataset-name", "multi-turn", "--num-prompts", "2",
+                       "--mt-num-turns", "3", "--mt-first-input-len", "40", "--mt-turn-input-len", "8",
+                       "--mt-output-len", "5", "--request-rate", "50")
+    finally:
+        srv.stop()
+    run = out["runs"][0]
+    assert rc == 0 and (run["completed"], run["failed"]) == (6, 0)
+    assert run["total_input_tokens"] == 2 * (40 + 53 + 66)  # only the last event's ids would give 40 + 49 + 58
+    assert run["total_output_tokens"] == 6 * 5
+
+
 def test_server_counters_agree_with_per_request_cached_tokens(server, tmp_path):
     rc, out = _run(server, tmp_path, "counters", "--dataset-name", "generated-shared-prefix", "--gsp-num-groups",
                    "2", "--gsp-prompts-per-group", "2", "--gsp-system-prompt-len", "32", "--gsp-question-len", "4",

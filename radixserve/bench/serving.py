@@ -68,7 +68,8 @@ class Chunk:
 
 
 class NativeBackend:
-    """SGLang's ``POST /generate``; replies carry cumulative ``output_ids``."""
+    """SGLang's ``POST /generate``; replies carry cumulative ``output_ids`` (new ones only from a server
+    with ``--incremental-streaming-output``: ``make_backend``)."""
 
     path = "/generate"
     chat = False  # the prompt is a list of messages
@@ -142,6 +143,13 @@ def _usage_chunk(data: dict) -> Chunk:
 
 BACKENDS = {"radixserve": NativeBackend, "openai": OpenAICompletionsBackend, "openai-chat": OpenAIChatBackend}
 
+
+def make_backend(cfg: "ClientConfig"):
+    backend = BACKENDS[cfg.backend]()
+    if cfg.incremental and isinstance(backend, NativeBackend):
+        backend.cumulative = False  # each event brings its new text and output_ids
+    return backend
+
 # --------------------------------------------------------------------------- the client
 
 
@@ -153,6 +161,7 @@ class ClientConfig:
     api_key: str | None = None
     sampling: dict = field(default_factory=dict)  # extra sampling params (temperature, ignore_eos, ...)
     request_timeout: float = 3600.0
+    incremental: bool = False  # the server streams what is new (--incremental-streaming-output; from /get_server_info)
 
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -203,9 +212,12 @@ async def send_request(client, cfg: ClientConfig, backend, prompt, max_tokens: i
                     tokens = chunk.tokens if chunk.tokens is not None else tokens + 1
                 reply_text = chunk.text if backend.cumulative else reply_text + chunk.text
                 last.finished |= chunk.finished
-                for name in ("prompt_len", "cached_tokens", "completion_tokens", "output_ids"):
+                for name in ("prompt_len", "cached_tokens", "completion_tokens"):
                     if getattr(chunk, name) is not None:
                         setattr(last, name, getattr(chunk, name))
+                if chunk.output_ids is not None:
+                    last.output_ids = (chunk.output_ids if backend.cumulative
+                                       else (last.output_ids or []) + chunk.output_ids)
     except Exception as exc:  # noqa: BLE001 - any transport failure is a failed request, not a crash
         record.error = f"{type(exc).__name__}: {exc}"
         return last
@@ -307,7 +319,7 @@ async def run_at_rate(client, cfg: ClientConfig, dataset: Dataset, rate: float, 
     """Send every conversation, Poisson-spaced at ``rate``, and wait for all replies."""
     from tqdm import tqdm
 
-    backend = BACKENDS[cfg.backend]()
+    backend = make_backend(cfg)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     offsets = arrival_offsets(len(dataset.conversations), rate, np.random.default_rng(seed))
     bar = tqdm(total=dataset.num_requests, desc=f"rate {rate:g}", disable=not progress, file=sys.stderr)
@@ -384,7 +396,7 @@ async def _flush_cache(client, cfg: ClientConfig, wait_s: float = 30.0) -> bool:
 
 async def _warmup(client, cfg: ClientConfig, n: int, sampler: TokenSampler) -> None:
     """Short requests unrelated to the dataset, so they leave nothing it could reuse."""
-    backend = BACKENDS[cfg.backend]()
+    backend = make_backend(cfg)
     prompt = [{"role": "user", "content": "Say hello."}] if backend.chat else sampler.ids(16)
     records = [RequestRecord(-1, 0, 0.0) for _ in range(n)]
     await asyncio.gather(*(send_request(client, cfg, backend, prompt, 8, r) for r in records))
@@ -432,6 +444,7 @@ async def _benchmark(args, cfg: ClientConfig, output: dict, live: dict,
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as client:
         info = await _get_json(client, cfg, "/get_model_info") or {}
         server = await _get_json(client, cfg, "/get_server_info") or {}
+        cfg.incremental = bool(server.get("incremental_streaming_output"))
         if not cfg.model:
             models = await _get_json(client, cfg, "/v1/models") or {}
             cfg.model = ((models.get("data") or [{}])[0].get("id") or info.get("served_model_name") or "default")
