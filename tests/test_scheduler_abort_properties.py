@@ -21,12 +21,18 @@ MAX_STEPS_TO_IDLE = 500
 RIDS = itertools.count()  # unique across examples: they share an engine
 
 
+# Plain steps; mixed steps (the running requests decode inside prefills); mixed
+# steps sized by the queue (--mixed-chunk-min-size).
+MIXING = {"plain": {}, "mixed": {"enable_mixed_chunk": True},
+          "queue-sized": {"enable_mixed_chunk": True, "mixed_chunk_min_size": 4}}
+
+
 @functools.lru_cache(maxsize=None)
-def tiny_engine(page_size: int) -> radixserve.Engine:
-    """One engine per page size for all examples; each example leaves it idle."""
+def tiny_engine(page_size: int, mixing: str = "plain") -> radixserve.Engine:
+    """One engine per page size and way of mixing for all examples; each example leaves it idle."""
     eng = radixserve.Engine(
         model_path="tiny-llama", load_format="dummy", device="cpu", check_invariants=True, disable_tqdm=True,
-        max_total_tokens=192, max_running_requests=6, chunked_prefill_size=16, page_size=page_size,
+        max_total_tokens=192, max_running_requests=6, chunked_prefill_size=16, page_size=page_size, **MIXING[mixing],
     )
     eng.free_rows_when_idle = eng.scheduler.req_to_token_pool.available_size()  # the runner may keep a row
     return eng
@@ -37,9 +43,9 @@ prompt_tails = st.lists(st.integers(1, 3), min_size=1, max_size=40)
 
 
 class SchedulerAbortMachine(RuleBasedStateMachine):
-    @initialize(page_size=st.sampled_from([1, 4]), overlap=st.booleans())
-    def setup(self, page_size, overlap):
-        eng = tiny_engine(page_size)
+    @initialize(page_size=st.sampled_from([1, 4]), overlap=st.booleans(), mixing=st.sampled_from(sorted(MIXING)))
+    def setup(self, page_size, overlap, mixing):
+        eng = tiny_engine(page_size, mixing)
         self.s, self.free_rows = eng.scheduler, eng.free_rows_when_idle
         assert self.s.is_idle()
         self.s.overlap = overlap  # forced on CPU, as tests/test_engine.py does: results come one step later
