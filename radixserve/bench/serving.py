@@ -48,107 +48,8 @@ from radixserve.bench.serving_workers import (http_call, poll_server, read_serve
                                               worker_breakdown)
 from radixserve.bench.datasets import (Conversation, Dataset, TokenSampler, generated_shared_prefix_dataset,
                                        jsonl_dataset, multi_turn_dataset, random_dataset)
-
-# --------------------------------------------------------------------------- backends
-
-
-@dataclass
-class Chunk:
-    """One parsed server-sent event."""
-
-    tokens: int | None = None  # completion tokens so far (native); None if the event does not say
-    text: str = ""  # new text (OpenAI) or the cumulative text (native)
-    output_ids: list[int] | None = None
-    arrived: bool = False  # this event brought output
-    finished: bool = False
-    prompt_len: int | None = None
-    cached_tokens: int | None = None
-    completion_tokens: int | None = None
-    error: str = ""
-
-
-class NativeBackend:
-    """SGLang's ``POST /generate``; replies carry cumulative ``output_ids`` (new ones only from a server
-    with ``--incremental-streaming-output``: ``make_backend``)."""
-
-    path = "/generate"
-    chat = False  # the prompt is a list of messages
-    cumulative = True  # each event repeats the whole reply so far (text and output_ids)
-
-    def payload(self, prompt, max_tokens: int, sampling: dict, model: str) -> dict:
-        key = "text" if isinstance(prompt, str) else "input_ids"
-        return {key: prompt, "sampling_params": {"max_new_tokens": max_tokens, **sampling}, "stream": True}
-
-    def parse(self, data: dict, prev_tokens: int) -> Chunk:
-        if "error" in data:
-            return Chunk(error=str(data["error"]))
-        meta = data.get("meta_info", {})
-        n = meta.get("completion_tokens", len(data.get("output_ids") or []))
-        return Chunk(tokens=n, text=data.get("text", ""), output_ids=data.get("output_ids"), arrived=n > prev_tokens,
-                     finished=meta.get("finish_reason") is not None, prompt_len=meta.get("prompt_tokens"),
-                     cached_tokens=meta.get("cached_tokens"), completion_tokens=n)
-
-
-class OpenAICompletionsBackend:
-    """``POST /v1/completions``; a prompt of token ids is sent as ids."""
-
-    path = "/v1/completions"
-    chat = False  # the prompt is a list of messages
-    cumulative = False  # each event brings a text delta
-    prompt_field = "prompt"
-
-    def payload(self, prompt, max_tokens: int, sampling: dict, model: str) -> dict:
-        return {"model": model, self.prompt_field: prompt, "max_tokens": max_tokens, "stream": True,
-                "stream_options": {"include_usage": True}, **_openai_sampling(sampling)}
-
-    @staticmethod
-    def choice_text(choice: dict) -> str:
-        return choice.get("text") or ""
-
-    def parse(self, data: dict, prev_tokens: int) -> Chunk:
-        if "error" in data:
-            return Chunk(error=str(data["error"]))
-        chunk = _usage_chunk(data)
-        for choice in data.get("choices") or []:
-            chunk.text += self.choice_text(choice)
-            chunk.finished |= choice.get("finish_reason") is not None
-        chunk.arrived = bool(chunk.text) or chunk.finished
-        return chunk
-
-
-class OpenAIChatBackend(OpenAICompletionsBackend):
-    """``POST /v1/chat/completions``; the prompt is a list of messages."""
-
-    path = "/v1/chat/completions"
-    chat = True
-    prompt_field = "messages"
-
-    @staticmethod
-    def choice_text(choice: dict) -> str:
-        return (choice.get("delta") or {}).get("content") or ""
-
-
-def _openai_sampling(sampling: dict) -> dict:
-    out = dict(sampling)
-    if "min_new_tokens" in out:
-        out["min_tokens"] = out.pop("min_new_tokens")
-    return out
-
-
-def _usage_chunk(data: dict) -> Chunk:
-    usage = data.get("usage") or {}
-    return Chunk(prompt_len=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"),
-                 cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
-
-
-BACKENDS = {"radixserve": NativeBackend, "openai": OpenAICompletionsBackend, "openai-chat": OpenAIChatBackend}
-
-
-def make_backend(cfg: "ClientConfig"):
-    backend = BACKENDS[cfg.backend]()
-    if cfg.incremental and isinstance(backend, NativeBackend):
-        backend.cumulative = False  # each event brings its new text and output_ids
-    return backend
+from radixserve.bench.serving_backends import (BACKENDS, Chunk, NativeBackend, OpenAIChatBackend,  # noqa: F401
+                                               OpenAICompletionsBackend, make_backend)
 
 # --------------------------------------------------------------------------- the client
 
@@ -319,7 +220,7 @@ async def run_at_rate(client, cfg: ClientConfig, dataset: Dataset, rate: float, 
     """Send every conversation, Poisson-spaced at ``rate``, and wait for all replies."""
     from tqdm import tqdm
 
-    backend = make_backend(cfg)
+    backend = make_backend(cfg.backend, cfg.incremental)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     offsets = arrival_offsets(len(dataset.conversations), rate, np.random.default_rng(seed))
     bar = tqdm(total=dataset.num_requests, desc=f"rate {rate:g}", disable=not progress, file=sys.stderr)
@@ -396,7 +297,7 @@ async def _flush_cache(client, cfg: ClientConfig, wait_s: float = 30.0) -> bool:
 
 async def _warmup(client, cfg: ClientConfig, n: int, sampler: TokenSampler) -> None:
     """Short requests unrelated to the dataset, so they leave nothing it could reuse."""
-    backend = make_backend(cfg)
+    backend = make_backend(cfg.backend, cfg.incremental)
     prompt = [{"role": "user", "content": "Say hello."}] if backend.chat else sampler.ids(16)
     records = [RequestRecord(-1, 0, 0.0) for _ in range(n)]
     await asyncio.gather(*(send_request(client, cfg, backend, prompt, 8, r) for r in records))
