@@ -10,7 +10,8 @@
 #            and fp8_e4m3 -> sweep.jsonl, w2.jsonl (each line names its kv_cache_dtype)
 #   w5       W5 (random 1024 in / 256 out, Poisson at W5_RATES req/s, goodput at TTFT 1 s /
 #            TPOT 50 ms) against one server per configuration of W5_CONFIGS
-#            ("label=flags;label=flags", W5_PROMPTS requests a rate) -> w5-1.json, w5-2.json, ...
+#            ("label=flags;label=flags", W5_PROMPTS requests a rate; W5_CLIENT_ARGS adds bench.serving
+#            options, e.g. --save-requests) -> w5-1.json, w5-2.json, ...
 #
 #   OUT=/some/dir benchmarks/gpu_pieces.sh
 #
@@ -24,6 +25,7 @@ set -uo pipefail
 MODEL=${MODEL:-llama-3.1-8b} PIECES=${PIECES:-tests prefill w5}
 PREFILL_LENS=${PREFILL_LENS:-128 512} PREFILL_BS=${PREFILL_BS:-1 2 4 8}
 W5_PROMPTS=${W5_PROMPTS:-1000} W5_RATES=${W5_RATES:-12 16 20 24} W5_INPUT=${W5_INPUT:-1024} W5_OUTPUT=${W5_OUTPUT:-256}
+W5_CLIENT_ARGS=${W5_CLIENT_ARGS:-}
 W5_CONFIGS=${W5_CONFIGS:-"mixed 512, eager=--enable-mixed-chunk --chunked-prefill-size 512 --disable-piecewise-cuda-graph;mixed 512=--enable-mixed-chunk --chunked-prefill-size 512"}
 BUDGET=${BUDGET:-570} START_TIMEOUT=${START_TIMEOUT:-240} TESTS_TIMEOUT=${TESTS_TIMEOUT:-330}
 RESERVE=20                            # s kept back to stop a server after the last piece
@@ -92,7 +94,7 @@ run_w5() {
         timeout -s INT -k 20 "$t" "$PY" -m radixserve.bench.serving --port "$PORT" --disable-tqdm \
             --output-json "$OUT/w5-$n.json" --dataset-name random --num-prompts "$W5_PROMPTS" \
             --random-input-len "$W5_INPUT" --random-output-len "$W5_OUTPUT" --random-range-ratio 1 \
-            --request-rate $W5_RATES --seed 3 --slo-ttft 1000 --slo-tpot 50 --label "$label" \
+            --request-rate $W5_RATES --seed 3 --slo-ttft 1000 --slo-tpot 50 --label "$label" $W5_CLIENT_ARGS \
             >"$LOGDIR/w5-$n.log" 2>&1 || fail "w5 $label" "$LOGDIR/w5-$n.log"
         stop_server
         [[ -f $OUT/w5-$n.json ]] && "$PY" -m radixserve.bench.serving_report "$OUT/w5-$n.json"

@@ -183,6 +183,37 @@ def test_extend_with_riding_decodes(page_size, save_kv_cache):
     assert md.riders is not None and md.riders.num_kv_splits.shape == (3,)
 
 
+def test_cached_launches_equal_tritons():
+    """The four launches of a mixed batch (K/V store, extend, decode split and
+    merge) through CachedLaunch's compiled kernels give exactly what Triton's
+    own launches give."""
+    from radixserve.layers.attention.triton_ops import decode_attention, extend_attention, kv_store
+
+    launchers = [kv_store._launch_store, extend_attention._launch_extend, decode_attention._launch_split,
+                 decode_attention._launch_merge]
+    batch = PagedBatch([37, 0, 2000, 1, 900], [300, 7, 1, 1, 1], page_size=16, group=4, head_dim=128,
+                       dtype=torch.bfloat16, seed=9)
+    pools = [batch.clone_pool() for _ in range(3)]
+    was = [launch.enabled for launch in launchers]
+    try:
+        for launch in launchers:
+            launch.enabled = False
+        ref, _ = batch.forward("triton", ForwardMode.EXTEND, pools[0], num_decoding=3)
+        for launch in launchers:
+            launch.enabled = True
+        batch.forward("triton", ForwardMode.EXTEND, pools[1], num_decoding=3)  # compiled kernels remembered
+        before = [launch.fast_launches for launch in launchers]
+        out, _ = batch.forward("triton", ForwardMode.EXTEND, pools[2], num_decoding=3)
+        assert [launch.fast_launches - n for launch, n in zip(launchers, before)] == [1, 1, 1, 1]
+    finally:
+        for launch, enabled in zip(launchers, was):
+            launch.enabled = enabled
+    assert torch.equal(out, ref)
+    for layer in range(2):
+        assert torch.equal(pools[2].k_buffer[layer], pools[0].k_buffer[layer])
+        assert torch.equal(pools[2].v_buffer[layer], pools[0].v_buffer[layer])
+
+
 # -- decode -------------------------------------------------------------------------
 def decode_context_lens(bs: int, seed: int) -> list[int]:
     """Context lengths (before the new token) from 0 to 4095, mixed in one batch;

@@ -163,7 +163,8 @@ class PiecewiseCudaGraphRunner:
         self.positions[:n].copy_(fb.positions)
         self.runner.attn_backend.init_forward_metadata(fb)
         pieces[0]()
+        q, k, v, attn_out = self.q[:n], self.k[:n], self.v[:n], self.attn_out[:n]  # the same rows every layer
         for layer, piece in zip(self.layers, pieces[1:]):
-            self.attn_out[:n].copy_(layer.self_attn.attn(self.q[:n], self.k[:n], self.v[:n], fb))
+            attn_out.copy_(layer.self_attn.attn(q, k, v, fb))
             piece()
         return self.model.logits_processor(fb.input_ids, self.hidden[:n], self.model.lm_head, fb)

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.attention.triton_ops.launch import CachedLaunch
 from radixserve.mem_cache.memory_pool import FP8_DTYPES
 
 MAX_KV_SPLITS = 64  # splits per request at most
@@ -153,6 +154,9 @@ def _decode_merge_kernel(
     tl.store(Out + b * stride_ob + h * stride_oh + offs_dv, out.to(Out.dtype.element_ty), mask=dv_mask)
 
 
+_launch_split, _launch_merge = CachedLaunch(_decode_split_kernel), CachedLaunch(_decode_merge_kernel)
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -206,7 +210,7 @@ def decode_attention_fwd(
     config = dict(STAGE1_CONFIG)
     if max(head_dim, v_head_dim) > 128 or q.dtype == torch.float32 or bs * kv_heads < _num_sms(q.device):
         config["BLOCK_N"] = min(config["BLOCK_N"], SMALL_BLOCK_N)
-    _decode_split_kernel[(bs, kv_heads, max_splits)](
+    _launch_split((bs, kv_heads, max_splits),
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse,
         sm_scale * LOG2E, 1.0,
         q.stride(0), q.stride(1),
@@ -220,7 +224,7 @@ def decode_attention_fwd(
         DOT_PRECISION=precision, DOT_DTYPE=dot_dtype(q.dtype, k_buffer.dtype), KV_FP8=k_buffer.dtype in FP8_DTYPES,
         **config,
     )
-    _decode_merge_kernel[(bs, num_heads)](
+    _launch_merge((bs, num_heads),
         mid_o, mid_lse, out, num_kv_splits,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),

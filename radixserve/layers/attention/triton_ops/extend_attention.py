@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from radixserve.layers.attention.triton_ops.decode_attention import dot_dtype
+from radixserve.layers.attention.triton_ops.launch import CachedLaunch
 from radixserve.mem_cache.memory_pool import FP8_DTYPES
 
 LOG2E = 1.4426950408889634
@@ -168,6 +169,8 @@ def _extend_kernel(
 EXTEND_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 EXTEND_CONFIG_FP32 = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 
+_launch_extend = CachedLaunch(_extend_kernel)
+
 
 def extend_attention_fwd(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim], new tokens of all requests
@@ -199,7 +202,7 @@ def extend_attention_fwd(
     if config["BLOCK_M"] % config["BLOCK_N"]:
         raise ValueError(f"extend attention: BLOCK_M must be a multiple of BLOCK_N, got {config}")
     grid = (bs, num_heads, triton.cdiv(max_extend_len, config["BLOCK_M"]))
-    _extend_kernel[grid](
+    _launch_extend(grid,
         q, k, v, out, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start,
         sm_scale * LOG2E, 1.0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),

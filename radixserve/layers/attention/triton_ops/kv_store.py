@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.attention.triton_ops.launch import CachedLaunch
 from radixserve.mem_cache.memory_pool import FP8_DTYPES
 
 
@@ -32,6 +33,9 @@ def _store_kv_kernel(
     tl.store(V_buf + slot * stride_vbt + offs_v, v.to(V_buf.dtype.element_ty), mask=offs_v < V_ROW)
 
 
+_launch_store = CachedLaunch(_store_kv_kernel)
+
+
 def can_store_kv(k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> bool:
     """Whether :func:`store_kv` handles these layouts: each token's heads
     contiguous in ``k``/``v`` (``[n, heads, dim]``) and each slot's in the pool."""
@@ -45,7 +49,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor, v_buffer:
     if n == 0:
         return
     k_row, v_row = k.shape[1] * k.shape[2], v.shape[1] * v.shape[2]
-    _store_kv_kernel[(n,)](
+    _launch_store((n,),
         k, v, k_buffer, v_buffer, loc,
         k.stride(0), v.stride(0), k_buffer.stride(0), v_buffer.stride(0),
         K_ROW=k_row, BLOCK_K=triton.next_power_of_2(k_row), V_ROW=v_row, BLOCK_V=triton.next_power_of_2(v_row),
