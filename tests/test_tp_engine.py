@@ -87,6 +87,12 @@ def test_tp_engine_restarted_on_the_file_tier_serves_prefixes_from_files(tmp_pat
         ref = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
     with radixserve.Engine(**TINY, tp_size=2, max_total_tokens=512, **tier) as eng:
         eng.generate(input_ids=prompts, sampling_params=params)
+        followers = eng.scheduler.processes
+    # Closing asked rank 1 to close too (its writes land) rather than killing it.
+    assert [p.exitcode for p in followers] == [0]
+    for rank in (0, 1):
+        files = list(tmp_path.glob(f"*-tp{rank}of2-*/*/*.kv"))
+        assert len(files) == 4, f"rank {rank} wrote {len(files)} blocks"
     with radixserve.Engine(**TINY, tp_size=2, max_total_tokens=512, **tier) as eng:
         outs = eng.generate(input_ids=prompts, sampling_params=params)
         stats = eng.get_stats()

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgpack
 
-from radixserve.managers.io_struct import AbortReq, FlushCacheReq, TokenizedGenerateReqInput, encode
+from radixserve.managers.io_struct import AbortReq, CloseReq, FlushCacheReq, TokenizedGenerateReqInput, encode
 from radixserve.managers.schedule_batch import Req
 from radixserve.managers.scheduler_process import IDLE_POLL_MS, run_scheduler_process
 from radixserve.server_args import ServerArgs
@@ -102,8 +102,24 @@ class TpLeader:
     def shutdown(self) -> None:
         self._closed.set()
         with self._lock:
+            self._close_followers()
             self._stop_followers()
             self.scheduler.model_runner.shutdown()
+
+    def _close_followers(self) -> None:
+        """Ask the other ranks to close their schedulers (their file tier's
+        writes land, as rank 0's do in ``Engine.shutdown``) and wait up to
+        ``STOP_TIMEOUT_S`` for them to exit. Skipped if a rank is dead: the
+        broadcast would wait for it."""
+        if self.dead():
+            return
+        try:
+            self._broadcast([encode(CloseReq())])
+        except Exception as exc:  # a rank died meanwhile: _stop_followers ends the rest
+            logger.warning("could not ask the TP ranks to close: %s", exc)
+            return
+        for p in self.processes:
+            p.join(timeout=STOP_TIMEOUT_S)
 
     def _stop_followers(self) -> None:
         for p in self.processes:

@@ -258,6 +258,12 @@ class FlushCacheReqOutput:
 
 
 @dataclass
+class CloseReq:
+    """From an offline tensor-parallel engine's rank 0 to the other ranks as it
+    shuts down: close the scheduler (the cache tiers' writes land) and stop."""
+
+
+@dataclass
 class GetInternalStateReq:
     pass
 
@@ -320,7 +326,7 @@ class BatchStrOut:
 _TYPES = {
     cls.__name__: cls
     for cls in (
-        TokenizedGenerateReqInput, AbortReq, FlushCacheReq, FlushCacheReqOutput, GetInternalStateReq,
+        TokenizedGenerateReqInput, AbortReq, FlushCacheReq, FlushCacheReqOutput, CloseReq, GetInternalStateReq,
         GetInternalStateReqOutput, ProfileReq, ProfileReqOutput, SchedulerStats, BatchTokenIDOut, BatchStrOut,
     )
 }

@@ -22,6 +22,7 @@ from radixserve.managers.child_process import ParentWatch, zmq_context
 from radixserve.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
+    CloseReq,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
@@ -95,8 +96,10 @@ class SchedulerProcess:
         self._last_stats: dict | None = None
         replica = f"DP-{dp_rank}-" if scheduler.args.dp_size > 1 else ""
         self.profiler = StepProfiler(f"{replica}TP-{self.tp.rank}", scheduler.device)
+        self.closing = False  # a CloseReq came: close the scheduler and leave the loop
 
     def event_loop(self) -> None:
+        """Until a CloseReq: take messages (a follower: rank 0's broadcast), step, send."""
         while True:
             if self.watch is not None and not self.watch.alive():
                 self.watch.exit_orphaned()
@@ -110,6 +113,9 @@ class SchedulerProcess:
                 continue
             for data in received:
                 self.handle_bytes(data)
+            if self.closing:
+                self.scheduler.close()
+                return
             if not self.scheduler.is_idle():
                 outputs = self.scheduler.step()
                 if self.leader:
@@ -150,6 +156,8 @@ class SchedulerProcess:
         elif isinstance(msg, ProfileReq):  # every rank profiles itself
             start = msg.action == "start"
             self.send_replies(self.profiler.start(msg.options, msg.req_id) if start else self.profiler.stop(msg.req_id))
+        elif isinstance(msg, CloseReq):
+            self.closing = True
         elif isinstance(msg, GetInternalStateReq):
             if self.leader:
                 self.send.send(encode(GetInternalStateReqOutput(self.internal_state())))
@@ -271,3 +279,4 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str | None, send_a
         ready.send({"status": "error", "error": f"{type(exc).__name__}: {exc}"})
         raise
     proc.event_loop()
+    scheduler.model_runner.shutdown()  # after a CloseReq: leave the TP group
