@@ -7,10 +7,11 @@ from __future__ import annotations
 import inspect
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
-from radixserve.layers.attention.triton_ops.launch import CachedLaunch, arg_key
+from radixserve.layers.attention.triton_ops.launch import CachedLaunch, arg_key, launch_key
 
 STREAM = 77
 
@@ -90,8 +91,12 @@ def test_arg_key_follows_tritons_specialization():
     assert arg_key(1) != arg_key(17) != arg_key(16) != arg_key(2**40 * 16)
     assert arg_key(32) == arg_key(48) and arg_key(3) == arg_key(5)
     assert arg_key(1.0) == arg_key(2.5) and arg_key(True) != arg_key(1)
+    assert arg_key(np.int64(1)) == arg_key(1) and arg_key(np.int64(17)) == arg_key(17) != arg_key(np.int64(32))
     t = torch.zeros(8, dtype=torch.float16)
     assert arg_key(t) == arg_key(torch.ones(4, dtype=torch.float16)) != arg_key(t[1:])
+    args = (t, t[1:], torch.nn.Parameter(torch.zeros(4)), 1, 16, 17, 2**40, 2**40 + 1, -16, 0.5, True, None, np.int32(48))
+    assert launch_key(args) == tuple(map(arg_key, args))  # the inline paths agree with arg_key
+    assert len(set(launch_key(args)[3:8])) == 5  # every class of int apart
 
 
 def test_a_launch_hook_sends_launches_through_triton(hooks):

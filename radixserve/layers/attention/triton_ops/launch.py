@@ -26,6 +26,7 @@ in the environment (for an A/B of the two paths in one run).
 from __future__ import annotations
 
 import inspect
+import numbers
 import os
 from typing import Any, Callable
 
@@ -40,15 +41,41 @@ def enabled_by_env() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and os.environ.get(DISABLE_ENV, "1") != "0"
 
 
+def _int_class(n: int) -> int:
+    """1; else within int32 or not, times a multiple of 16 or not: Triton
+    compiles a kernel per class of each int argument."""
+    if n == 1:
+        return 1
+    return (2 if n % 16 == 0 else 3) if INT32_MIN <= n <= INT32_MAX else (4 if n % 16 == 0 else 5)
+
+
 def arg_key(arg: Any) -> Any:
     """What Triton specializes a non-constexpr argument on, or something finer:
     a tensor's dtype and whether its address is 16-byte aligned; an int's
-    being 1, a multiple of 16, and within int32; the type of anything else."""
+    class (:func:`_int_class`); the type of anything else."""
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
-    if type(arg) is int:
-        return arg == 1, arg % 16 == 0, INT32_MIN <= arg <= INT32_MAX
+    if type(arg) is int or (isinstance(arg, numbers.Integral) and not isinstance(arg, bool)):  # numpy's too
+        return _int_class(int(arg))
     return type(arg)
+
+
+def launch_key(args: tuple) -> tuple:
+    """The :func:`arg_key` of every argument, with plain tensors and ints
+    inline: this runs at every launch, and a call per argument would cost
+    more than the rest of the launch."""
+    key = []
+    append = key.append
+    for arg in args:
+        kind = type(arg)
+        if kind is torch.Tensor:
+            append((arg.dtype, arg.data_ptr() % 16 == 0))
+        elif kind is int:
+            append(1 if arg == 1 else ((2 if arg % 16 == 0 else 3) if INT32_MIN <= arg <= INT32_MAX
+                                       else (4 if arg % 16 == 0 else 5)))
+        else:
+            append(arg_key(arg))
+    return tuple(key)
 
 
 def _hooks_holder() -> Any:
@@ -90,7 +117,7 @@ class CachedLaunch:
         key = None
         if self.enabled and self._device is not None:
             device = self._device()
-            key = (device, tuple(constexprs.items()), tuple(map(arg_key, args)))
+            key = (device, tuple(constexprs.items()), launch_key(args))
             hit = self.compiled.get(key)
             hooks = self._hooks
             if hit is not None and _idle(hooks.launch_enter_hook) and _idle(hooks.launch_exit_hook):
@@ -120,7 +147,7 @@ class CachedLaunch:
                 return
         if self._device is None:
             self._device, self._stream, self._hooks = self._runtime()
-            key = (self._device(), tuple(constexprs.items()), tuple(map(arg_key, args)))
+            key = (self._device(), tuple(constexprs.items()), launch_key(args))
         self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, tuple(tail))
 
     @staticmethod
