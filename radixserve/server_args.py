@@ -144,6 +144,9 @@ class ServerArgs:
         "help": "open HTTP connections (and requests in progress) beyond which requests get HTTP 503; "
                 "default 4096, or fewer where the open-file limit is lower"})
     disable_tqdm: bool = field(default=False, metadata={"help": "no progress bar for batches"})
+    skip_server_warmup: bool = field(default=False, metadata={
+        "help": "report healthy at once, without first generating a few tokens of a warm-up request "
+                "(servers with --disaggregation-mode prefill or decode never warm up)"})
     # OpenAI chat output (docs/api.md): tool calls and reasoning parsed out of the text
     tool_call_parser: str | None = field(default=None, metadata={
         "help": "the format of the model's tool calls, parsed into tool_calls with tool_choice auto",

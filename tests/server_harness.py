@@ -21,13 +21,19 @@ def free_port() -> int:
 
 class ServerProcess:
     """``radixserve.launch_server`` with ``args``; ``env`` adds environment
-    variables (``TMPDIR`` decides where its IPC directory goes)."""
+    variables (``TMPDIR`` decides where its IPC directory goes). Without
+    ``warmup`` it starts with ``--skip-server-warmup``, so that a test's
+    requests are the first the server sees (its figures and cache start
+    empty); test_server_native.py tests the warm-up."""
 
-    def __init__(self, *args: str, api_key: str | None = None, timeout: float = 300, env: dict | None = None):
+    def __init__(self, *args: str, api_key: str | None = None, timeout: float = 300, env: dict | None = None,
+                 warmup: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         cmd = [sys.executable, "-m", "radixserve.launch_server", "--port", str(self.port), *args]
+        if not warmup:
+            cmd.append("--skip-server-warmup")
         if api_key:
             cmd += ["--api-key", api_key]
         self.log = open(os.devnull, "w") if not os.environ.get("RADIXSERVE_TEST_LOG") else None

@@ -45,6 +45,9 @@ WATCHDOG_S = 1.0
 SHUTDOWN_GRACE_S = 5.0  # after SIGTERM, requests in flight get this long before they are ended with an error
 EXIT_DEADLINE_S = 30.0  # once shutting down, the process is gone within this long, whatever hangs
 HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("RADIXSERVE_HEALTH_CHECK_TIMEOUT", 20))
+WARMUP_PROMPT = "The capital city of France is"  # SGLang's warm-up request, greedy, 8 tokens
+WARMUP_INPUT_IDS = [10, 11, 12]  # its prompt for a model without a tokenizer
+WARMUP_TIMEOUT_S = 600.0
 _OPEN_PATHS = {"/health", "/metrics"}
 
 
@@ -121,6 +124,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
     app = FastAPI(title="radixserve", version=radixserve.__version__)
     app.state.engine, app.state.args, app.state.healthy = engine, args, True
+    app.state.ready = True  # launch_server holds it False until the warm-up request has finished
     tm = engine.tokenizer_manager
     _add_error_handlers(app)
     # Outermost last: errors are caught around everything, then the body
@@ -132,10 +136,13 @@ def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return Response(status_code=200) if app.state.healthy and tm.dead is None else Response(status_code=503)
+        ok = app.state.healthy and app.state.ready and tm.dead is None
+        return Response(status_code=200 if ok else 503)
 
     @app.get("/health_generate")
     async def health_generate():
+        if not app.state.ready:
+            return error_response("the server is warming up", 503)
         obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "ignore_eos": True}, log_metrics=False)
         gen = tm.generate_request(obj)
 
@@ -238,6 +245,38 @@ def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
     return app
 
 
+def _announce(args: ServerArgs) -> None:
+    print(f"radixserve is serving {args.model_name()} on http://{args.host}:{args.port}", flush=True)
+
+
+async def _warm_up(app: FastAPI, server) -> None:
+    """As SGLang's server: a few greedy tokens of a short prompt go through
+    every stage before /health reports ready, so that no user request is the
+    first to run a code path (kernel compilation and caches, a prefill, a
+    decode, detokenizing). Not counted in the metrics. If it fails, the
+    server stops (exit code 1)."""
+    tm = app.state.engine.tokenizer_manager
+    prompt = {"text": WARMUP_PROMPT} if tm.tokenizer is not None else {"input_ids": WARMUP_INPUT_IDS}
+    obj = GenerateReqInput(**prompt, sampling_params={"max_new_tokens": 8, "temperature": 0.0}, log_metrics=False)
+    out = None
+    try:
+        async def run():
+            nonlocal out
+            async for out in tm.generate_request(obj):
+                pass
+        await asyncio.wait_for(run(), WARMUP_TIMEOUT_S)
+        reason = (out or {}).get("meta_info", {}).get("finish_reason") or {}
+        if reason.get("type") == "abort":
+            raise RuntimeError(reason.get("message", "aborted"))
+    except Exception as exc:  # the server cannot serve: say why and stop
+        logger.error("the warm-up request failed (%s: %s); shutting down", type(exc).__name__, exc)
+        app.state.healthy = False
+        server.should_exit = True
+        return
+    app.state.ready = True
+    _announce(app.state.args)
+
+
 async def _watchdog(app: FastAPI, server) -> None:
     """A dead child ends every request with an error, makes the server
     unhealthy and then exit. Once the server is stopping (a signal or a dead
@@ -300,11 +339,17 @@ def launch_server(args: ServerArgs) -> int:
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5,
     ))
 
+    app.state.ready = args.skip_server_warmup or args.disaggregation_mode != "null"
+
     @app.on_event("startup")
     async def _started():
         engine.tokenizer_manager.start()
-        asyncio.get_running_loop().create_task(_watchdog(app, server))
-        print(f"radixserve is serving {args.model_name()} on http://{args.host}:{args.port}", flush=True)
+        loop = asyncio.get_running_loop()
+        loop.create_task(_watchdog(app, server))
+        if app.state.ready:
+            _announce(args)
+        else:
+            loop.create_task(_warm_up(app, server))
 
     # uvicorn re-raises the signal that stopped it once it has shut down; with
     # these no-op handlers that lands here, and we stop the children and exit.
