@@ -80,7 +80,7 @@ def launch_key(args: tuple) -> tuple:
 
 def _hooks_holder() -> Any:
     """Where this Triton keeps its launch enter/exit hooks: ``knobs.runtime``
-    from Triton 3.4, the ``CompiledKernel`` class before."""
+    in newer Tritons, the ``CompiledKernel`` class in older ones."""
     import triton
 
     knobs = getattr(triton, "knobs", None)
