@@ -21,13 +21,14 @@ def free_port() -> int:
 
 class ServerProcess:
     """``radixserve.launch_server`` with ``args``; ``env`` adds environment
-    variables (``TMPDIR`` decides where its IPC directory goes). Without
+    variables (``TMPDIR`` decides where its IPC directory goes); its output
+    goes to ``log_path`` if given. Without
     ``warmup`` it starts with ``--skip-server-warmup``, so that a test's
     requests are the first the server sees (its figures and cache start
     empty); test_server_native.py tests the warm-up."""
 
     def __init__(self, *args: str, api_key: str | None = None, timeout: float = 300, env: dict | None = None,
-                 warmup: bool = False):
+                 warmup: bool = False, log_path=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -37,6 +38,8 @@ class ServerProcess:
         if api_key:
             cmd += ["--api-key", api_key]
         self.log = open(os.devnull, "w") if not os.environ.get("RADIXSERVE_TEST_LOG") else None
+        if log_path is not None:
+            self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT if self.log else None,
                                      env={**os.environ, **(env or {})})
         self._wait(timeout)

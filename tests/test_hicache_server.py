@@ -13,10 +13,10 @@ PROMPT = [(7 * i + 3) % 300 for i in range(200)]
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
 
-def hicache_server(storage_dir) -> ServerProcess:
+def hicache_server(storage_dir, log_path=None) -> ServerProcess:
     return ServerProcess("--model-path", "tiny-llama", "--max-total-tokens", "1024", "--enable-hierarchical-cache",
                          "--hicache-ratio", "2", "--hicache-storage-backend", "file",
-                         "--hicache-storage-dir", str(storage_dir))
+                         "--hicache-storage-dir", str(storage_dir), log_path=log_path)
 
 
 def generate(server: ServerProcess) -> dict:
@@ -51,5 +51,25 @@ def test_restart_on_the_same_directory_serves_the_prefix_from_files(tmp_path):
         state = second.wait_idle()
         assert state["memory_check"] == "ok"
         assert state["hicache_storage_prefetched"] == 192 and state["hicache_loaded_back"] == 192
+    finally:
+        assert second.stop() == 0
+
+
+def test_a_server_stopped_at_once_lands_its_file_writes_first(tmp_path):
+    """Stopping the server asks its scheduler to close, and the file tier
+    finishes the writes in flight first: a server stopped right after its
+    first reply, without waiting for the writes, leaves every whole block on
+    file for the next one."""
+    log = tmp_path / "first.log"
+    first = hicache_server(tmp_path / "kv", log_path=log)
+    try:
+        before = generate(first)
+    finally:
+        assert first.stop() == 0
+    assert "closed (the cache tiers' writes have landed)" in log.read_text()
+    second = hicache_server(tmp_path / "kv")
+    try:
+        after = generate(second)
+        assert after["meta_info"]["cached_tokens"] == 192 and after["output_ids"] == before["output_ids"]
     finally:
         assert second.stop() == 0

@@ -383,8 +383,15 @@ def _run_ranks_only(engine: EngineProcesses) -> int:
         signal.signal(sig, lambda *_: stop.set())
     print(f"radixserve: TP ranks {', '.join(p.name for p in engine.processes)} running", flush=True)
     while not stop.wait(WATCHDOG_S):
-        if engine.dead():
-            logger.error("child process(es) died: %s; exiting", ", ".join(engine.dead()))
+        dead = [p for p in engine.processes if not p.is_alive()]
+        if dead and all(p.exitcode == 0 for p in dead):  # node 0, stopping, closed them
+            if len(dead) < len(engine.processes):
+                continue  # the others are closing too
+            logger.info("the TP ranks closed; exiting")
+            engine.shutdown()
+            return 0
+        if dead:
+            logger.error("child process(es) died: %s; exiting", ", ".join(p.name for p in dead))
             engine.shutdown()
             return 1
     engine.shutdown()

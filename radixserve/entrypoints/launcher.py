@@ -33,8 +33,16 @@ class EngineProcesses:
         return [p.name for p in self.processes if not p.is_alive()]
 
     def shutdown(self) -> None:
-        """Stop every child (SIGTERM, then SIGKILL) and remove the IPC directory;
-        returns within about ``STOP_TIMEOUT_S`` whatever state they are in."""
+        """Stop every child and remove the IPC directory. While every child is
+        alive, the schedulers are first asked to close (their cache tiers'
+        writes land) and given ``STOP_TIMEOUT_S`` to exit; then what is left
+        gets SIGTERM, and SIGKILL ``STOP_TIMEOUT_S`` later."""
+        if self.tokenizer_manager is not None and not self.dead():
+            self.tokenizer_manager.close_schedulers()
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            for p in self.processes:
+                if p.name.startswith("scheduler"):
+                    p.join(timeout=max(deadline - time.monotonic(), 0))
         for p in self.processes:
             if p.is_alive():
                 p.terminate()

@@ -259,8 +259,10 @@ class FlushCacheReqOutput:
 
 @dataclass
 class CloseReq:
-    """From an offline tensor-parallel engine's rank 0 to the other ranks as it
-    shuts down: close the scheduler (the cache tiers' writes land) and stop."""
+    """The engine is stopping: close the scheduler (the cache tiers' writes
+    land, KV events go out) and exit. The server's TokenizerManager sends it
+    to each replica's rank 0, which passes it on to its other ranks with the
+    step's messages; an offline TP engine's rank 0 broadcasts it."""
 
 
 @dataclass

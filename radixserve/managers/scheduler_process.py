@@ -115,6 +115,7 @@ class SchedulerProcess:
                 self.handle_bytes(data)
             if self.closing:
                 self.scheduler.close()
+                logger.info("closed (the cache tiers' writes have landed)")
                 return
             if not self.scheduler.is_idle():
                 outputs = self.scheduler.step()

@@ -22,6 +22,7 @@ from radixserve.managers.data_parallel_controller import DataParallelController
 from radixserve.managers.io_struct import (
     AbortReq,
     BatchStrOut,
+    CloseReq,
     FlushCacheReq,
     FlushCacheReqOutput,
     ProfileReq,
@@ -370,6 +371,17 @@ class TokenizerManager:
         replica = self.dp.replica_of(rid)
         for sock in self.sends if replica is None else [self.sends[replica]]:
             sock.send(encode(AbortReq(rid)), zmq.NOBLOCK)
+
+    def close_schedulers(self) -> None:
+        """Ask every replica's scheduler to close (each rank's cache tiers
+        finish their writes, KV events go out) and exit; the server is stopping."""
+        if self.dead is not None:
+            return
+        for sock in self.sends:
+            try:
+                sock.send(encode(CloseReq()), zmq.NOBLOCK)
+            except zmq.ZMQError:  # its queue is full or it is gone: it is stopped with a signal instead
+                pass
 
     def fail_all(self, reason: str) -> None:
         """The engine is gone: every request in flight and every control call
