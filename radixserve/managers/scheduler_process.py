@@ -115,7 +115,7 @@ class SchedulerProcess:
                 self.handle_bytes(data)
             if self.closing:
                 self.scheduler.close()
-                logger.info("closed (the cache tiers' writes have landed)")
+                logger.info("closed")  # after its cache tiers' writes
                 return
             if not self.scheduler.is_idle():
                 outputs = self.scheduler.step()
