@@ -11,7 +11,8 @@
 #   w5       W5 (random 1024 in / 256 out, Poisson at W5_RATES req/s, goodput at TTFT 1 s /
 #            TPOT 50 ms) against one server per configuration of W5_CONFIGS
 #            ("label=flags;label=flags", W5_PROMPTS requests a rate; W5_CLIENT_ARGS adds bench.serving
-#            options, e.g. --save-requests) -> w5-1.json, w5-2.json, ...
+#            options, e.g. --save-requests; NAME=value words among the flags go into the server's
+#            environment, e.g. RADIXSERVE_CACHED_LAUNCH=0) -> w5-1.json, w5-2.json, ...
 #
 #   OUT=/some/dir benchmarks/gpu_pieces.sh
 #
@@ -78,13 +79,16 @@ run_fp8() {
 }
 
 run_w5() {
-    local cfg label flags n=0 t
+    local cfg label flags envs word n=0 t
     IFS=';' read -ra cfgs <<<"$W5_CONFIGS"
     for cfg in "${cfgs[@]}"; do
-        label=${cfg%%=*} flags=${cfg#*=} n=$((n + 1))
+        label=${cfg%%=*} flags=() envs=() n=$((n + 1))
+        for word in ${cfg#*=}; do
+            if [[ $word =~ ^[A-Z_][A-Z0-9_]*= ]]; then envs+=("$word"); else flags+=("$word"); fi
+        done
         t=$(cap 60); ((t >= 60)) || { FAILED+=("w5 $label (no time left)"); continue; }
-        log "server $n ($label): $flags"
-        setsid "$PY" -m radixserve.launch_server --model-path "$MODEL" --load-format dummy --port "$PORT" $flags \
+        log "server $n ($label): ${envs[*]} ${flags[*]}"
+        setsid env "${envs[@]}" "$PY" -m radixserve.launch_server --model-path "$MODEL" --load-format dummy --port "$PORT" "${flags[@]}" \
             >"$LOGDIR/server-$n.log" 2>&1 &
         SERVER_PID=$!
         wait_healthy "$LOGDIR/server-$n.log" || { FAILED+=("w5 $label (server)"); continue; }

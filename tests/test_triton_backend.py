@@ -214,6 +214,29 @@ def test_cached_launches_equal_tritons():
         assert torch.equal(pools[2].v_buffer[layer], pools[0].v_buffer[layer])
 
 
+def test_riders_at_any_row_offset_share_one_compiled_decode_kernel():
+    """A mixed step passes its riders' rows as slices of the batch's tensors,
+    so with an odd number of extends they are not 16-byte aligned. The decode
+    kernel does not specialize on that: both offsets launch the one compiled
+    kernel, and no kernel is compiled mid-serving for them."""
+    from radixserve.layers.attention.triton_ops import decode_attention
+
+    split = decode_attention._launch_split
+    if not split.enabled:
+        pytest.skip("this Triton's launches go through its own path")
+    kept, split.compiled = split.compiled, {}
+    try:
+        for contexts, extends in (([37, 0], [300, 7]), ([37], [300])):  # riders from row 2, then from row 1
+            batch = PagedBatch(contexts + [2000, 1, 900], extends + [1, 1, 1], page_size=16, group=4,
+                               head_dim=128, dtype=torch.bfloat16, seed=9)
+            batch.forward("triton", ForwardMode.EXTEND, batch.clone_pool(), num_decoding=3)
+        keys = list(split.compiled)
+        assert len(keys) == 2, keys  # CachedLaunch tells the two alignments apart; Triton need not
+        assert {split.compiled[key][1] for key in keys} == {split.compiled[keys[0]][1]}  # one CUDA function
+    finally:
+        split.compiled = kept
+
+
 # -- decode -------------------------------------------------------------------------
 def decode_context_lens(bs: int, seed: int) -> list[int]:
     """Context lengths (before the new token) from 0 to 4095, mixed in one batch;

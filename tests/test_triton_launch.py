@@ -135,3 +135,21 @@ def test_the_environment_can_send_every_launch_through_triton(hooks, monkeypatch
     for _ in range(2):
         launch((1,), torch.zeros(64), 32, 1.0, BLOCK=16)
     assert kinds(kernel) == ["triton"] * 2
+
+
+def test_a_slow_launch_through_triton_is_logged(hooks, monkeypatch, caplog):
+    """A launch that waited on Triton's compiler shows in the log (it shows in a step's time)."""
+    from radixserve.layers.attention.triton_ops import launch as launch_module
+
+    kernel = Kernel()
+    launch = CachedLaunch(kernel)
+    x = torch.zeros(64)
+    with caplog.at_level("INFO", logger=launch_module.__name__):
+        monkeypatch.setattr(launch_module, "SLOW_LAUNCH_S", float("inf"))
+        launch((1,), x, 32, 0.5, BLOCK=16)
+        assert not caplog.records
+        monkeypatch.setattr(launch_module, "SLOW_LAUNCH_S", -1.0)
+        launch((1,), x, 32, 0.5, BLOCK=32)  # a new specialization: through Triton
+        launch((1,), x, 32, 0.5, BLOCK=32)  # its compiled kernel: never logged
+    assert kinds(kernel) == ["triton", "triton", "fast"]
+    assert len(caplog.records) == 1 and "a new specialization" in caplog.records[0].getMessage()

@@ -48,9 +48,15 @@ MIN_TOKENS_PER_SPLIT = 64  # a shorter chunk is not worth its own program
 STAGE1_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
 SMALL_BLOCK_N = 64
 LOG2E = 1.4426950408889634
+# Tensors of one value per request, each read as one scalar a program, so their alignment buys
+# nothing; Triton would still compile a kernel per alignment. A mixed step passes its riders'
+# rows as a slice of the batch's (int64 ``seq_lens[n:]`` is 16-byte aligned only for even n),
+# and each new alignment compiled a kernel, for most of a second, while the server was serving
+# (benchmarks/README.md, "Compiles while serving").
+PER_REQUEST_ARGS = ("Req_pool_indices", "Seq_lens", "Num_kv_splits")
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=PER_REQUEST_ARGS)
 def _decode_split_kernel(
     Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Num_kv_splits, Mid_o, Mid_lse,
     qk_scale,  # softmax scale * log2(e)
@@ -126,7 +132,7 @@ def _decode_split_kernel(
         tl.store(Mid_lse + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=h_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=PER_REQUEST_ARGS)
 def _decode_merge_kernel(
     Mid_o, Mid_lse, Out, Num_kv_splits,
     stride_mo_b, stride_mo_h, stride_mo_s,

@@ -78,7 +78,8 @@ def _attend_block(
     return _online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, DOT_PRECISION)
 
 
-@triton.jit
+# one scalar per request and program, as decode_attention.PER_REQUEST_ARGS: no kernel per alignment
+@triton.jit(do_not_specialize_on_alignment=("Req_pool_indices", "Prefix_lens", "Extend_lens", "Extend_start"))
 def _extend_kernel(
     Q, K, V, O, K_buf, V_buf, Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens, Extend_start,
     qk_scale,  # softmax scale * log2(e)

@@ -26,14 +26,19 @@ in the environment (for an A/B of the two paths in one run).
 from __future__ import annotations
 
 import inspect
+import logging
 import numbers
 import os
+import time
 from typing import Any, Callable
 
 import torch
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 DISABLE_ENV = "RADIXSERVE_CACHED_LAUNCH"  # "0": every launch through Triton's own path
+SLOW_LAUNCH_S = 0.05  # a launch through Triton's path this slow compiled (or loaded) a kernel: logged
+
+logger = logging.getLogger(__name__)
 
 
 def enabled_by_env() -> bool:
@@ -126,7 +131,12 @@ class CachedLaunch:
                     function, metadata, None, None, None, *args, *tail)
                 self.fast_launches += 1
                 return
+        start = time.perf_counter()
         compiled = self.kernel[grid](*args, **constexprs)
+        took = time.perf_counter() - start
+        if took > SLOW_LAUNCH_S:  # a step that waited on Triton's compiler: say so, it shows in TTFT and ITL
+            logger.info("%s: a launch took %.0f ms (a new specialization compiled or loaded from Triton's cache)",
+                        getattr(self.kernel, "__name__", self.kernel), took * 1e3)
         if self.enabled:
             self._remember(key, compiled, args, constexprs)
 
