@@ -32,6 +32,7 @@ from radixserve.entrypoints.http_guards import error_body
 from radixserve.entrypoints.launcher import EngineProcesses, start_engine_processes
 from radixserve.entrypoints.openai.adapters import validation_error_to_openai, value_error_to_openai
 from radixserve.entrypoints.streaming import incremental, peek, sse_stream
+from radixserve.managers.child_process import freeze_startup_objects
 from radixserve.managers.io_struct import GenerateReqInput
 from radixserve.managers.profiler import check_profile_options
 from radixserve.managers.tokenizer_manager import EngineDeadError, RequestTimeoutError, ServerBusyError
@@ -340,6 +341,7 @@ def launch_server(args: ServerArgs) -> int:
     ))
 
     app.state.ready = args.skip_server_warmup or args.disaggregation_mode != "null"
+    freeze_startup_objects()
 
     @app.on_event("startup")
     async def _started():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from radixserve.managers.child_process import ParentWatch, zmq_context
+from radixserve.managers.child_process import ParentWatch, freeze_startup_objects, zmq_context
 from radixserve.managers.io_struct import BatchStrOut, BatchTokenIDOut, decode, encode, pipeline_sockets
 from radixserve.sampling import stop_regex as stop_regex_lib
 
@@ -176,6 +176,7 @@ def run_detokenizer_process(tokenizer_dir: str | None, recv_addr: str, send_addr
 
             tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         manager = DetokenizerManager(NullTokenizer() if tokenizer is None else tokenizer, recv_addr, send_addr, watch)
+        freeze_startup_objects()
         ready.send({"status": "ready"})
     except Exception as exc:  # report start-up failures to the launcher
         ready.send({"status": "error", "error": f"{type(exc).__name__}: {exc}"})

@@ -18,7 +18,7 @@ import msgpack
 import torch
 import zmq
 
-from radixserve.managers.child_process import ParentWatch, zmq_context
+from radixserve.managers.child_process import ParentWatch, freeze_startup_objects, zmq_context
 from radixserve.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -269,6 +269,7 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str | None, send_a
             torch.set_num_threads(1)
         proc = SchedulerProcess(scheduler, recv_addr, send_addr, watch, dp_rank)
         runner = scheduler.model_runner
+        freeze_startup_objects()
         ready.send({
             "status": "ready",
             "max_total_tokens": runner.max_total_tokens,
