@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,11 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from radixserve.entrypoints.launcher import free_local_port
 
 
 def healthy(url: str) -> bool:
@@ -39,7 +34,7 @@ def healthy(url: str) -> bool:
 
 
 def start_and_stop(tree: Path, server_args: list[str], timeout: float) -> tuple[float, float]:
-    port = free_port()
+    port = free_local_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "radixserve.launch_server", "--port", str(port), "--skip-server-warmup", *server_args]
     begin = time.monotonic()
