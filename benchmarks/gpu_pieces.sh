@@ -8,6 +8,9 @@
 #   fp8      the decode kernel over bf16 and fp8 pools (benchmarks/decode_attention_sweep.py, W2's and
 #            W5's batches, a few launch configs) and W2 (bench.one_batch) with --kv-cache-dtype auto
 #            and fp8_e4m3 -> sweep.jsonl, w2.jsonl (each line names its kv_cache_dtype)
+#   quant    --quantization fp8 against bf16 linear layers: the GEMMs alone (bench.fp8_gemm), then
+#            W2 and W3 (bench.one_batch, QUANT_W3_LEN tokens a request) with each -> gemm.jsonl,
+#            w2.jsonl, w3.jsonl (each line names its quantization)
 #   w5       W5 (random 1024 in / 256 out, Poisson at W5_RATES req/s, goodput at TTFT 1 s /
 #            TPOT 50 ms) against one server per configuration of W5_CONFIGS
 #            ("label=flags;label=flags", W5_PROMPTS requests a rate; W5_CLIENT_ARGS adds bench.serving
@@ -78,6 +81,22 @@ run_fp8() {
     done
 }
 
+run_quant() {
+    local q t w flags
+    t=$(cap 120); log "fp8 GEMMs (timeout ${t}s)"
+    timeout -k 10 "$t" "$PY" -m radixserve.bench.fp8_gemm >"$OUT/gemm.jsonl" 2>"$LOGDIR/gemm.log" || fail "fp8 gemm" "$LOGDIR/gemm.log"
+    for w in W2 W3; do
+        for q in none fp8; do
+            t=$(cap 150); ((t >= 40)) || { FAILED+=("quant $w $q (no time left)"); continue; }
+            flags=(); [[ $q == fp8 ]] && flags=(--quantization fp8)
+            [[ $w == W3 ]] && flags+=(--input-len "${QUANT_W3_LEN:-1024}" --batch-sizes 1 2 4 8)
+            log "$w, quantization $q"
+            timeout -k 10 "$t" "$PY" -m radixserve.bench.one_batch --workload "$w" --model-path "$MODEL" --load-format dummy \
+                "${flags[@]}" --output-json "$OUT/${w,,}.jsonl" >"$LOGDIR/$w-$q.log" 2>&1 || fail "quant $w $q" "$LOGDIR/$w-$q.log"
+        done
+    done
+}
+
 run_w5() {
     local cfg label flags envs word n=0 t
     IFS=';' read -ra cfgs <<<"$W5_CONFIGS"
@@ -111,6 +130,7 @@ for piece in $PIECES; do
         tests) run_tests ;;
         prefill) run_prefill ;;
         fp8) run_fp8 ;;
+        quant) run_quant ;;
         w5) run_w5 ;;
         *) FAILED+=("unknown piece $piece") ;;
     esac

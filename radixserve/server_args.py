@@ -20,6 +20,7 @@ HICACHE_STORAGE_BACKENDS = ("file",)
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 # SGLang's names; auto is the model's dtype. fp8 values are stored unscaled (scale 1.0).
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
+QUANTIZATIONS = ("fp8",)  # online methods of layers/quantization.py
 
 
 @dataclass
@@ -43,6 +44,10 @@ class ServerArgs:
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "the KV cache's dtype: auto (the model's), bf16, or fp8_e4m3 / fp8_e5m2 (half the bytes of "
                 "bf16: twice the tokens in the pool, half the KV read per decode step)", "choices": KV_CACHE_DTYPES})
+    quantization: str | None = field(default=None, metadata={
+        "help": "fp8: quantize the linear layers' weights per channel to fp8 e4m3 once loaded, and their inputs "
+                "per token (W8A8, a GPU of compute capability 8.9+; half the weight bytes)",
+        "choices": QUANTIZATIONS})
     context_length: int | None = field(default=None, metadata={"help": "max tokens per request (prompt + output)"})
     page_size: int = field(default=1, metadata={"help": "KV pool page size in tokens"})
     max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens"})
@@ -160,6 +165,10 @@ class ServerArgs:
         _one_of("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         _one_of("device", self.device, ("auto", "cpu", "cuda"))
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.quantization is not None:
+            _one_of("quantization", self.quantization, QUANTIZATIONS)
+            if self.tp_size > 1:  # each rank would scale its own columns; no test holds that path yet
+                raise ValueError("quantization fp8 runs at tp_size 1 only for now")
         _one_of("attention_backend", self.attention_backend, ("auto", "triton", "torch_native"))
         _one_of("load_balance_method", self.load_balance_method, LOAD_BALANCE_METHODS)
         for name, allowed in (("tool_call_parser", TOOL_CALL_PARSER_NAMES), ("reasoning_parser", REASONING_PARSER_NAMES)):

@@ -330,6 +330,7 @@ _ENGINE_OPTIONS = {
     "model_path": str, "load_format": str, "dtype": str, "device": str, "attention_backend": str,
     "page_size": int, "max_total_tokens": int, "mem_fraction_static": float, "random_seed": int,
     "disable_cuda_graph": bool, "disable_piecewise_cuda_graph": bool, "kv_cache_dtype": str, "tp_size": int, "dist_timeout": float,
+    "quantization": str,
 }
 
 
@@ -522,7 +523,8 @@ def main(argv: list[str] | None = None, tp_rank: int = 0, init: str | None = Non
         "bench": "one_batch", "workload": args.workload, "full_size": wl == spec and model_path == spec.model_path,
         "model": os.path.basename(model_path.rstrip("/")), "device": device.type,
         "dtype": str(model_config.dtype).removeprefix("torch."),
-        "kv_cache_dtype": str(runner.kv_cache_dtype).removeprefix("torch."), "torch_threads": torch.get_num_threads(),
+        "kv_cache_dtype": str(runner.kv_cache_dtype).removeprefix("torch."), "quantization": runner.quantization,
+        "torch_threads": torch.get_num_threads(),
         "tp_size": runner.tp_size, "prefill_repeats": args.prefill_repeats if wl.output_len == 1 else 1,
         **environment(device),
     }, ModelShape.of(runner.model, model_config, runner.head_layout, runner.kv_cache_dtype), Peaks(args.peak_bandwidth, args.gemv_bandwidth, args.peak_flops),

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.distributed import TPGroup, divide, head_layout
+from radixserve.layers.quantization import fp8_linear, quantize_fp8_rows
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +95,12 @@ def swap_in_prepacked_weight(module: nn.Module) -> bool:
     return packed is not None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for a plain or a CPU-prepacked weight."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a plain, a CPU-prepacked or an fp8 weight
+    (with its per-channel ``weight_scale``, ``layers/quantization.py``)."""
+    if weight_scale is not None:
+        return fp8_linear(x, weight, weight_scale, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -117,19 +122,30 @@ def prepack_linears_for_cpu(model: nn.Module) -> int:
 
 class LinearBase(nn.Module):
     """A linear layer's weight ``[out, in]`` and bias (this rank's part of them),
-    the plain or CPU-prepacked GEMM, and the rank's TP group."""
+    the plain, CPU-prepacked or fp8 GEMM, and the rank's TP group. After
+    :meth:`quantize_fp8` the weight is fp8 and ``weight_scale`` ``[1, out]``
+    holds its per-channel float32 scales (None before)."""
 
     def __init__(self, weight_shape: tuple[int, int], bias_size: int | None, tp_group: TPGroup):
         super().__init__()
         self.tp_group = tp_group
         self.weight = nn.Parameter(torch.empty(*weight_shape), requires_grad=False)
         self.bias = None if bias_size is None else nn.Parameter(torch.empty(bias_size), requires_grad=False)
+        self.register_buffer("weight_scale", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.weight_scale)
 
     def prepack_for_cpu(self) -> bool:
-        return swap_in_prepacked_weight(self)
+        return self.weight_scale is None and swap_in_prepacked_weight(self)
+
+    def quantize_fp8(self) -> None:
+        """Replace this rank's weight by fp8 rows and their scales (once, after loading)."""
+        if self.weight_scale is not None or self.weight.is_mkldnn:
+            raise RuntimeError("quantize a linear layer once, before any CPU prepacking")
+        q, scale = quantize_fp8_rows(self.weight.data)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = scale.reshape(1, -1).contiguous()
 
 
 @dataclass(frozen=True)
@@ -196,8 +212,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_group.size == 1:
-            return linear(x, self.weight, self.bias)
-        y = self.tp_group.all_reduce(linear(x, self.weight))
+            return linear(x, self.weight, self.bias, self.weight_scale)
+        y = self.tp_group.all_reduce(linear(x, self.weight, None, self.weight_scale))
         return y if self.bias is None else y.add_(self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:

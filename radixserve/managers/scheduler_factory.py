@@ -39,6 +39,7 @@ def build_model_runner(args: ServerArgs, model_config, tp_rank: int = 0, dist_in
         cuda_graph_max_bs=args.resolved_cuda_graph_max_bs(),
         piecewise_cuda_graph_tokens=args.resolved_piecewise_cuda_graph_tokens(),
         kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, model_config.dtype),
+        quantization=args.quantization,
         tp_rank=tp_rank,
         tp_size=args.tp_size,
         dist_init_method=dist_init_method,

@@ -34,6 +34,7 @@ from radixserve.distributed import DEFAULT_TIMEOUT_S, TPGroup, check_tp_devices,
 from radixserve.layers.attention import create_attention_backend
 from radixserve.layers.linear import prepack_linears_for_cpu
 from radixserve.layers.logits_processor import LogitsProcessorOutput
+from radixserve.layers.quantization import check_quantization, quantize_linears
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ragged_arange
 
@@ -59,7 +60,9 @@ class ModelRunner:
     to that many requests replay CUDA graphs (``cuda_graph_runner.py``); with
     ``piecewise_cuda_graph_tokens``, extends of up to the largest of those
     token counts replay graphs of the pieces between attentions
-    (``piecewise_cuda_graph_runner.py``).
+    (``piecewise_cuda_graph_runner.py``). ``quantization`` ``"fp8"`` quantizes
+    the linear layers once loaded (``layers/quantization.py``), before the
+    pool is sized, so the memory it frees goes to KV.
     ``model`` may be passed ready-made (tests); otherwise it is loaded with
     ``radixserve.model_loader.get_model``.
 
@@ -90,6 +93,7 @@ class ModelRunner:
         cuda_graph_max_bs: int = 0,
         piecewise_cuda_graph_tokens: list[int] | None = None,
         kv_cache_dtype: torch.dtype | None = None,
+        quantization: str | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
         tp_group: TPGroup | None = None,
@@ -110,7 +114,11 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype or self.dtype
         self.page_size = page_size
         self.max_running_requests = max_running_requests
+        check_quantization(quantization, self.device)
+        self.quantization = quantization
         self.model = (model if model is not None else self._load_model()).eval()
+        if quantization:
+            logger.info("%s: %d linear layers quantized", quantization, quantize_linears(self.model, quantization))
         if self.device.type == "cpu":
             packed = prepack_linears_for_cpu(self.model)
             logger.info("CPU: %d weights prepacked for oneDNN GEMMs", packed)

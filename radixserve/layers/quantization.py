@@ -1,0 +1,96 @@
+"""Online fp8 quantization of the linear layers (``--quantization fp8``, as in
+SGLang and vLLM, on a bf16 / fp16 / fp32 checkpoint): W8A8 in float8 e4m3.
+
+- **Weights** are quantized once, after loading, per output channel: each row
+  of ``W`` ``[out, in]`` gets a float32 scale ``amax(|row|) / 448`` and is
+  stored as fp8 divided by it. Half the bytes of bf16: a decode step reads
+  half the weights, and the freed memory goes to the KV pool.
+- **Activations** are quantized per token, dynamically, before each GEMM: one
+  Triton kernel on CUDA (``triton_ops/fp8_quant.py``), torch ops elsewhere.
+- **The GEMM** is ``torch._scaled_mm`` with the two rows of scales applied to
+  its float32 accumulator (cuBLASLt / CUTLASS on a GPU with fp8 tensor cores,
+  compute capability 8.9 or higher; a reference kernel on the CPU, which CI
+  runs). On CUDA the output is bf16 (what row-wise scaling supports) and is
+  cast to the model's dtype if that differs.
+
+The embedding, the LM head and the norms stay in the model's dtype, as in
+SGLang. Checkpoints stored in fp8 (with ``weight_scale`` tensors) are not
+loaded: their extra tensors fail the loader with a clear error.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixserve.layers.triton_ops import use_triton
+from radixserve.server_args import QUANTIZATIONS
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # an all-zero row still gets a finite, positive scale
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[M, K]`` as fp8 rows and their float32 scales ``[M, 1]``:
+    ``q = clamp(x / s, ±448)`` with ``s = max(amax(|x|) / 448, MIN_SCALE)``,
+    so ``q * s`` approximates ``x``."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_(min=MIN_SCALE)
+    return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token fp8 quantization of activations ``[M, K]``: the fused kernel
+    on CUDA, :func:`quantize_fp8_rows` elsewhere."""
+    if use_triton(x):
+        from radixserve.layers.triton_ops.fp8_quant import per_token_quant_fp8
+
+        return per_token_quant_fp8(x, FP8_DTYPE, MIN_SCALE)
+    return quantize_fp8_rows(x)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` with ``W ≈ weight * weight_scale`` (fp8 ``[N, K]``,
+    float32 ``[1, N]``) and ``x`` quantized per token on the way in."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+    if x2.shape[0] == 0:
+        y = x2.new_empty((0, weight.shape[0]))
+    else:
+        q, scale = quantize_tokens(x2)
+        y = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=out_dtype,
+                             use_fast_accum=x.is_cuda)
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    if bias is not None:
+        y = y.add_(bias)
+    return y.reshape(*shape[:-1], weight.shape[0])
+
+
+def check_quantization(name: str | None, device: torch.device) -> None:
+    """Raise ValueError for an unknown method or a device without fp8 GEMMs."""
+    if name is None:
+        return
+    if name not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {name!r}")
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        raise ValueError(f"quantization fp8 needs fp8 tensor cores (compute capability 8.9 or higher); "
+                         f"{torch.cuda.get_device_name(device)} has {cap}")
+
+
+def quantize_linears(model: nn.Module, name: str | None) -> int:
+    """Quantize every linear layer of ``model`` by method ``name`` (None:
+    leave it); returns how many were quantized. Call once, after loading."""
+    from radixserve.layers.linear import LinearBase
+
+    if name is None:
+        return 0
+    check_quantization(name, next(model.parameters()).device)
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    for layer in layers:
+        layer.quantize_fp8()
+    return len(layers)
