@@ -25,13 +25,22 @@ def fake_quantize_rows(t: torch.Tensor) -> torch.Tensor:
     return ((t.float() / scale).clamp(-448.0, 448.0).to(E4M3).float() * scale).to(t.dtype)
 
 
-def fake_quantize_fp8(hf: nn.Module) -> nn.Module:
+def fake_quantize_rows_in_chunks(t: torch.Tensor, chunks: int) -> torch.Tensor:
+    """:func:`fake_quantize_rows` over each of ``chunks`` equal slices of the
+    last dimension on its own (a row-parallel layer's columns on each TP rank)."""
+    return torch.cat([fake_quantize_rows(c) for c in t.chunk(chunks, dim=-1)], dim=-1)
+
+
+def fake_quantize_fp8(hf: nn.Module, tp_size: int = 1) -> nn.Module:
     """HF's model with every ``nn.Linear`` but the LM head computing on
-    e4m3-rounded weights (per output row) and inputs (per token)."""
+    e4m3-rounded weights (per output row) and inputs (per token). Under
+    ``tp_size`` ranks the row-parallel layers (o_proj, down_proj) are split
+    along their input, so each rank scales its own slice of a row or token."""
     for name, module in hf.named_modules():
         if isinstance(module, nn.Linear) and not name.endswith("lm_head"):
-            module.weight.data = fake_quantize_rows(module.weight.data)
-            module.register_forward_pre_hook(lambda _, args: (fake_quantize_rows(args[0]),))
+            chunks = tp_size if name.endswith(("o_proj", "down_proj")) else 1
+            module.weight.data = fake_quantize_rows_in_chunks(module.weight.data, chunks)
+            module.register_forward_pre_hook(lambda _, args, n=chunks: (fake_quantize_rows_in_chunks(args[0], n),))
     return hf
 
 
@@ -83,19 +92,17 @@ def test_unknown_quantization_is_refused():
     with pytest.raises(ValueError, match="quantization"):
         ServerArgs(quantization="int4")
     assert ServerArgs(quantization="fp8").quantization == "fp8"
-    with pytest.raises(ValueError, match="tp_size 1"):
-        ServerArgs(quantization="fp8", tp_size=2)
 
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
+    """(folder, a loader of fresh HF copies of the model)."""
     from test_engine import CONFIGS
 
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("llama_fp8")
     AutoModelForCausalLM.from_config(CONFIGS["llama"](), dtype=torch.float32).save_pretrained(folder)
-    load = lambda: AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # noqa: E731
-    return str(folder), load(), fake_quantize_fp8(load())
+    return str(folder), lambda: AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 @torch.no_grad()
@@ -105,18 +112,23 @@ def _hf_token_logprobs(hf, ids: list[int]) -> torch.Tensor:
     return logprobs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
-def test_engine_fp8_matches_fake_quantized_hf(tiny_llama):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_engine_fp8_matches_fake_quantized_hf(tiny_llama, tp):
     """The prompts' logprobs (one extend each) equal HF's with fake-quantized
     linear layers up to float rounding, and are far from the plain model's;
     greedy outputs are the fake-quantized HF's argmax wherever its top-2
     margin is clear (a decode's rows round across e4m3 steps a little
-    differently from an extend's, and the random model amplifies that)."""
-    folder, hf, hf_fp8 = tiny_llama
+    differently from an extend's, and the random model amplifies that).
+    Under TP (gloo ranks) each rank quantizes its own shard: the reference
+    scales o_proj's and down_proj's halves on their own."""
+    folder, load = tiny_llama
+    hf, hf_fp8 = load(), fake_quantize_fp8(load(), tp_size=tp)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in (40, 7, 100, 23)]
-    with radixserve.Engine(model_path=folder, device="cpu", quantization="fp8", max_total_tokens=2048,
-                           check_invariants=True, disable_tqdm=True) as eng:
-        assert eng.scheduler.model_runner.model.model.layers[0].mlp.down_proj.weight.dtype == E4M3
+    with radixserve.Engine(model_path=folder, device="cpu", quantization="fp8", max_total_tokens=2048, tp_size=tp,
+                           dist_timeout=60, check_invariants=True, disable_tqdm=True) as eng:
+        if tp == 1:
+            assert eng.scheduler.model_runner.model.model.layers[0].mlp.down_proj.weight.dtype == E4M3
         scored = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 0}, return_logprob=True,
                               logprob_start_len=0)
         outs = eng.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})

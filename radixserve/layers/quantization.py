@@ -14,7 +14,8 @@ SGLang and vLLM, on a bf16 / fp16 / fp32 checkpoint): W8A8 in float8 e4m3.
   cast to the model's dtype if that differs.
 
 The embedding, the LM head and the norms stay in the model's dtype, as in
-SGLang. Checkpoints stored in fp8 (with ``weight_scale`` tensors) are not
+SGLang. Under tensor parallelism each rank quantizes its own shard and its
+own slice of each input (docs/tensor_parallel.md). Checkpoints stored in fp8 (with ``weight_scale`` tensors) are not
 loaded: their extra tensors fail the loader with a clear error.
 """
 
