@@ -3,20 +3,21 @@ SGLang and vLLM, on a bf16 / fp16 / fp32 checkpoint): W8A8 in float8 e4m3.
 
 - **Weights** are quantized once, after loading, per output channel: each row
   of ``W`` ``[out, in]`` gets a float32 scale ``amax(|row|) / 448`` and is
-  stored as fp8 divided by it. Half the bytes of bf16: a decode step reads
-  half the weights, and the freed memory goes to the KV pool.
+  stored in fp8 after division by it: half the bytes of bf16, and the memory
+  freed goes to the KV pool.
 - **Activations** are quantized per token, dynamically, before each GEMM: one
   Triton kernel on CUDA (``triton_ops/fp8_quant.py``), torch ops elsewhere.
-- **The GEMM** is ``torch._scaled_mm`` with the two rows of scales applied to
-  its float32 accumulator (cuBLASLt / CUTLASS on a GPU with fp8 tensor cores,
-  compute capability 8.9 or higher; a reference kernel on the CPU, which CI
-  runs). On CUDA the output is bf16 (what row-wise scaling supports) and is
-  cast to the model's dtype if that differs.
+- **The GEMM** is ``torch._scaled_mm``, which applies the per-token and
+  per-channel scales to its float32 accumulator (cuBLASLt / CUTLASS on a GPU
+  with fp8 tensor cores, compute capability 8.9 or higher; a reference kernel
+  on the CPU, which CI runs). On CUDA the output is bf16 (what row-wise
+  scaling supports) and is cast to the model's dtype if that differs.
 
 The embedding, the LM head and the norms stay in the model's dtype, as in
 SGLang. Under tensor parallelism each rank quantizes its own shard and its
-own slice of each input (docs/tensor_parallel.md). Checkpoints stored in fp8 (with ``weight_scale`` tensors) are not
-loaded: their extra tensors fail the loader with a clear error.
+own slice of each input (docs/tensor_parallel.md). Checkpoints stored in fp8
+(with ``weight_scale`` tensors) are not loaded: their extra tensors fail the
+loader with a clear error.
 """
 
 from __future__ import annotations
