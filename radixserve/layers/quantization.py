@@ -84,14 +84,11 @@ def check_quantization(name: str | None, device: torch.device) -> None:
                          f"{torch.cuda.get_device_name(device)} has {cap}")
 
 
-def quantize_linears(model: nn.Module, name: str | None) -> int:
-    """Quantize every linear layer of ``model`` by method ``name`` (None:
-    leave it); returns how many were quantized. Call once, after loading."""
+def quantize_linears(model: nn.Module) -> int:
+    """Quantize every linear layer of ``model`` to fp8 (after
+    :func:`check_quantization`); returns how many. Call once, after loading."""
     from radixserve.layers.linear import LinearBase
 
-    if name is None:
-        return 0
-    check_quantization(name, next(model.parameters()).device)
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
     for layer in layers:
         layer.quantize_fp8()

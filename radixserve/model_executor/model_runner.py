@@ -118,7 +118,7 @@ class ModelRunner:
         self.quantization = quantization
         self.model = (model if model is not None else self._load_model()).eval()
         if quantization:
-            logger.info("%s: %d linear layers quantized", quantization, quantize_linears(self.model, quantization))
+            logger.info("%s: %d linear layers quantized", quantization, quantize_linears(self.model))
         if self.device.type == "cpu":
             packed = prepack_linears_for_cpu(self.model)
             logger.info("CPU: %d weights prepacked for oneDNN GEMMs", packed)
