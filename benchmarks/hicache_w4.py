@@ -38,6 +38,8 @@ def server_flags(args, name: str, storage_dir: str) -> list[str]:
                   "--hicache-write-policy", args.write_policy]
     if name in ("host_file", "file_restart"):
         flags += ["--hicache-storage-backend", "file", "--hicache-storage-dir", storage_dir]
+        if args.storage_extra_config:
+            flags += ["--hicache-storage-backend-extra-config", args.storage_extra_config]
     return flags + args.server_args.split()
 
 
@@ -70,6 +72,8 @@ def main() -> int:
     p.add_argument("--hicache-ratio", type=float, default=4.0)
     p.add_argument("--write-policy", default="write_through")
     p.add_argument("--storage-dir", default=None, help="the file tier's directory (default: a new temp folder)")
+    p.add_argument("--storage-extra-config", default=None,
+                   help="the file tier's --hicache-storage-backend-extra-config, e.g. '{\"max_gb\": 24}'")
     p.add_argument("--server-args", default="--schedule-policy lpm", help="more radixserve options")
     p.add_argument("--groups", type=int, default=12)
     p.add_argument("--prompts-per-group", type=int, default=6)
@@ -87,7 +91,8 @@ def main() -> int:
                       "system_len": args.system_len, "question_len": args.question_len, "output_len": args.output_len,
                       "max_concurrency": args.max_concurrency, "pool": args.pool,
                       "group_prefix_tokens": args.groups * args.system_len, "hicache_ratio": args.hicache_ratio,
-                      "write_policy": args.write_policy, "server_args": args.server_args}), flush=True)
+                      "write_policy": args.write_policy,
+                      "storage_extra_config": args.storage_extra_config, "server_args": args.server_args}), flush=True)
     for name in args.configs:
         try:
             print(json.dumps(run_config(args, name, storage_dir)), flush=True)
