@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import os
+import tempfile
 from dataclasses import dataclass, field, fields
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
@@ -127,6 +128,9 @@ class ServerArgs:
     kv_events_config: str | None = field(default=None, metadata={
         "help": "publish KV cache events for routers, a JSON object, e.g. "
                 "'{\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}'"})
+    torch_profiler_dir: str | None = field(default=None, metadata={
+        "help": "the directory /start_profile writes traces under; a request's output_dir must lie inside it "
+                "(default $SGLANG_TORCH_PROFILER_DIR, else the system's temporary directory)"})
     check_invariants: bool = field(default=False, metadata={"help": "check the memory invariant after every step"})
     stream_interval: int = field(default=1, metadata={
         "help": "output tokens between a streamed request's events (a request's sampling_params.stream_interval "
@@ -245,6 +249,10 @@ class ServerArgs:
 
         return (self.hicache_storage_dir or os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR")
                 or os.path.join(cache_root(), "hicache"))
+
+    def resolved_torch_profiler_dir(self) -> str:
+        # SGLang's variable and default, so that its scripts find the traces
+        return self.torch_profiler_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR") or tempfile.gettempdir()
 
     def _check_distributed(self) -> None:
         if self.base_gpu_id < 0:

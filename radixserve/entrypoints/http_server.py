@@ -203,7 +203,7 @@ def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
         body = await read_json(request) if await request.body() else {}
         if not isinstance(body, dict):
             return error_response("body: a JSON object of profiler options", 400)
-        bad = check_profile_options(body, args.resolved_device())
+        bad = check_profile_options(body, args.resolved_device(), args.resolved_torch_profiler_dir())
         if bad is not None:
             return error_response(bad[1], 400, bad[0])
         ok, message = await tm.profile("start", body)

@@ -8,7 +8,12 @@ Perfetto and ``chrome://tracing`` open. With ``start_step`` the profile
 starts at that scheduler step (counted since launch); with ``num_steps`` it
 stops by itself after that many steps, and the start request is answered
 only then, once the traces are written (as SGLang does, so that a script
-can read them when the call returns); otherwise at ``/stop_profile``."""
+can read them when the call returns); otherwise at ``/stop_profile``.
+
+Traces go only under the operator's ``--torch-profiler-dir``: a request's
+``output_dir`` (relative to it, or absolute) must resolve inside it after
+symlinks, or the request is refused before anything is created, so that a
+client cannot make the server (often root) write where it chooses."""
 
 from __future__ import annotations
 
@@ -25,7 +30,6 @@ from radixserve.managers.io_struct import ProfileReqOutput
 logger = logging.getLogger(__name__)
 
 ACTIVITIES = ("CPU", "GPU", "MEM")
-DEFAULT_DIR_ENV = "SGLANG_TORCH_PROFILER_DIR"  # SGLang's variable, so its scripts find the traces
 _STRINGS = ("output_dir", "profile_id", "profile_prefix")
 _FLAGS = ("with_stack", "record_shapes")
 _STEPS = ("num_steps", "start_step")
@@ -49,8 +53,16 @@ def phase(name: str):
     return wrap
 
 
-def default_output_dir() -> str:
-    return os.environ.get(DEFAULT_DIR_ENV) or os.path.join(os.path.sep, "tmp")
+def resolve_output_dir(requested: str | None, root: str) -> str | None:
+    """The directory a profile asking for ``requested`` writes to: that
+    path (taken relative to ``root``; ``root`` itself when unset) with its
+    symlinks and ``..`` resolved, or None when that lies outside ``root``.
+    Creates nothing."""
+    if requested and "\0" in requested:
+        return None
+    root = os.path.realpath(root)
+    target = os.path.realpath(os.path.join(root, requested or ""))
+    return target if os.path.commonpath([root, target]) == root else None
 
 
 def _steps(value) -> int | None:
@@ -60,9 +72,10 @@ def _steps(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def check_profile_options(options: dict, device: str) -> tuple[str, str] | None:
+def check_profile_options(options: dict, device: str, root: str) -> tuple[str, str] | None:
     """``(field, message)`` for the first invalid option of a start request
-    on a server whose model runs on ``device``, or None."""
+    on a server whose model runs on ``device`` and whose traces go under
+    ``root`` (``--torch-profiler-dir``), or None."""
     for name, value in options.items():
         if name not in (*_STRINGS, *_FLAGS, *_STEPS, "activities") and value not in _OFF:
             return name, f"{name}: not supported by radixserve's profiler"
@@ -89,6 +102,9 @@ def check_profile_options(options: dict, device: str) -> tuple[str, str] | None:
         value = options.get(name)
         if value and (os.path.sep in value or value.startswith(".")):
             return name, f"{name}: a file name part (no path separators)"
+    if resolve_output_dir(options.get("output_dir"), root) is None:
+        return "output_dir", (f"output_dir: {options['output_dir']!r} is outside {root}, the only directory this "
+                              "server writes traces under (--torch-profiler-dir)")
     return None
 
 
@@ -96,9 +112,10 @@ class StepProfiler:
     """One rank's profiler. ``start``, ``step`` and ``stop`` return the
     replies due now (``ProfileReqOutput``), each carrying its request's id."""
 
-    def __init__(self, rank_name: str, device: torch.device):
+    def __init__(self, rank_name: str, device: torch.device, root: str):
         self.rank_name = rank_name  # "TP-0", or "DP-1-TP-0"
         self.device = device
+        self.root = root  # --torch-profiler-dir: every trace goes under it
         self.steps = 0  # scheduler steps since launch
         self._options: dict | None = None  # the profile asked for, until it stops
         self._prof: torch.profiler.profile | None = None
@@ -109,10 +126,10 @@ class StepProfiler:
     def start(self, options: dict, req_id: int) -> list[ProfileReqOutput]:
         if self._options is not None:
             return [ProfileReqOutput(req_id, False, "profiling is already in progress: call /stop_profile first")]
-        bad = check_profile_options(options, self.device.type)
+        bad = check_profile_options(options, self.device.type, self.root)  # on every rank, before creating anything
         if bad is not None:
             return [ProfileReqOutput(req_id, False, bad[1])]
-        output_dir = options.get("output_dir") or default_output_dir()
+        output_dir = resolve_output_dir(options.get("output_dir"), self.root)
         try:
             os.makedirs(output_dir, exist_ok=True)
         except OSError as exc:

@@ -95,7 +95,8 @@ class SchedulerProcess:
         self._stats_at = 0.0
         self._last_stats: dict | None = None
         replica = f"DP-{dp_rank}-" if scheduler.args.dp_size > 1 else ""
-        self.profiler = StepProfiler(f"{replica}TP-{self.tp.rank}", scheduler.device)
+        self.profiler = StepProfiler(f"{replica}TP-{self.tp.rank}", scheduler.device,
+                                     scheduler.args.resolved_torch_profiler_dir())
         self.closing = False  # a CloseReq came: close the scheduler and leave the loop
 
     def event_loop(self) -> None:
