@@ -1,17 +1,25 @@
 """The file storage tier (radixserve.mem_cache.storage.HiCacheFile): blocks
 survive a restart, damaged or mismatched files are never served, and the
-write queue is bounded without ever blocking the caller. Under the two-tier
-tree: a backup's pin on the host copies it reads is released in full."""
+write queue is bounded without ever blocking the caller; a block no read
+succeeds on is a miss once, not on every retry. Under the two-tier tree: a
+backup's pin on the host copies it reads is released in full, and a request
+over a block that fails to read runs within the prefetch bound."""
 
+import errno
 import hashlib
+import logging
 import os
+import shutil
+import stat
 import threading
+import time
 
 import pytest
 import torch
 
-from radixserve.mem_cache.storage import HiCacheFile
+from radixserve.mem_cache.storage import HiCacheFile, file_backend
 from radixserve.mem_cache.storage.file_backend import FORMAT_VERSION, MAGIC
+from test_hicache import llama, tiers_off  # noqa: F401  (fixtures)
 
 # [layers, k/v, block_tokens, kv_heads, head_dim]
 SHAPE = (2, 2, 4, 2, 8)
@@ -267,6 +275,83 @@ def test_reader_and_writer_threads_together(cache):
     assert cache.exists_prefix([key_of(i) for i in range(n)]) == n
 
 
+# -- blocks no read succeeds on ---------------------------------------------------------
+
+UNREADABLE = ["directory", "empty directory", "fifo", "socket"]
+
+
+def make_unreadable(path: str, kind: str) -> None:
+    """Put at a block's ``path`` something no read succeeds on, even as root:
+    a directory (with a file in it, one that cannot be removed either), a
+    FIFO (opening it for reading waits for a writer), or a socket (opening
+    it fails: ENXIO)."""
+    if os.path.lexists(path):
+        os.unlink(path)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":
+        os.mknod(path, stat.S_IFSOCK | 0o600)
+    else:
+        os.mkdir(path)
+        if kind == "directory":
+            open(os.path.join(path, "not-ours"), "wb").close()
+
+
+def within(seconds: float, fn):
+    """``fn()``, failing the test if it has not returned after ``seconds``."""
+    out = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s"
+    return out[0]
+
+
+def warnings_about(caplog, path: str) -> int:
+    return sum(path in r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+
+
+@pytest.mark.parametrize("kind", UNREADABLE)
+def test_a_block_no_read_succeeds_on_is_a_miss_once(cache, caplog, kind):
+    """Every read of it is a miss at once; the first is counted and logged,
+    the path removed if it can be (else skipped), and it no longer counts as
+    on file. Once it is gone, the block can be stored again."""
+    put_and_flush(cache, 0, 1)
+    path = cache.path(key_of(0))
+    make_unreadable(path, kind)
+    with caplog.at_level(logging.WARNING, logger=file_backend.__name__):
+        for _ in range(3):
+            assert within(2, lambda: cache.get(key_of(0), ids_of(0))) is None
+            assert cache.exists_prefix([key_of(0), key_of(1)]) == 0
+    s = cache.stats()
+    assert (s["reads"], s["read_hits"], s["unreadable"], s["corrupt"]) == (3, 0, 1, 0)
+    assert warnings_about(caplog, path) == 1
+    assert os.path.lexists(path) == (kind == "directory")
+    assert torch.equal(cache.get(key_of(1), ids_of(1)), kv_of(1))  # the other blocks still serve
+    if kind == "directory":
+        shutil.rmtree(path)  # the operator clears it
+    put_and_flush(cache, 0)
+    assert torch.equal(cache.get(key_of(0), ids_of(0)), kv_of(0))
+    assert cache.exists_prefix([key_of(0), key_of(1)]) == 2
+
+
+def test_a_read_error_of_any_errno_is_a_miss_once(cache, caplog, monkeypatch):
+    """A regular file whose read fails (a disk's EIO here; EACCES for a user
+    other than root) is removed, counted and logged once."""
+    put_and_flush(cache, 0)
+    path = cache.path(key_of(0))
+
+    def failing_read(f, token_ids):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(file_backend, "decode_block", failing_read)
+    with caplog.at_level(logging.WARNING, logger=file_backend.__name__):
+        for _ in range(3):
+            assert cache.get(key_of(0), ids_of(0)) is None
+    assert cache.stats()["unreadable"] == 1 and warnings_about(caplog, path) == 1
+    assert not os.path.lexists(path) and cache.exists_prefix([key_of(0)]) == 0
+
+
 # -- the size cap -------------------------------------------------------------------
 
 
@@ -431,3 +516,81 @@ def test_a_backup_waits_for_the_host_copies_above_it_to_land(tmp_path):
     cache.close()
     kv = served(tmp_path, tokens)
     assert kv is not None and torch.equal(kv, written)
+
+
+@pytest.mark.parametrize("failure", ["miss", "another layout"])
+def test_a_block_that_fails_to_read_is_not_read_again_by_the_next_fetch(tmp_path, failure):
+    """A prefetch that ends short of what was on file puts what it read into
+    the tree; the fetches after it do not start another read of the block
+    that failed (admission retried it at every step, and a failure that
+    repeats held the request forever), whatever the backend does with it."""
+    from test_hicache import file_cache, put
+
+    tokens = list(range(500, 692))  # three 64-token blocks; the second fails
+    writer, alloc = file_cache(tmp_path)
+    put(writer, alloc, tokens)
+    writer.close()
+    cache, _ = file_cache(tmp_path)
+    reads, get = [], cache.storage.backend.get
+
+    def failing_get(key, token_ids):
+        reads.append(token_ids[0])
+        if token_ids[0] != tokens[64]:
+            return get(key, token_ids)
+        return None if failure == "miss" else torch.zeros(1)
+
+    cache.storage.backend.get = failing_get
+    key = tokens + [1]
+    first = cache.fetch(key, cache.match_prefix(key), 512)[0]
+    cache.storage.drain()
+    cache.poll()
+    assert first.finished and cache.match_prefix(key).host_hit_length == 64  # the block before the bad one
+    load = cache.fetch(key, cache.match_prefix(key), 512)[0]
+    cache.poll()
+    assert load.finished and len(cache.match_prefix(key).device_indices) == 64
+    for _ in range(3):
+        assert cache.fetch(key, cache.match_prefix(key), 512)[0] is None
+        cache.poll()
+    assert reads == [tokens[0], tokens[64]]
+    cache.check_invariants()
+    cache.close()
+
+
+@pytest.mark.parametrize("kind", ["directory", "socket"])
+def test_a_request_over_a_block_no_read_succeeds_on_runs_within_the_prefetch_bound(llama, tiers_off, tmp_path,
+                                                                                    caplog, kind):
+    """With something that cannot be read where a request's block should be,
+    the request is answered within the prefetch bound, with the tokens of the
+    tiers off, and the scheduler logs the block once."""
+    import radixserve
+    from radixserve.managers.metrics import ServerMetrics
+    from radixserve.mem_cache.hicache_storage import PREFETCH_TIMEOUT_S
+    from radixserve.sampling.sampling_params import SamplingParams
+    from test_hicache import GREEDY, SHARED, serve, workload
+
+    folder, _ = llama
+    prompts = workload()
+    tier = dict(enable_hierarchical_cache=True, hicache_ratio=4, hicache_storage_backend="file",
+                hicache_storage_dir=str(tmp_path))
+    serve(folder, prompts[:1], **tier)  # its 64-token block is on file; prompts[5] starts with it
+    (block,) = tmp_path.rglob("*.kv")
+    make_unreadable(str(block), kind)
+    eng = radixserve.Engine(model_path=folder, **SHARED, **tier)
+    try:
+        s = eng.scheduler
+        req = s.new_req("over a bad block", prompts[5], SamplingParams(**GREEDY))
+        with caplog.at_level(logging.WARNING, logger=file_backend.__name__):
+            s.add_request(req)
+            give_up = time.monotonic() + PREFETCH_TIMEOUT_S
+            while not req.finished() and time.monotonic() < give_up:
+                s.step()
+        assert req.finished(), f"no answer within {PREFETCH_TIMEOUT_S} s"
+        assert req.output_ids == tiers_off[0][5] and req.cached_tokens == 0
+        stats = eng.get_stats()
+        assert stats["hicache_storage_unreadable"] == 1 and stats["hicache_storage_prefetched"] == 0
+        assert warnings_about(caplog, str(block)) == 1
+        metrics = ServerMetrics()  # what /metrics renders from the scheduler's figures
+        metrics.update_from_state(stats)
+        assert b"radixserve:hicache_storage_unreadable_blocks 1.0" in metrics.render()
+    finally:
+        eng.shutdown()

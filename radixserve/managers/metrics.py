@@ -15,6 +15,8 @@ HICACHE_GAUGES = (
      "Tokens read from the file tier into the host since start (file hits)"),
     ("hicache_storage_writes", "hicache_storage_written_blocks", "Blocks written to the file tier since start"),
     ("hicache_storage_corrupt", "hicache_storage_corrupt_blocks", "Corrupt or stale files dropped since start"),
+    ("hicache_storage_unreadable", "hicache_storage_unreadable_blocks",
+     "Block paths that failed to read (a directory, EACCES, EIO...) since start, each once"),
 )
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 

@@ -17,6 +17,11 @@ directory finds what an earlier one stored.
   into the tree as host-only nodes (the load-back then moves them to the
   device), or until ``PREFETCH_TIMEOUT_S`` has passed: it then runs with
   what is cached, and the prefetch still lands for later requests.
+- **Misses**: a prefetch that ends short of what was on file (a block that
+  failed to read, whatever the backend makes of it) puts what it read into
+  the tree, and the block it stopped at is not prefetched again until it is
+  backed up anew: admission asks for a prefetch at every step, and a failure
+  that repeats would hold the request in the queue for good.
 - **Tensor parallelism**: each rank reads and writes the files of its own KV
   heads, and its thread finishes when it does. What the tree does with the
   results is agreed over the ranks (``TPGroup.agree_mins``): how many blocks
@@ -49,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 PREFETCH_TIMEOUT_S = 5.0
 PREFETCH_THRESHOLD = 64  # tokens on file worth waiting for
+MISSES_KEPT = 4096  # blocks a prefetch stopped at, remembered (oldest forgotten first)
 STORAGE_BLOCK_TOKENS = 64  # rounded up to whole pages
 
 
@@ -90,6 +96,7 @@ class FileTier:
         self._done_signal = threading.Event()
         self._in_flight = 0  # tasks handed to the thread and not yet polled back (alike on every rank)
         self._prefetches: dict[bytes, Prefetch] = {}  # by their first block's key
+        self._misses: dict[bytes, None] = {}  # keys of blocks a prefetch stopped at, oldest first
         self._held = 0  # host slots of prefetches not yet in the tree
         self.prefetched_tokens = 0
         self._thread = threading.Thread(target=self._run, name="hicache-file-tier", daemon=True)
@@ -109,6 +116,8 @@ class FileTier:
             return
         digests = chain_digests(tokens[: last * b], b)
         blocks = [(digests[k], tokens[k * b : (k + 1) * b], slots[k * b : (k + 1) * b]) for k in range(first, last)]
+        for key, _, _ in blocks:
+            self._misses.pop(key, None)  # its file is written anew if it is not there: worth a read again
         self._submit(_Backup(cache.pin_host(node, end - first * b), blocks, self._generation))
 
     def prefetch(self, cache, key: list[int], matched: int) -> Prefetch | None:
@@ -122,7 +131,7 @@ class FileTier:
         running = self._prefetches.get(digests[first])
         if running is not None:
             return running
-        on_file = self._agree([self.backend.exists_prefix(digests[first:])])[0]
+        on_file = self._agree([self._on_file(digests[first:])])[0]
         end = (first + on_file) * b
         if end - matched < PREFETCH_THRESHOLD:
             return None
@@ -136,6 +145,19 @@ class FileTier:
         self._held += len(host_slots)
         self._submit(p)
         return p
+
+    def _on_file(self, keys: list[bytes]) -> int:
+        """How many leading ``keys`` are on file, up to one a prefetch stopped at."""
+        n = self.backend.exists_prefix(keys)
+        return next((i for i, key in enumerate(keys[:n]) if key in self._misses), n)
+
+    def _missed(self, p: Prefetch) -> None:
+        """Remember the block ``p`` stopped at, if it stopped short."""
+        stopped = (p.start + p.fetched - p.blocks[0][1]) // self.block
+        if stopped < len(p.blocks):
+            self._misses[p.blocks[stopped][0]] = None
+            if len(self._misses) > MISSES_KEPT:
+                del self._misses[next(iter(self._misses))]
 
     def _submit(self, task) -> None:
         self._in_flight += 1
@@ -169,6 +191,7 @@ class FileTier:
             if task.generation != self._generation:
                 continue  # its host slots went with the reset
             self._prefetches.pop(task.blocks[0][0], None)
+            self._missed(task)
             self._held -= len(task.host_slots)
             cache.host.allocator.free(task.host_slots[task.fetched :])
             if task.fetched:

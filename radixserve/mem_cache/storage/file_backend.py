@@ -11,7 +11,11 @@ A file is served only when all of it checks out: magic, version, digest,
 length and the token ids the caller asks for. Anything else (a torn or
 truncated file, flipped bits, another format version, a stale block under
 the same key) is deleted, counted as ``corrupt`` and reported as a miss, so the
-next ``put_async`` of that key can write it again.
+next ``put_async`` of that key can write it again. A path that cannot be read
+at all (a directory, a FIFO or socket, EACCES, EIO: any OSError) is a miss
+too, counted as ``unreadable`` and deleted. Either is logged once: what
+cannot be deleted (a read-only directory, a directory with files in it) is
+skipped by every later read and ``exists_prefix`` until a write succeeds there.
 
 With ``max_bytes`` the files are capped: after each write the least recently
 written or read files are deleted until the rest fit. The order survives a
@@ -31,6 +35,7 @@ import hashlib
 import logging
 import os
 import re
+import stat
 import struct
 import threading
 import time
@@ -52,6 +57,12 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 class _Corrupt(Exception):
     """A block file that must not be served."""
+
+
+def _open_without_waiting(path: str, flags: int) -> int:
+    # Opening a FIFO for reading waits for a writer, which may never come. O_NONBLOCK
+    # does not change how a regular file reads.
+    return os.open(path, flags | os.O_NONBLOCK)
 
 
 def safe_namespace(namespace: str) -> str:
@@ -167,8 +178,12 @@ class HiCacheFile:
         self._queue: collections.deque[tuple[bytes, list[int], torch.Tensor]] = collections.deque()
         self._queued: set[bytes] = set()  # queued or being written
         self._closing = False
+        # Paths that failed to read and could not be deleted: never read again (a read of them fails the
+        # same way), until a write succeeds there. Changed under _cond; a set's `in` needs no lock.
+        self._skipped: set[str] = set()
         self._stats = dict.fromkeys(
-            ("writes", "write_bytes", "dropped_writes", "reads", "read_hits", "read_bytes", "corrupt", "evicted"), 0
+            ("writes", "write_bytes", "dropped_writes", "reads", "read_hits", "read_bytes", "corrupt", "unreadable",
+             "evicted"), 0
         )
         if max_bytes is not None:
             self._scan()
@@ -184,9 +199,11 @@ class HiCacheFile:
 
     def exists_prefix(self, keys: list[bytes]) -> int:
         """How many leading ``keys`` have a file (the count stops at the first
-        missing one). A file counted here may still fail its checks in get."""
+        missing one, or one skipped as unreadable). A file counted here may
+        still fail its checks in get."""
         for i, key in enumerate(keys):
-            if not os.path.exists(self.path(key)):
+            path = self.path(key)
+            if path in self._skipped or not os.path.exists(path):
                 return i
         return len(keys)
 
@@ -195,18 +212,25 @@ class HiCacheFile:
         is no valid file for ``key`` holding exactly ``token_ids``."""
         path = self.path(key)
         self._count(reads=1)
+        if path in self._skipped:
+            return None
+        seen = None
         try:
-            with open(path, "rb") as f:
+            seen = os.stat(path)
+            if not stat.S_ISREG(seen.st_mode):
+                raise OSError(f"not a regular file (mode {stat.filemode(seen.st_mode)})")
+            with open(path, "rb", opener=_open_without_waiting) as f:
                 try:
                     kv = decode_block(f, token_ids)
                 except _Corrupt as e:
                     logger.warning("HiCacheFile: discarding %s: %s", path, e)
-                    self._discard(path, os.fstat(f.fileno()))
+                    self._discard(path, os.fstat(f.fileno()), "corrupt")
                     return None
         except FileNotFoundError:
             return None
-        except OSError as e:  # an unreadable file is a miss, not the caller's crash
-            logger.warning("HiCacheFile: reading %s failed: %s", path, e)
+        except OSError as e:  # any errno: a miss, not the caller's crash; deleted or skipped, so read once
+            logger.warning("HiCacheFile: cannot read %s, a miss: %s", path, e)
+            self._discard(path, seen, "unreadable")
             return None
         self._count(read_hits=1, read_bytes=kv.numel() * kv.element_size())
         if self.max_bytes is not None:
@@ -251,8 +275,9 @@ class HiCacheFile:
     def stats(self) -> dict[str, int]:
         """Counters since start: writes and write_bytes (payload bytes) done,
         dropped_writes, reads (get calls), read_hits and read_bytes (payload
-        bytes served), corrupt (files discarded), evicted (files deleted for
-        the size cap), pending (queued now), and with a cap, bytes (on disk now)."""
+        bytes served), corrupt (files discarded), unreadable (paths that
+        failed to read, each counted once), evicted (files deleted for the
+        size cap), pending (queued now), and with a cap, bytes (on disk now)."""
         with self._cond:
             extra = {"bytes": self._bytes} if self.max_bytes is not None else {}
             return {**self._stats, "pending": len(self._queued), **extra}
@@ -262,18 +287,36 @@ class HiCacheFile:
             for name, delta in deltas.items():
                 self._stats[name] += delta
 
-    def _discard(self, path: str, seen: os.stat_result) -> None:
-        """Delete the bad file ``seen`` at ``path``, unless the writer has
-        already renamed a new file onto that name."""
+    def _discard(self, path: str, seen: os.stat_result | None, counter: str) -> None:
+        """Count, under ``counter``, a path that must not be read again, and
+        delete it; what cannot be deleted, or could not even be looked up
+        (``seen`` None), is skipped from now on."""
         with self._cond:
-            self._stats["corrupt"] += 1
+            self._stats[counter] += 1
+            if seen is None or not self._delete(path, seen):
+                self._skipped.add(path)
+                self._bytes -= self._lru.pop(path, 0)
+
+    def _delete(self, path: str, seen: os.stat_result) -> bool:
+        """Under ``_cond``: delete ``path`` if it still holds what ``seen``
+        found there (a directory only if empty: what is in it is not ours).
+        False when it cannot be deleted; True once it is gone, or holds a new
+        file the writer has renamed onto it since (left alone)."""
+        try:
+            now = os.stat(path)
+            if (now.st_dev, now.st_ino) != (seen.st_dev, seen.st_ino):
+                return True
             try:
-                now = os.stat(path)
-                if (now.st_dev, now.st_ino) == (seen.st_dev, seen.st_ino):
-                    os.unlink(path)
-                    self._bytes -= self._lru.pop(path, 0)
-            except OSError as e:  # gone already, or a read-only directory
-                logger.debug("HiCacheFile: cannot delete %s: %s", path, e)
+                os.unlink(path)
+            except IsADirectoryError:
+                os.rmdir(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # a read-only directory, a directory with files in it
+            logger.debug("HiCacheFile: cannot delete %s: %s", path, e)
+            return False
+        self._bytes -= self._lru.pop(path, 0)
+        return True
 
     # -- the size cap ------------------------------------------------------------
     def _scan(self) -> None:
@@ -289,7 +332,7 @@ class HiCacheFile:
                     st = f.stat()
                 except OSError:
                     continue
-                if f.name.endswith(".kv"):
+                if f.name.endswith(".kv") and stat.S_ISREG(st.st_mode):
                     found.append((st.st_mtime, f.path, st.st_size))
                 elif f.name.endswith(".tmp") and time.time() - st.st_mtime > STALE_TMP_S:
                     with contextlib.suppress(OSError):
@@ -350,6 +393,7 @@ class HiCacheFile:
                 f.write(payload)
             with self._cond:
                 os.replace(tmp, path)
+                self._skipped.discard(path)
                 if self.max_bytes is not None:
                     self._add(path, len(head) + len(payload))
         except BaseException:
