@@ -22,6 +22,16 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 # SGLang's names; auto is the model's dtype. fp8 values are stored unscaled (scale 1.0).
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATIONS = ("fp8",)  # online methods of layers/quantization.py
+GRAMMAR_CACHE_MB = 256  # default --grammar-cache-max-mb
+
+
+@dataclass(frozen=True)
+class CompileLimits:
+    """What compiling one grammar may take (``--grammar-compile-max-mb``,
+    ``--grammar-compile-timeout``; ``sampling/grammar_sandbox.py``)."""
+
+    max_mb: int = 1024
+    timeout_s: float = 30.0
 
 
 @dataclass
@@ -147,6 +157,14 @@ class ServerArgs:
     max_request_body_bytes: int = field(default=32 << 20, metadata={"help": "larger HTTP bodies get HTTP 413"})
     max_prompt_chars: int | None = field(default=None, metadata={
         "help": "characters of one text prompt, checked before tokenizing; default 32 per token of the context length"})
+    grammar_compile_max_mb: int = field(default=CompileLimits.max_mb, metadata={
+        "help": "memory one grammar's compile may take (json_schema, regex, ebnf, tools), tried in a child "
+                "process before it is queued; a grammar over it gets HTTP 400"})
+    grammar_compile_timeout: float = field(default=CompileLimits.timeout_s, metadata={
+        "help": "seconds one grammar's compile may take; a grammar over it gets HTTP 400"})
+    grammar_cache_max_mb: int = field(default=GRAMMAR_CACHE_MB, metadata={
+        "help": "compiled grammars each scheduler keeps for reuse, in MB (least recently used out; "
+                "/flush_cache empties it)"})
     http_header_timeout: float = field(default=30.0, metadata={
         "help": "seconds a connection may take to send a request's headers before it is closed"})
     max_connections: int | None = field(default=None, metadata={
@@ -190,7 +208,8 @@ class ServerArgs:
         for name in ("max_queued_requests", "max_prompt_chars", "max_connections"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("request_timeout", "http_header_timeout", "max_request_body_bytes"):
+        for name in ("request_timeout", "http_header_timeout", "max_request_body_bytes", "grammar_compile_max_mb",
+                     "grammar_compile_timeout", "grammar_cache_max_mb"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -249,6 +268,9 @@ class ServerArgs:
 
         return (self.hicache_storage_dir or os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR")
                 or os.path.join(cache_root(), "hicache"))
+
+    def grammar_compile_limits(self) -> CompileLimits:
+        return CompileLimits(self.grammar_compile_max_mb, self.grammar_compile_timeout)
 
     def resolved_torch_profiler_dir(self) -> str:
         # SGLang's variable and default, so that its scripts find the traces

@@ -198,6 +198,7 @@ def test_openai_response_format(server):
     done = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Phone: ", max_tokens=20,
                                      extra_body={"regex": PHONE})
     assert re.fullmatch(PHONE, done.choices[0].text)
-    with pytest.raises(openai.BadRequestError, match="json_schema"):
+    with pytest.raises(openai.BadRequestError, match="response_format: invalid json schema") as bad:
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, response_format={
             "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objekt"}}})
+    assert bad.value.body["param"] == "response_format"  # the request's field, not the engine's

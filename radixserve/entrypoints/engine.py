@@ -17,6 +17,7 @@ from radixserve.managers.detokenizer_manager import DecodeStatus, NullTokenizer
 from radixserve.managers.schedule_batch import Req
 from radixserve.managers.scheduler_factory import build_scheduler
 from radixserve.sampling.grammar import check_grammar, grammar_spec
+from radixserve.sampling.grammar_sandbox import GrammarSandbox
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
@@ -45,6 +46,9 @@ class Engine:
             self.scheduler = build_scheduler(self.server_args)
         self.tokenizer = self.scheduler.tokenizer
         self._counter = itertools.count()
+        self._grammar_sandbox = (GrammarSandbox(self.tokenizer, self.scheduler.vocab_size,
+                                                self.server_args.grammar_compile_limits())
+                                 if self.tokenizer is not None else None)
 
     # -- API -------------------------------------------------------------------
     def generate(
@@ -93,6 +97,8 @@ class Engine:
         if self.scheduler is None:
             return
         self.scheduler.close()  # its KV event publisher, if any
+        if self._grammar_sandbox is not None:
+            self._grammar_sandbox.close()
         if self.server_args.tp_size > 1:
             self.scheduler.shutdown()
         if self.scheduler.device.type == "cpu":
@@ -125,6 +131,7 @@ class Engine:
         spec = grammar_spec(sp)
         if spec is not None:
             check_grammar(*spec)
+            self._grammar_sandbox.check(*spec)
         rid = rid or uuid.uuid4().hex
         reqs = []
         for i in range(sp.n):

@@ -174,4 +174,5 @@ def request_limits(args: ServerArgs, info: dict) -> RequestLimits:
         max_prompt_chars=args.resolved_max_prompt_chars(info["context_len"]),
         max_in_flight=None if queued is None else info["max_running_requests"] + queued,
         request_timeout=args.request_timeout,
+        grammar=args.grammar_compile_limits(),
     )

@@ -23,10 +23,18 @@ class GrammarQueue:
     """Requests whose grammar compiles (``reqs``), for one model's tokenizer;
     without a tokenizer, structured output is refused."""
 
-    def __init__(self, tokenizer, vocab_size: int):
-        self.backend = GrammarBackend(tokenizer, vocab_size) if tokenizer is not None else None
+    def __init__(self, tokenizer, vocab_size: int, cache_max_bytes: int):
+        self.backend = GrammarBackend(tokenizer, vocab_size, cache_max_bytes) if tokenizer is not None else None
         self.reqs: list[Req] = []
         self.used = False  # until a first grammar, no batch is scanned for one
+
+    def clear_cache(self) -> None:
+        if self.backend is not None:
+            self.backend.clear_cache()
+
+    def cache_stats(self) -> dict[str, int]:
+        """The compiled-grammar cache's size (``/metrics``, ``/get_server_info``)."""
+        return self.backend.cache_stats() if self.backend is not None else {}
 
     def __len__(self) -> int:
         return len(self.reqs)

@@ -18,6 +18,10 @@ HICACHE_GAUGES = (
     ("hicache_storage_unreadable", "hicache_storage_unreadable_blocks",
      "Block paths that failed to read (a directory, EACCES, EIO...) since start, each once"),
 )
+GRAMMAR_GAUGES = (
+    ("grammar_cache_bytes", "grammar_cache_bytes", "Bytes of compiled grammars the schedulers keep for reuse"),
+    ("grammar_cache_entries", "grammar_cache_entries", "Compiled grammars the schedulers keep for reuse"),
+)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -37,6 +41,7 @@ class ServerMetrics:
         self.cache_hit_rate = Gauge(p + "cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens", registry=r)
         # The hierarchical cache's tiers (docs/hicache.md); present with --enable-hierarchical-cache.
         self.hicache = {key: Gauge(p + name, text, registry=r) for key, name, text in HICACHE_GAUGES}
+        self.grammar = {key: Gauge(p + name, text, registry=r) for key, name, text in GRAMMAR_GAUGES}
 
     def on_request(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
@@ -62,7 +67,7 @@ class ServerMetrics:
         self.queued.set(state.get("waiting", 0))
         self.token_usage.set(state.get("kv_usage", 0.0))
         self.cache_hit_rate.set(state.get("cache_hit_rate", 0.0))
-        for key, gauge in self.hicache.items():
+        for key, gauge in (*self.hicache.items(), *self.grammar.items()):
             if key in state:
                 gauge.set(state[key])
 

@@ -95,7 +95,8 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
         self.max_running = min(server_args.max_running_requests, self.req_to_token_pool.available_size())
         self.chunk_size = server_args.resolved_chunked_prefill_size()
         self.waiting: list[Req] = []
-        self.grammar_queue = GrammarQueue(tokenizer, self.vocab_size)  # waiting for their grammar to compile
+        # waiting for their grammar to compile
+        self.grammar_queue = GrammarQueue(tokenizer, self.vocab_size, server_args.grammar_cache_max_mb << 20)
         self.running_batch = ScheduleBatch([], ForwardMode.DECODE, self.pools, self.vocab_size)
         self.chunked_req: Req | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
@@ -336,6 +337,7 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
             return False
         self.tree_cache.reset()
         self.allocator.clear()
+        self.grammar_queue.clear_cache()
         self._publish_kv_events()
         return True
 
@@ -352,4 +354,4 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
     def get_stats(self) -> dict[str, Any]:
         return dict(dataclasses.asdict(self.stats), running=len(self.running_batch), waiting=len(self.waiting) + len(self.grammar_queue),
                     kv_free=self.allocator.available_size(), kv_cached=self.tree_cache.total_size(),
-                    **self.tree_cache.tier_stats())
+                    **self.tree_cache.tier_stats(), **self.grammar_queue.cache_stats())

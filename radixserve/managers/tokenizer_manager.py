@@ -38,7 +38,9 @@ from radixserve.managers.io_struct import (
 )
 from radixserve.managers.metrics import ServerMetrics
 from radixserve.sampling.grammar import check_grammar, grammar_spec
+from radixserve.sampling.grammar_sandbox import GrammarSandbox
 from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.server_args import CompileLimits
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class RequestLimits:
     max_prompt_chars: int
     max_in_flight: int | None = None
     request_timeout: float | None = None
+    grammar: CompileLimits = CompileLimits()
 
 
 _ENGINE_DEAD = object()  # put on a request's queue when the engine dies
@@ -126,6 +129,8 @@ class TokenizerManager:
         self.replica_stats: dict[int, dict] = {}  # each replica's latest SchedulerStats, by dp rank
         self.dead: str | None = None  # why the engine stopped serving, once it has
         self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        # every new grammar is compiled once in a bounded child before it is queued
+        self.grammar_sandbox = GrammarSandbox(tokenizer, self.vocab_size, limits.grammar) if tokenizer else None
         self._loop_task: asyncio.Task | None = None
 
     def _connect(self, addr: str):
@@ -237,7 +242,8 @@ class TokenizerManager:
         return out
 
     async def _check_grammars(self, sps: list[SamplingParams], where: list[str]) -> None:
-        """A grammar that cannot be built is a 400 here, before anything is queued."""
+        """A grammar that cannot be built, or whose compile goes over the
+        limits (``grammar_sandbox``), is a 400 here, before anything is queued."""
         checked: set[tuple[str, str]] = set()
         for sp, w in zip(sps, where):
             spec = grammar_spec(sp)
@@ -247,6 +253,8 @@ class TokenizerManager:
                 raise ValueError(f"{w}.{spec[0]}: structured output needs the model's tokenizer")
             try:
                 await self.run_blocking(check_grammar, *spec)  # the first one imports xgrammar (about a second)
+                # shielded: a client that leaves must not cancel a verdict other requests share
+                await asyncio.shield(asyncio.wrap_future(self.grammar_sandbox.submit(*spec)))
             except ValueError as exc:
                 raise ValueError(f"{w}.{exc}") from None
             checked.add(spec)
@@ -485,6 +493,8 @@ class TokenizerManager:
     def close(self) -> None:
         """Stop the tokenizer threads and close the sockets (the process is exiting)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.grammar_sandbox is not None:
+            self.grammar_sandbox.close()
         self.ctx.destroy(linger=0)
 
 
@@ -504,8 +514,9 @@ def sum_replica_stats(states: list[dict]) -> dict:
     rate over the sums)."""
     if len(states) <= 1:
         return dict(states[0]) if states else {}
-    tiers = {key for s in states for key in s if key.startswith("hicache_")}  # docs/hicache.md
-    total = {key: sum(s.get(key, 0) for s in states) for key in (*_SUMMED, *sorted(tiers))}
+    # the cache tiers' figures (docs/hicache.md) and the grammar caches'
+    per_cache = {key for s in states for key in s if key.startswith(("hicache_", "grammar_"))}
+    total = {key: sum(s.get(key, 0) for s in states) for key in (*_SUMMED, *sorted(per_cache))}
     total["kv_usage"] = total["kv_used"] / max(total["max_total_tokens"], 1)
     total["cache_hit_rate"] = total["cached_tokens"] / max(total["prompt_tokens"], 1)
     return total

@@ -8,7 +8,10 @@ matcher then accepts the token sampled.
   bad schema is a 400 before anything is queued).
 - ``GrammarBackend`` compiles specs against the model's tokenizer on its own
   threads, caching by spec, so a compilation never stalls a step; the
-  scheduler holds a request back until its grammar is ready.
+  scheduler holds a request back until its grammar is ready. The cache is
+  bounded in bytes (``--grammar-cache-max-mb``, least recently used out) and
+  emptied by ``/flush_cache``; what a compile may take is bounded before it
+  starts (``grammar_sandbox``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ COMPILE_THREADS = 2
 # One thread fills a batch's masks: more lost to contention in the scheduler
 # process (64 rows took 0.4 ms alone on an H200 host, but longer on 8 threads).
 FILL_THREADS = 1
-CACHE_ENTRIES = 1024  # compiled grammars kept, least recently used out
 
 
 def grammar_spec(params: Any) -> tuple[str, str] | None:
@@ -59,7 +61,16 @@ def check_grammar(kind: str, text: str) -> None:
         else:
             _structural_tag(xgr, text, xgr.Grammar.from_structural_tag)
     except (RuntimeError, ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise ValueError(f"{kind}: invalid {kind.replace('_', ' ')}: {_first_line(exc)}") from None
+        raise ValueError(f"{kind}: invalid {kind.replace('_', ' ')}: {first_line(exc)}") from None
+
+
+def compile_spec(compiler, kind: str, text: str):
+    """``(kind, text)`` compiled by an xgrammar ``GrammarCompiler``."""
+    compile_fn = {"json_schema": compiler.compile_json_schema, "regex": compiler.compile_regex,
+                  "ebnf": compiler.compile_grammar}.get(kind)
+    if compile_fn is not None:
+        return compile_fn(text)
+    return _structural_tag(_xgrammar(), text, compiler.compile_structural_tag)
 
 
 def _structural_tag(xgr, text: str, build):
@@ -78,7 +89,7 @@ def _structural_tag(xgr, text: str, build):
     return build(text)
 
 
-def _first_line(exc: Exception) -> str:
+def first_line(exc: Exception) -> str:
     """xgrammar's message without its "[time] source-file:line:" prefix."""
     lines = [line for line in str(exc).splitlines() if line.strip()]
     text = lines[0] if lines else type(exc).__name__
@@ -90,15 +101,24 @@ _SOURCE_PREFIX = re.compile(r"^(\[[^\]]*\]\s*)?(\S+:\d+:\s*)?")
 
 class GrammarBackend:
     """Compiles grammars for one tokenizer and vocabulary and builds the
-    batch bitmask. Thread-safe for ``submit``; the rest runs on the scheduler."""
+    batch bitmask. Thread-safe for ``submit``; the rest runs on the scheduler.
 
-    def __init__(self, tokenizer, vocab_size: int):
+    The cache holds ``spec -> future``; a compiled entry weighs its grammar's
+    ``memory_size_bytes`` plus its text, and entries go least recently used
+    first while the total is over ``cache_max_bytes`` (compilations in flight
+    weigh nothing until they end). A request holds its own grammar, so
+    eviction never takes one from a request that has it."""
+
+    def __init__(self, tokenizer, vocab_size: int, cache_max_bytes: int):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.cache_max_bytes = cache_max_bytes
         self._compiler = None
         self._compiler_lock = threading.Lock()  # the first compilation builds the compiler (about a second)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a future done at once calls back under submit's lock
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._sizes: dict[tuple[str, str], int] = {}  # compiled entries' bytes
+        self.cache_bytes = 0
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
         self._batch = None  # xgrammar's multi-threaded mask filler, made on first use
         # host seconds spent in each part (bench.structured_output reports them)
@@ -108,28 +128,47 @@ class GrammarBackend:
         """A future compiled grammar for ``spec``; equal specs share one compilation."""
         with self._lock:
             fut = self._cache.get(spec)
-            if fut is None:
-                fut = self._cache[spec] = self._pool.submit(self._compile, spec)
-                while len(self._cache) > CACHE_ENTRIES:
-                    self._cache.popitem(last=False)
-            else:
+            if fut is not None:
                 self._cache.move_to_end(spec)
+                return fut
+            fut = self._cache[spec] = self._pool.submit(self._compile, spec)
+            fut.add_done_callback(lambda done: self._weigh(spec, done))
             return fut
 
+    def clear_cache(self) -> None:
+        """Forget every compiled grammar (``/flush_cache``); requests keep theirs."""
+        with self._lock:
+            self._cache.clear()
+            self._sizes.clear()
+            self.cache_bytes = 0
+
+    def cache_stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"grammar_cache_bytes": self.cache_bytes, "grammar_cache_entries": len(self._sizes)}
+
+    def _weigh(self, spec: tuple[str, str], fut: Future) -> None:
+        with self._lock:
+            if self._cache.get(spec) is not fut:  # flushed while it compiled
+                return
+            size = len(spec[1]) + (fut.result().memory_size_bytes if fut.exception() is None else 0)
+            self._sizes[spec] = size
+            self.cache_bytes += size
+            for old in [s for s in self._cache if s in self._sizes]:  # oldest first
+                if self.cache_bytes <= self.cache_max_bytes:
+                    break
+                del self._cache[old]
+                self.cache_bytes -= self._sizes.pop(old)
+
     def _compile(self, spec: tuple[str, str]):
-        xgr = _xgrammar()
         with self._compiler_lock:
             if self._compiler is None:
+                xgr = _xgrammar()
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS)
-        kind, text = spec
-        compile_fn = {"json_schema": self._compiler.compile_json_schema, "regex": self._compiler.compile_regex,
-                      "ebnf": self._compiler.compile_grammar}.get(kind)
+                # no cache of xgrammar's own: this one is bounded and flushed
+                self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
         start = time.perf_counter()
         try:
-            if compile_fn is not None:
-                return compile_fn(text)
-            return _structural_tag(xgr, text, self._compiler.compile_structural_tag)
+            return compile_spec(self._compiler, *spec)
         finally:
             self.timings["compile_s"] += time.perf_counter() - start
 

@@ -14,6 +14,7 @@ built here ask for ``return_text_in_logprobs``.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any, Iterable
 
@@ -501,6 +502,21 @@ def validation_error_to_openai(errors: list[dict]) -> dict:
     params = [p for p, _ in parts if p]
     more = f" (and {len(errors) - _MAX_ERRORS} more errors)" if len(errors) > _MAX_ERRORS else ""
     return openai_error("; ".join(msg for _, msg in parts) + more, param=params[0] if params else None)
+
+
+_GRAMMAR_ERROR = re.compile(r"sampling_params\.(json_schema|regex|ebnf|structural_tag):")
+
+
+def name_grammar_error(exc: ValueError, req: CompletionRequest | ChatCompletionRequest) -> ValueError:
+    """The engine's error about the grammar it was given (``sampling_params.json_schema: ...``)
+    renamed after the request's own field: ``response_format``, SGLang's
+    ``json_schema``, ``regex`` or ``ebnf``, or else ``tools`` (forced or strict calls)."""
+    if not _GRAMMAR_ERROR.match(str(exc)):
+        return exc
+    fmt = req.response_format
+    own = req.grammar()
+    field = "response_format" if fmt is not None and fmt.type != "text" else own[0] if own is not None else "tools"
+    return ValueError(_GRAMMAR_ERROR.sub(f"{field}:", str(exc), count=1))
 
 
 def value_error_to_openai(exc: ValueError) -> dict:

@@ -70,7 +70,7 @@ def add_openai_routes(app: FastAPI, tm: TokenizerManager, tool_call_parser: str 
         if (err := _model_error(tm, req.model)) is not None:
             return err
         obj = GenerateReqInput(**A.completion_to_generate(req))
-        gen = tm.generate_request(obj, request)
+        gen = _naming_grammar(tm.generate_request(obj, request), req)
         created, rid = int(time.time()), A.new_request_id("cmpl")
         prompts = A.prompt_texts(req, tm.tokenizer) if req.echo else None
         if not req.stream:
@@ -86,7 +86,7 @@ def add_openai_routes(app: FastAPI, tm: TokenizerManager, tool_call_parser: str 
         if (err := _model_error(tm, req.model)) is not None:
             return err
         obj = GenerateReqInput(**await tm.run_blocking(A.chat_to_generate, req, tm.tokenizer, tool_call_parser))
-        gen = tm.generate_request(obj, request)
+        gen = _naming_grammar(tm.generate_request(obj, request), req)
         created, rid = int(time.time()), A.new_request_id("chatcmpl")
         parsing = chat_parsing(req, tool_call_parser, reasoning_parser)
         if not req.stream:
@@ -96,6 +96,17 @@ def add_openai_routes(app: FastAPI, tm: TokenizerManager, tool_call_parser: str 
         outs = await peek(gen)
         return StreamingResponse(sse_stream(_chat_events(req, tm, outs, rid, created, parsing)),
                                  media_type="text/event-stream")
+
+
+async def _naming_grammar(gen: AsyncIterator[dict], req) -> AsyncIterator[dict]:
+    """``gen``, with a refused grammar named by the request's field (``A.name_grammar_error``)."""
+    try:
+        async for out in gen:
+            yield out
+    except ValueError as exc:
+        raise A.name_grammar_error(exc, req) from None
+    finally:
+        await gen.aclose()  # now, not when collected: a client that left aborts its request at once
 
 
 async def _completion_events(req, tm, outs, rid, created, prompts) -> AsyncIterator[str]:
