@@ -137,7 +137,8 @@ class ServerArgs:
                 "bootstrap room goes to replica room %% dp-size)", "choices": LOAD_BALANCE_METHODS})
     kv_events_config: str | None = field(default=None, metadata={
         "help": "publish KV cache events for routers, a JSON object, e.g. "
-                "'{\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}'"})
+                "'{\"publisher\": \"zmq\", \"replay_endpoint\": \"tcp://127.0.0.1:5558\"}' "
+                "(without an endpoint, the PUB socket listens at --host, port 5557)"})
     torch_profiler_dir: str | None = field(default=None, metadata={
         "help": "the directory /start_profile writes traces under; a request's output_dir must lie inside it "
                 "(default $SGLANG_TORCH_PROFILER_DIR, else the system's temporary directory)"})

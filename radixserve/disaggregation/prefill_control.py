@@ -1,10 +1,10 @@
 """A prefill rank's side of the torch.distributed backend's control plane.
 
-:class:`PrefillControl` hosts the rank's ``TCPStore`` at its transfer address
-(the store every pair group of this rank rendezvouses on, and the queues of
-the protocol), registers that address with the bootstrap server under its
-dp group (its server's replica) and TP rank, and runs a
-thread that pops the control queue, where decode ranks push:
+:class:`PrefillControl` hosts the rank's ``TCPStore`` at its transfer address,
+listening there only (the store every pair group of this rank rendezvouses
+on, and the queues of the protocol), registers that address with the
+bootstrap server under its dp group (its server's replica) and TP rank, and
+runs a thread that pops the control queue, where decode ranks push:
 
 - ``{"t": "pair", "pair": n, "rank"}``: form pair group ``n`` with decode
   rank ``rank``, as rank 0 of the group (in a thread of its own, since
@@ -30,7 +30,6 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import msgpack
-import torch.distributed as dist
 
 from radixserve.disaggregation.base import KVArgs, KVTransferConfig
 from radixserve.disaggregation.bootstrap import register_prefill_rank
@@ -38,6 +37,7 @@ from radixserve.disaggregation.decode_link import (
     CONTROL_QUEUE, LISTEN_TIMEOUT_S, STOP, announcement_queue, open_store, pop_message,
 )
 from radixserve.disaggregation.pair_group import PREFILL_RANK, PairGroup, short_error
+from radixserve.distributed.tcp_store import listening_store
 
 if TYPE_CHECKING:
     from radixserve.disaggregation.torch_dist import TorchDistKVSender
@@ -56,8 +56,7 @@ class PrefillControl:
         self._rooms: dict[int, tuple[list[dict], float]] = {}  # registrations no sender claimed yet, since when
         self._senders: dict[int, TorchDistKVSender] = {}
         self._gone: dict[int, tuple[str, float]] = {}  # rooms given up on either side: why, when
-        self._store = dist.TCPStore(args.transfer_host, args.transfer_port, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=config.connect_timeout_s))
+        self._store = listening_store(args.transfer_host, args.transfer_port, timedelta(seconds=config.connect_timeout_s))
         self.port = self._store.port
         self._control_store = open_store(args.transfer_host, self.port, config.connect_timeout_s)
         self._control_store.set_timeout(timedelta(seconds=LISTEN_TIMEOUT_S))

@@ -11,16 +11,25 @@ module-global group). It holds two process groups over the same ranks:
 ``TPGroup()`` is the trivial group of one rank: every method returns at once,
 no collective runs and torch.distributed is never initialised. The torch
 world is the TP group itself: its ranks are the TP ranks.
+
+Where the ranks listen: rank 0's rendezvous store at the ``tcp://HOST:PORT``
+given, and nowhere else (``tcp_store.py``); with every rank on one host, the
+gloo groups' sockets at that same ``HOST`` too (gloo's default is the address
+this machine's name resolves to, which other machines may reach). Across
+hosts, or with ``GLOO_SOCKET_IFNAME`` set, gloo chooses as it does by default.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from radixserve.distributed.tcp_store import listening_store
 
 logger = logging.getLogger(__name__)
 
@@ -121,9 +130,12 @@ def init_tp_group(
     device: str | torch.device,
     init_method: str | None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    nnodes: int = 1,
 ) -> TPGroup:
     """Join the ``tp_size`` ranks rendezvousing at ``init_method`` (e.g.
     ``tcp://127.0.0.1:29500``) as rank ``tp_rank`` and build the groups.
+    ``nnodes``: the hosts the ranks span (one: every socket at the
+    rendezvous host, see the module docstring).
 
     Every rank calls this once, in its own process. A rank that does not
     arrive, or an address nobody listens on, makes the others fail within
@@ -151,12 +163,15 @@ def init_tp_group(
         # The ranks meet in a store made first: if that fails, init_process_group
         # has not run, and a later group in this process is named as in a fresh one.
         store = _rendezvous_store(init_method, tp_rank, tp_size, timeout)
+        gloo_host = _gloo_host(init_method, nnodes)
+        backend, pg_options = ("nccl", None) if cuda else _gloo_backend(gloo_host)
         dist.init_process_group(
-            "nccl" if cuda else "gloo", world_size=tp_size, rank=tp_rank, timeout=timeout,
+            backend, world_size=tp_size, rank=tp_rank, timeout=timeout, pg_options=pg_options,
             **({"store": store} if store is not None else {"init_method": init_method}), **extra,
         )
-        cpu_group = dist.new_group(backend="gloo", timeout=timeout)
-    except RuntimeError as e:  # torch's DistError family: a missing rank, an unreachable address
+        backend, pg_options = _gloo_backend(gloo_host)
+        cpu_group = dist.new_group(backend=backend, pg_options=pg_options, timeout=timeout)
+    except (RuntimeError, OSError) as e:  # torch's DistError family, or rank 0 unable to listen at the address
         if dist.is_initialized():
             dist.destroy_process_group()
         raise RuntimeError(
@@ -167,10 +182,55 @@ def init_tp_group(
     return TPGroup(tp_rank, tp_size, dist.group.WORLD, cpu_group)
 
 
-def _rendezvous_store(init_method: str, tp_rank: int, tp_size: int, timeout: timedelta) -> dist.Store | None:
-    """A TCP store at ``tcp://HOST:PORT`` that every rank has joined (rank 0
-    hosts it); None for another kind of init method."""
+def _tcp_address(init_method: str) -> tuple[str, int] | None:
+    """HOST and PORT of ``tcp://HOST:PORT``; None for another kind of init method."""
     if not init_method.startswith("tcp://"):
         return None
     host, _, port = init_method.removeprefix("tcp://").rpartition(":")
-    return dist.TCPStore(host, int(port), tp_size, is_master=tp_rank == 0, timeout=timeout, wait_for_workers=True)
+    return host, int(port)
+
+
+def _rendezvous_store(init_method: str, tp_rank: int, tp_size: int, timeout: timedelta) -> dist.Store | None:
+    """A TCP store at ``tcp://HOST:PORT`` that every rank has joined (rank 0
+    hosts it, listening at HOST only); None for another kind of init method."""
+    address = _tcp_address(init_method)
+    if address is None:
+        return None
+    if tp_rank == 0:
+        return listening_store(*address, timeout, tp_size, wait_for_workers=True)
+    return dist.TCPStore(*address, tp_size, is_master=False, timeout=timeout, wait_for_workers=True)
+
+
+def _gloo_host(init_method: str, nnodes: int) -> str | None:
+    """Where this rank's gloo sockets listen: the rendezvous host when every
+    rank is on this host; None (gloo's default) across hosts, for another kind
+    of init method, or when ``GLOO_SOCKET_IFNAME`` names the interface."""
+    address = _tcp_address(init_method)
+    if nnodes > 1 or address is None or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    return address[0]
+
+
+_GLOO_AT_HOST = "radixserve_gloo"  # gloo on the devices its pg_options name
+
+
+def _create_gloo_at_host(backend_opts, pg_options) -> dist.ProcessGroupGloo:
+    """torch's creator of a :data:`_GLOO_AT_HOST` group (a backend plugin's
+    extended API): gloo over the devices of ``pg_options``."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = pg_options._devices
+    opts._timeout = backend_opts.timeout
+    return dist.ProcessGroupGloo(backend_opts.store, backend_opts.group_rank, backend_opts.group_size, opts)
+
+
+def _gloo_backend(host: str | None) -> tuple[str, object]:
+    """The backend and options of a gloo group whose sockets listen at
+    ``host`` (gloo's default when None). torch builds its own gloo groups on
+    the default device whatever options it is given, so a group at a host
+    is built by a backend plugin (registering it again changes nothing)."""
+    if host is None:
+        return "gloo", None
+    dist.Backend.register_backend(_GLOO_AT_HOST, _create_gloo_at_host, extended_api=True, devices=["cpu", "cuda"])
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return _GLOO_AT_HOST, opts

@@ -102,10 +102,11 @@ def build_scheduler(args: ServerArgs, tp_rank: int = 0, dist_init_method: str | 
 
 def kv_event_publisher(args: ServerArgs, tp_rank: int = 0, dp_rank: int = 0):
     """Replica ``dp_rank``'s KV event publisher (docs/kv_events.md), on its
-    TP rank 0 only (the other ranks' caches are the same); None when
-    ``--kv-events-config`` is off. The scheduler's ``close`` stops it."""
+    TP rank 0 only (the other ranks' caches are the same), at ``--host``
+    unless the config names an endpoint; None when ``--kv-events-config`` is
+    off. The scheduler's ``close`` stops it."""
     if tp_rank != 0 or not args.kv_events_config:
         return None
     from radixserve.mem_cache.kv_events import create_publisher
 
-    return create_publisher(args.kv_events_config, dp_rank, args.page_size)
+    return create_publisher(args.kv_events_config, dp_rank, args.page_size, args.host)

@@ -153,7 +153,7 @@ class ModelRunner:
             self.device = torch.device("cuda", tp_rank % (tp_size // nnodes))  # one device per rank of this host
         if tp_group is not None:
             return tp_group
-        return init_tp_group(tp_rank, tp_size, self.device, init_method, timeout_s)
+        return init_tp_group(tp_rank, tp_size, self.device, init_method, timeout_s, nnodes)
 
     def _piecewise_runner(self, token_sizes: list[int]):
         from radixserve.model_executor.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner, supports_pieces

@@ -9,9 +9,12 @@ payload), then the end marker (b"", sequence -1, b""). A gap that replay
 cannot fill (the batches are no longer kept, or were dropped before being
 sent) means the consumer's view of this replica is incomplete.
 
-Replica ``dp_rank`` publishes on the endpoint's port + ``dp_rank`` (and the
-replay endpoint's port + ``dp_rank``), puts its rank in every batch, and is
-its TP rank 0's alone (the other ranks hold the same cache).
+Without an ``endpoint`` the PUB socket is bound to port 5557 of the
+server's ``--host`` (SGLang binds ``tcp://*:5557``, every interface); an
+endpoint given is used as written. Replica ``dp_rank`` publishes on the
+endpoint's port + ``dp_rank`` (and the replay endpoint's port + ``dp_rank``),
+puts its rank in every batch, and is its TP rank 0's alone (the other ranks
+hold the same cache).
 
 ``publish`` never blocks the scheduler: it hands the batch to a background
 thread through a bounded queue, and counts a batch it finds no room for as
@@ -28,7 +31,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import zmq
 
@@ -39,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the sequence number that ends a replay
 _POLL_S = 0.05  # how long the thread waits for a batch before looking at replay requests again
+DEFAULT_PORT = 5557  # SGLang's
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class KVEventsConfig:
     ``"publisher": "null"`` turns events off."""
 
     publisher: str = "zmq"
-    endpoint: str = "tcp://*:5557"
+    endpoint: str | None = None  # None: bind DEFAULT_PORT on the server's --host (``on_host``)
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000  # batches kept for replay
     hwm: int = 100_000  # the PUB socket's high-water mark, in messages
@@ -83,11 +87,11 @@ class KVEventsConfig:
     def _check(self) -> None:
         if self.publisher not in ("zmq", "null"):
             raise ValueError(f"--kv-events-config: publisher must be 'zmq' or 'null', got {self.publisher!r}")
-        for name in ("endpoint", "topic"):
-            if not isinstance(getattr(self, name), str):
+        if not isinstance(self.topic, str):
+            raise ValueError("--kv-events-config: topic must be a string")
+        for name in ("endpoint", "replay_endpoint"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"--kv-events-config: {name} must be a string")
-        if self.replay_endpoint is not None and not isinstance(self.replay_endpoint, str):
-            raise ValueError("--kv-events-config: replay_endpoint must be a string")
         for name, low in (("buffer_steps", 1), ("hwm", 0), ("max_queue_size", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -96,6 +100,14 @@ class KVEventsConfig:
             raise ValueError(f"--kv-events-config: block_size must be a positive integer, got {self.block_size!r}")
         if self.bind not in (None, True, False):
             raise ValueError(f"--kv-events-config: bind must be true, false or null, got {self.bind!r}")
+
+    def on_host(self, host: str) -> KVEventsConfig:
+        """This config with its endpoint settled: without one, ``DEFAULT_PORT``
+        of ``host`` (the server's ``--host``), bound unless ``bind`` says otherwise."""
+        if self.endpoint is not None:
+            return self
+        address = f"[{host}]" if ":" in host else host
+        return replace(self, endpoint=f"tcp://{address}:{DEFAULT_PORT}", bind=self.bind is not False)
 
 
 def offset_endpoint(endpoint: str | None, dp_rank: int) -> str | None:
@@ -120,10 +132,11 @@ def _binds(endpoint: str) -> bool:
 class ZmqEventPublisher:
     """Replica ``dp_rank``'s PUB socket, replay socket and sending thread.
     The sockets are bound (or connected) here, so a port in use fails at
-    construction; after that only the thread uses them."""
+    construction; after that only the thread uses them. A config without an
+    endpoint publishes at ``host`` (``KVEventsConfig.on_host``)."""
 
-    def __init__(self, config: KVEventsConfig, dp_rank: int = 0):
-        self.config = config
+    def __init__(self, config: KVEventsConfig, dp_rank: int = 0, host: str = "127.0.0.1"):
+        self.config = config = config.on_host(host)
         self.dp_rank = dp_rank
         self.endpoint = offset_endpoint(config.endpoint, dp_rank)
         self.replay_endpoint = offset_endpoint(config.replay_endpoint, dp_rank)
@@ -134,6 +147,7 @@ class ZmqEventPublisher:
         try:
             self._pub.setsockopt(zmq.SNDHWM, config.hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.setsockopt(zmq.IPV6, int("[" in self.endpoint))  # ZMQ takes IPv4 addresses only without it
             bind = config.bind if config.bind is not None else _binds(self.endpoint)
             (self._pub.bind if bind else self._pub.connect)(self.endpoint)
             if self.replay_endpoint is not None:
@@ -141,6 +155,7 @@ class ZmqEventPublisher:
                 # a whole replay fits, with room: the socket's credit lags what the client has read
                 self._replay.setsockopt(zmq.SNDHWM, 2 * config.buffer_steps + 1000)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.IPV6, int("[" in self.replay_endpoint))
                 self._replay.bind(self.replay_endpoint)
         except zmq.ZMQError as exc:
             self._close_sockets()
@@ -239,12 +254,14 @@ class ZmqEventPublisher:
                 sock.close(linger=0)
 
 
-def create_publisher(config_json: str | None, dp_rank: int = 0, page_size: int = 1) -> ZmqEventPublisher | None:
-    """Replica ``dp_rank``'s publisher for ``--kv-events-config``, or None
-    when events are off. ValueError for a bad config (``block_size`` must
-    hold whole pages), RuntimeError for an endpoint it cannot open."""
+def create_publisher(config_json: str | None, dp_rank: int = 0, page_size: int = 1,
+                     host: str = "127.0.0.1") -> ZmqEventPublisher | None:
+    """Replica ``dp_rank``'s publisher for ``--kv-events-config`` (without
+    an endpoint, at ``host``: the server's ``--host``), or None when events
+    are off. ValueError for a bad config (``block_size`` must hold whole
+    pages), RuntimeError for an endpoint it cannot open."""
     if not config_json:
         return None
     config = KVEventsConfig.from_json(config_json)
     event_block_size(page_size, config.block_size)
-    return ZmqEventPublisher(config, dp_rank) if config.publisher == "zmq" else None
+    return ZmqEventPublisher(config, dp_rank, host) if config.publisher == "zmq" else None
