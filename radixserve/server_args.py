@@ -26,6 +26,16 @@ GRAMMAR_CACHE_MB = 256  # default --grammar-cache-max-mb
 
 
 @dataclass(frozen=True)
+class ElasticKVConfig:
+    """The elastic KV pool's options (``--enable-elastic-kv``, docs/elastic_kv.md)."""
+
+    page_mb: float = 2.0  # one elastic page in each K or V buffer: CUDA's granularity
+    max_gb: float | None = None  # address space to reserve, beyond the static pool's size
+    min_reserve_pages: int = 1  # empty pages kept mapped ahead of need
+    max_reserve_pages: int = 2  # empty pages kept before unmapping
+
+
+@dataclass(frozen=True)
 class CompileLimits:
     """What compiling one grammar may take (``--grammar-compile-max-mb``,
     ``--grammar-compile-timeout``; ``sampling/grammar_sandbox.py``)."""
@@ -111,6 +121,20 @@ class ServerArgs:
     disable_overlap_schedule: bool = field(default=False, metadata={
         "help": "process each batch's results before scheduling the next (no CPU/GPU overlap)"})
     mem_fraction_static: float = field(default=0.8, metadata={"help": "GPU memory share for weights + KV"})
+    # The elastic KV pool (docs/elastic_kv.md): memory mapped as slots are handed out, returned when free.
+    enable_elastic_kv: bool = field(default=False, metadata={
+        "help": "reserve the KV pool's address space and map memory in pages as it is used; a page whose "
+                "slots are all free (no request, no cached prefix) goes back"})
+    elastic_kv_page_mb: float = field(default=ElasticKVConfig.page_mb, metadata={
+        "help": "an elastic page in each layer's K and V buffer, in MB (rounded to whole slots and to the "
+                "device's granularity: 2 MB on CUDA, the OS page on a CPU)"})
+    elastic_kv_max_gb: float | None = field(default=None, metadata={
+        "help": "KV memory the elastic pool may grow to, in GB (default: the static pool's size, from "
+                "--max-total-tokens / --mem-fraction-static)"})
+    elastic_kv_min_reserve_pages: int = field(default=ElasticKVConfig.min_reserve_pages, metadata={
+        "help": "empty elastic pages kept mapped ahead of need"})
+    elastic_kv_max_reserve_pages: int = field(default=ElasticKVConfig.max_reserve_pages, metadata={
+        "help": "empty elastic pages kept mapped before they are given back"})
     random_seed: int = field(default=0, metadata={"help": "seed of the global RNG"})
     # Tensor parallelism (docs/tensor_parallel.md): one scheduler process per rank.
     tp_size: int = field(default=1, metadata={"help": "tensor-parallel ranks (one process and device each)"})
@@ -204,6 +228,11 @@ class ServerArgs:
         if self.mixed_chunk_min_size < 0 or (self.mixed_chunk_min_size and not self.enable_mixed_chunk):
             raise ValueError(f"mixed_chunk_min_size must be >= 0 and needs --enable-mixed-chunk, "
                              f"got {self.mixed_chunk_min_size}")
+        if not self.elastic_kv_page_mb > 0 or (self.elastic_kv_max_gb is not None and not self.elastic_kv_max_gb > 0):
+            raise ValueError("elastic_kv_page_mb and elastic_kv_max_gb must be > 0")
+        if not 0 <= self.elastic_kv_min_reserve_pages <= self.elastic_kv_max_reserve_pages:
+            raise ValueError("elastic KV reserve: need 0 <= --elastic-kv-min-reserve-pages <= "
+                             "--elastic-kv-max-reserve-pages")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens {self.max_total_tokens} is smaller than one page ({self.page_size})")
         for name in ("max_queued_requests", "max_prompt_chars", "max_connections"):
@@ -269,6 +298,13 @@ class ServerArgs:
 
         return (self.hicache_storage_dir or os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR")
                 or os.path.join(cache_root(), "hicache"))
+
+    def elastic_kv_config(self) -> ElasticKVConfig | None:
+        """The elastic pool's options, or None for a pool allocated whole."""
+        if not self.enable_elastic_kv:
+            return None
+        return ElasticKVConfig(self.elastic_kv_page_mb, self.elastic_kv_max_gb, self.elastic_kv_min_reserve_pages,
+                               self.elastic_kv_max_reserve_pages)
 
     def grammar_compile_limits(self) -> CompileLimits:
         return CompileLimits(self.grammar_compile_max_mb, self.grammar_compile_timeout)

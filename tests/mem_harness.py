@@ -30,10 +30,11 @@ class FakeReq:
 
 
 class Harness:
-    def __init__(self, pool_size=256, page_size=1, max_reqs=16, max_len=512, policy="lru", disable=False):
+    def __init__(self, pool_size=256, page_size=1, max_reqs=16, max_len=512, policy="lru", disable=False,
+                 allocator=None):
         self.page_size = page_size
         self.req_pool = ReqToTokenPool(max_reqs, max_len)
-        self.alloc = TokenToKVPoolAllocator(pool_size, page_size)
+        self.alloc = allocator if allocator is not None else TokenToKVPoolAllocator(pool_size, page_size)
         cls = ChunkCache if disable else RadixCache
         kwargs = {} if disable else {"eviction_policy": policy}
         self.cache = cls(self.req_pool, self.alloc, page_size, **kwargs)

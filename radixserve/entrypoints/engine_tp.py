@@ -76,7 +76,9 @@ class TpLeader:
     def flush_cache(self) -> bool:
         with self._lock:
             self._broadcast([encode(FlushCacheReq())])
-            return self.scheduler.flush_cache()
+            flushed = self.scheduler.flush_cache()
+            self.tp_group.barrier()  # the followers' reply barrier (SchedulerProcess.send_replies)
+            return flushed
 
     def step(self) -> list[Req]:
         with self._lock:

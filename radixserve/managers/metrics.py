@@ -22,6 +22,18 @@ GRAMMAR_GAUGES = (
     ("grammar_cache_bytes", "grammar_cache_bytes", "Bytes of compiled grammars the schedulers keep for reuse"),
     ("grammar_cache_entries", "grammar_cache_entries", "Compiled grammars the schedulers keep for reuse"),
 )
+ELASTIC_KV_GAUGES = tuple((key, key, text) for key, text in (
+    ("elastic_kv_reserved_bytes", "Address space the elastic KV pool reserved"),
+    ("elastic_kv_mapped_bytes", "Memory the elastic KV pool has mapped"),
+    ("elastic_kv_used_bytes", "Mapped memory in pages that hold a used slot (a request's or a cached prefix's)"),
+    ("elastic_kv_limit_bytes", "What the elastic KV pool may map"),
+    ("elastic_kv_reserve_pages", "Empty pages the elastic KV pool keeps mapped ahead of need"),
+    ("elastic_kv_maps", "Pages mapped since start"),
+    ("elastic_kv_unmaps", "Pages unmapped since start"),
+    ("elastic_kv_failed_maps", "Maps the device refused since start (no memory left)"),
+    ("elastic_kv_map_seconds", "Seconds spent mapping since start"),
+    ("elastic_kv_unmap_seconds", "Seconds spent unmapping since start"),
+))
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -42,6 +54,8 @@ class ServerMetrics:
         # The hierarchical cache's tiers (docs/hicache.md); present with --enable-hierarchical-cache.
         self.hicache = {key: Gauge(p + name, text, registry=r) for key, name, text in HICACHE_GAUGES}
         self.grammar = {key: Gauge(p + name, text, registry=r) for key, name, text in GRAMMAR_GAUGES}
+        # The elastic KV pool (docs/elastic_kv.md); present with --enable-elastic-kv.
+        self.elastic_kv = {key: Gauge(p + name, text, registry=r) for key, name, text in ELASTIC_KV_GAUGES}
 
     def on_request(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
@@ -67,7 +81,7 @@ class ServerMetrics:
         self.queued.set(state.get("waiting", 0))
         self.token_usage.set(state.get("kv_usage", 0.0))
         self.cache_hit_rate.set(state.get("cache_hit_rate", 0.0))
-        for key, gauge in (*self.hicache.items(), *self.grammar.items()):
+        for key, gauge in (*self.hicache.items(), *self.grammar.items(), *self.elastic_kv.items()):
             if key in state:
                 gauge.set(state[key])
 

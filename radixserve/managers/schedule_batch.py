@@ -230,6 +230,13 @@ class KVPools:
     page_size: int
     device: torch.device
 
+    def can_back(self, need: int) -> bool:
+        """Whether ``need`` slots can be allocated now without a map the device
+        may refuse: free in mapped memory (mapped here if need be, with an
+        elastic pool), or held by cached KV that eviction frees."""
+        return (self.allocator.ensure_mapped(need)
+                or self.allocator.available_size() + self.tree_cache.evictable_size() >= need)
+
     def alloc_with_evict(self, need: int, alloc_fn):
         """``alloc_fn()`` after evicting enough cached KV for ``need`` slots."""
         if self.allocator.available_size() < need:
@@ -294,6 +301,8 @@ class ScheduleBatch:
 
         def short() -> int:
             return pools.decode_pages_needed(self.reqs) - pools.allocator.available_size()
+
+        pools.allocator.ensure_mapped(pools.decode_pages_needed(self.reqs))  # refused: short() counts mapped slots only
 
         if short() > 0:
             pools.tree_cache.evict(short())

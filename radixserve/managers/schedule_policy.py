@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import defaultdict
+from typing import Callable
 
 import torch
 
@@ -182,8 +183,11 @@ class PrefillAdder:
         max_new_reqs: int,
         page_size: int,
         decode_tokens: int = 0,
+        can_back: Callable[[int], bool] | None = None,
     ):
         self.tree_cache = tree_cache
+        self.can_back = can_back  # KVPools.can_back: the slots taken so far can be allocated now
+        self.new_kv = 0  # slots this batch allocates: its prompts' pages and a page each (prepare_for_extend)
         self.page_size = page_size
         self.new_token_ratio = new_token_ratio
         self.rem_total = available_tokens + tree_cache.evictable_size()
@@ -203,10 +207,14 @@ class PrefillAdder:
     def _pages(self, n: int) -> int:
         return page_aligned(n, self.page_size)
 
-    def add_chunked_req(self, req: Req) -> None:
-        """Continue the request whose prefill was cut last round."""
+    def add_chunked_req(self, req: Req) -> bool:
+        """Continue the request whose prefill was cut last round; False, with
+        nothing taken, when its next chunk's KV cannot be allocated now."""
         left = len(req.fill_ids) - req.kv_end  # its previous chunk may still be in flight
+        if self.can_back is not None and not self.can_back(self._pages(min(left, self.rem_chunk)) + self.page_size):
+            return False
         self._take(req, left, first=False)
+        return True
 
     def add_one_req(self, req: Req) -> AddResult:
         if len(self.can_run) >= self.max_new_reqs or self.rem_input <= 0:
@@ -225,7 +233,9 @@ class PrefillAdder:
         evictable = self.tree_cache.evictable_size()
         self.tree_cache.inc_lock_ref(req.last_node)
         budget = self.rem_total - (evictable - self.tree_cache.evictable_size())
-        if not self.fits(req, extend, budget):
+        if not self.fits(req, extend, budget) or (
+                self.can_back is not None
+                and not self.can_back(self.new_kv + self._pages(min(extend, self.rem_chunk)) + self.page_size)):
             self.tree_cache.dec_lock_ref(req.last_node)
             return AddResult.NO_TOKEN
         self.rem_total = budget - self.future_tokens(req) - self.page_size
@@ -264,6 +274,7 @@ class PrefillAdder:
             self.new_chunked_req = req
         req.extend_input_len = n
         req.is_chunked = n < extend
+        self.new_kv += self._pages(n) + self.page_size
         self.rem_total -= self._pages(n)
         self.rem_input -= n
         self.rem_chunk -= n

@@ -134,6 +134,7 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
     def step(self) -> list[Req]:
         """Run one batch; returns the requests updated in it (finished ones too).
         With overlap, a batch's results come back in the next step."""
+        self.allocator.rebalance()  # an elastic pool gives back empty pages, keeps its reserve
         out = self._drain() if self._in_flight and self._must_drain() else []
         self.tree_cache.poll()  # copies between cache tiers that have finished
         out += self._process_aborts()
@@ -228,11 +229,11 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
             riders, self.waiting, self.chunked_req, self.args.mixed_chunk_min_size, self.chunk_size)
         adder = PrefillAdder(
             self.tree_cache, self.allocator.available_size(), self.running_batch.reqs, self.new_token_ratio,
-            self.args.max_prefill_tokens, chunk, max(free_rows, 0), self.page_size, riders,
+            self.args.max_prefill_tokens, chunk, max(free_rows, 0), self.page_size, riders, self.pools.can_back,
         )
         continuing = self.chunked_req
-        if continuing is not None:
-            adder.add_chunked_req(continuing)
+        if continuing is not None and not adder.add_chunked_req(continuing):
+            return None  # no memory to map for its next chunk now: the running requests decode meanwhile
         sit_out = self.policy.calc_priority(self.waiting)
         admitted = set()
         for req in self.waiting:
@@ -272,7 +273,7 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
             return False
         page = self.page_size
         need = sum(page_aligned(r.extend_input_len, page) + page for r in batch.reqs) + 2 * page * len(running)
-        return need <= self.allocator.available_size() + self.tree_cache.evictable_size()
+        return need <= self.allocator.available_size() + self.tree_cache.evictable_size() and self.pools.can_back(need)
 
     # -- memory for a batch ------------------------------------------------------
     def _ensure_decode_memory(self) -> None:
@@ -354,4 +355,5 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
     def get_stats(self) -> dict[str, Any]:
         return dict(dataclasses.asdict(self.stats), running=len(self.running_batch), waiting=len(self.waiting) + len(self.grammar_queue),
                     kv_free=self.allocator.available_size(), kv_cached=self.tree_cache.total_size(),
-                    **self.tree_cache.tier_stats(), **self.grammar_queue.cache_stats())
+                    **self.tree_cache.tier_stats(), **self.grammar_queue.cache_stats(),
+                    **self.allocator.pool_stats())

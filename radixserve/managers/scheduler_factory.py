@@ -45,6 +45,7 @@ def build_model_runner(args: ServerArgs, model_config, tp_rank: int = 0, dist_in
         dist_init_method=dist_init_method,
         dist_timeout_s=args.dist_timeout or DEFAULT_TIMEOUT_S,
         nnodes=args.nnodes,
+        elastic_kv=args.elastic_kv_config(),
     )
     return ModelRunner(model_config, **{**options, **overrides})
 

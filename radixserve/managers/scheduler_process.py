@@ -228,7 +228,7 @@ class SchedulerProcess:
         state = sched.get_stats()
         state["dp_rank"] = self.dp_rank
         state["max_total_tokens"] = sched.allocator.size
-        state["kv_used"] = sched.allocator.size - sched.allocator.available_size() - sched.tree_cache.evictable_size()
+        state["kv_used"] = sched.allocator.size - sched.allocator.free_size() - sched.tree_cache.evictable_size()
         state["kv_usage"] = state["kv_used"] / sched.allocator.size
         state["waiting_tokens"] = sum(len(r.origin_input_ids) for q in (sched.waiting, sched.grammar_queue.reqs) for r in q)
         state["cache_hit_rate"] = state["cached_tokens"] / max(state["prompt_tokens"], 1)

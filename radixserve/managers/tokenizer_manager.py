@@ -514,8 +514,8 @@ def sum_replica_stats(states: list[dict]) -> dict:
     rate over the sums)."""
     if len(states) <= 1:
         return dict(states[0]) if states else {}
-    # the cache tiers' figures (docs/hicache.md) and the grammar caches'
-    per_cache = {key for s in states for key in s if key.startswith(("hicache_", "grammar_"))}
+    # the cache tiers' figures (docs/hicache.md), the grammar caches' and the elastic KV pools'
+    per_cache = {key for s in states for key in s if key.startswith(("hicache_", "grammar_", "elastic_kv_"))}
     total = {key: sum(s.get(key, 0) for s in states) for key in (*_SUMMED, *sorted(per_cache))}
     total["kv_usage"] = total["kv_used"] / max(total["max_total_tokens"], 1)
     total["cache_hit_rate"] = total["cached_tokens"] / max(total["prompt_tokens"], 1)

@@ -64,6 +64,23 @@ class TokenToKVPoolAllocator:
         """Free slots, counted in whole free pages."""
         return (len(self.free_pages) + sum(len(p) for p in self._released)) * self.page_size
 
+    def free_size(self) -> int:
+        """Every free slot (the memory invariant's count): here, all available."""
+        return self.available_size()
+
+    def ensure_mapped(self, n: int) -> bool:
+        """Whether the next ``n`` slots need no memory mapped first: always,
+        for a pool allocated whole (the elastic pool maps here)."""
+        return True
+
+    def rebalance(self) -> None:
+        """Once a scheduler step: nothing to do for a pool allocated whole
+        (the elastic pool gives back empty pages here)."""
+
+    def pool_stats(self) -> dict[str, float]:
+        """Figures of the pool's memory beyond slot counts (the elastic pool's)."""
+        return {}
+
     def _take_pages(self, n: int) -> torch.Tensor | None:
         if n > len(self.free_pages) and self._released:
             # Sorting keeps allocations contiguous-ish, which helps gathers.
@@ -176,6 +193,15 @@ class TokenToKVPoolAllocator:
 
     def check_invariants(self) -> None:
         """Page counts match slot marks; every page is free xor in use, once."""
+        problems = self._problems()
+        if problems:
+            raise AssertionError("KV allocator invariant violated: " + "; ".join(problems))
+
+    def _backed_pages(self) -> int:
+        """Pages that are either free or in use: all of them (the elastic pool's: the mapped ones)."""
+        return self.num_pages
+
+    def _problems(self) -> list[str]:
         p = self.page_size
         per_page = self.slot_in_use.view(-1, p).sum(dim=1)
         problems = []
@@ -188,7 +214,6 @@ class TokenToKVPoolAllocator:
             problems.append("a page is on the free list twice")
         if len(free) and bool((self.page_used[free] != 0).any()):
             problems.append("a free page has slots in use")
-        if len(free) + self.used_pages() != self.num_pages:
-            problems.append(f"free pages {len(free)} + used pages {self.used_pages()} != {self.num_pages}")
-        if problems:
-            raise AssertionError("KV allocator invariant violated: " + "; ".join(problems))
+        if len(free) + self.used_pages() != self._backed_pages():
+            problems.append(f"free pages {len(free)} + used pages {self.used_pages()} != {self._backed_pages()}")
+        return problems

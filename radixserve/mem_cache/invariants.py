@@ -27,7 +27,7 @@ def check_memory_invariant(
     free + evictable + protected + held by live requests == pool size."""
     allocator.check_invariants()
     tree_cache.check_invariants()
-    free = allocator.available_size()
+    free = allocator.free_size()
     evictable, protected = tree_cache.evictable_size(), tree_cache.protected_size()
     held = sum(held_by_request(r, allocator.page_size) for r in live_reqs)
     if free + evictable + protected + held != allocator.size:

@@ -105,6 +105,12 @@ def copy_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
 
 
+def _rows(raw: torch.Tensor, dtype: torch.dtype, heads: int, dim: int) -> torch.Tensor:
+    """A ``uint8`` buffer as ``[rows, heads, dim]`` of ``dtype``, over the same memory."""
+    per_row = heads * dim * dtype.itemsize
+    return raw[: raw.numel() // per_row * per_row].view(dtype).view(-1, heads, dim)
+
+
 class MHATokenToKVPool:
     """Per-layer K and V buffers of shape ``[size + page_size, kv_heads, head_dim]``
     in ``dtype`` (``--kv-cache-dtype``: the model's, bf16 or fp8; attention
@@ -124,6 +130,7 @@ class MHATokenToKVPool:
         layer_num: int,
         device: str | torch.device = "cpu",
         v_head_dim: int | None = None,
+        buffers: list[torch.Tensor] | None = None,
     ):
         self.size = size
         self.page_size = page_size
@@ -134,8 +141,14 @@ class MHATokenToKVPool:
         self.layer_num = layer_num
         self.device = torch.device(device)
         rows = size + page_size
-        self.k_buffer = [torch.zeros((rows, head_num, head_dim), dtype=dtype, device=self.device) for _ in range(layer_num)]
-        self.v_buffer = [torch.zeros((rows, head_num, self.v_head_dim), dtype=dtype, device=self.device) for _ in range(layer_num)]
+        if buffers is None:
+            self.k_buffer = [torch.zeros((rows, head_num, head_dim), dtype=dtype, device=self.device)
+                             for _ in range(layer_num)]
+            self.v_buffer = [torch.zeros((rows, head_num, self.v_head_dim), dtype=dtype, device=self.device)
+                             for _ in range(layer_num)]
+        else:  # given as raw bytes, K then V of each layer (an elastic pool's ranges, which may hold more rows)
+            self.k_buffer = [_rows(b, dtype, head_num, head_dim) for b in buffers[0::2]]
+            self.v_buffer = [_rows(b, dtype, head_num, self.v_head_dim) for b in buffers[1::2]]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,7 +35,9 @@ from radixserve.layers.linear import prepack_linears_for_cpu
 from radixserve.layers.logits_processor import LogitsProcessorOutput
 from radixserve.layers.quantization import check_quantization, quantize_linears
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixserve.mem_cache.virtual_memory import available_ram
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ragged_arange
+from radixserve.server_args import ElasticKVConfig
 
 if TYPE_CHECKING:
     from radixserve.managers.schedule_batch import ModelWorkerBatch
@@ -100,6 +101,7 @@ class ModelRunner:
         dist_init_method: str | None = None,
         dist_timeout_s: float = DEFAULT_TIMEOUT_S,
         nnodes: int = 1,
+        elastic_kv: ElasticKVConfig | None = None,
     ):
         if page_size < 1 or max_running_requests < 1:
             raise ValueError(f"page_size and max_running_requests must be >= 1, got {page_size}, {max_running_requests}")
@@ -113,6 +115,7 @@ class ModelRunner:
         self.dtype = model_config.dtype
         self.kv_cache_dtype = kv_cache_dtype or self.dtype
         self.page_size = page_size
+        self.elastic_kv = elastic_kv  # None: the KV pool is allocated whole
         self.max_running_requests = max_running_requests
         check_quantization(quantization, self.device)
         self.quantization = quantization
@@ -180,7 +183,9 @@ class ModelRunner:
         elif max_total_tokens:
             tokens = max_total_tokens
         else:
-            tokens = min(int(_available_ram() * CPU_KV_RAM_FRACTION) // self.kv_bytes_per_token(), CPU_MAX_KV_TOKENS)
+            tokens = min(int(available_ram() * CPU_KV_RAM_FRACTION) // self.kv_bytes_per_token(), CPU_MAX_KV_TOKENS)
+        if self.elastic_kv is not None and self.elastic_kv.max_gb is not None:  # only address space until used
+            tokens = int(self.elastic_kv.max_gb * 2**30) // self.kv_bytes_per_token()
         tokens = self.tp_group.agree_min(tokens) // self.page_size * self.page_size
         if tokens < self.page_size:
             raise ValueError(f"no room for a KV cache: {tokens} tokens fit (page_size {self.page_size})")
@@ -202,13 +207,18 @@ class ModelRunner:
         c = self.model_config
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.max_context_len, self.device)
         self.padding_req_row = self.req_to_token_pool.alloc(1)[0]
-        self.token_to_kv_pool = MHATokenToKVPool(
-            self.max_total_tokens, self.page_size, self.kv_cache_dtype, self.head_layout.num_kv_heads, c.head_dim,
-            c.num_hidden_layers, self.device,
-        )
-        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
-            size=self.max_total_tokens, page_size=self.page_size, device=self.device
-        )
+        shape = (self.max_total_tokens, self.page_size, self.kv_cache_dtype, self.head_layout.num_kv_heads, c.head_dim,
+                 c.num_hidden_layers, self.device)
+        if self.elastic_kv is not None:
+            from radixserve.mem_cache.elastic_allocator import build_elastic_pool
+
+            self.token_to_kv_pool, self.token_to_kv_pool_allocator = build_elastic_pool(
+                *shape, config=self.elastic_kv, agree_min=self.tp_group.agree_min)
+        else:
+            self.token_to_kv_pool = MHATokenToKVPool(*shape)
+            self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
+                size=self.max_total_tokens, page_size=self.page_size, device=self.device
+            )
         logger.info(
             "KV pool: %d tokens (%.2f GiB, %s, %d KV heads on TP rank %d of %d), %d request rows of %d tokens",
             self.max_total_tokens, self.token_to_kv_pool.mem_bytes() / 2**30, self.kv_cache_dtype,
@@ -275,15 +285,3 @@ class ModelRunner:
         """Leave the TP group this runner joined (a no-op at tp 1 or for a group passed in)."""
         if self.owns_tp_group:
             self.tp_group.destroy()
-
-
-def _available_ram() -> int:
-    """Bytes of RAM available to new allocations (Linux ``MemAvailable``)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,95 @@
+"""What the elastic KV pool's memory costs (docs/elastic_kv.md): map and
+unmap rates of its pages in GB/s, and the latency of an allocation that
+needs a new page, taken from the reserve (no driver call) or mapped on the
+spot. The pool has a model's geometry: ``--layers`` K and V buffers of
+``--kv-heads`` x ``--head-dim`` slots in ``--dtype`` (llama-3.1-8b's by
+default), in elastic pages of ``--page-mb`` per buffer.
+
+    python -m radixserve.bench.elastic_kv [--device cuda] [--pages 64]
+
+Prints one JSON line per figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from radixserve.mem_cache.elastic_allocator import build_elastic_pool
+from radixserve.server_args import ElasticKVConfig
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def map_rates(arena, pages: int) -> dict:
+    """Map then unmap ``pages`` pages, one call each."""
+    device_bytes = arena.bytes_per_page * pages
+    first = max(arena.stats.mapped, default=0) + 1
+    start = time.perf_counter()
+    for page in range(first, first + pages):
+        if not arena.map(page):
+            raise RuntimeError(f"page {page} could not be mapped")
+    mapped = time.perf_counter() - start
+    start = time.perf_counter()
+    for page in range(first, first + pages):
+        arena.unmap(page)
+    unmapped = time.perf_counter() - start
+    return {"pages": pages, "page_mb": arena.bytes_per_page / 2**20,
+            "map_gb_per_s": round(device_bytes / mapped / 1e9, 2), "unmap_gb_per_s": round(device_bytes / unmapped / 1e9, 2),
+            "map_ms_per_page": round(1e3 * mapped / pages, 3), "unmap_ms_per_page": round(1e3 * unmapped / pages, 3)}
+
+
+def alloc_latency(allocator, reserve: int, rounds: int) -> dict:
+    """Median time of ``alloc`` of one elastic page's slots when the reserve
+    holds ``reserve`` empty pages (0: the page is mapped inside the call)."""
+    allocator.min_reserve = allocator.max_reserve = reserve
+    times = []
+    for _ in range(rounds):
+        allocator.rebalance()
+        start = time.perf_counter()
+        slots = allocator.alloc(allocator.epage_slots)
+        times.append(time.perf_counter() - start)
+        allocator.free(slots)
+        allocator.rebalance()
+    return {"reserve_pages": reserve, "alloc_ms_median": round(1e3 * statistics.median(times), 3),
+            "alloc_ms_max": round(1e3 * max(times), 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--page-mb", type=float, default=2.0)
+    parser.add_argument("--pages", type=int, default=64, help="pages mapped and unmapped for the rates")
+    parser.add_argument("--rounds", type=int, default=20)
+    args = parser.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    slot_bytes = args.kv_heads * args.head_dim * dtype.itemsize
+    epage_slots = int(args.page_mb * 2**20) // slot_bytes
+    size = (args.pages + 4) * epage_slots
+    config = ElasticKVConfig(page_mb=args.page_mb, min_reserve_pages=0, max_reserve_pages=0)
+    pool, allocator = build_elastic_pool(size, 1, dtype, args.kv_heads, args.head_dim, args.layers, device, config)
+    common = {"device": str(device), "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+              "dtype": args.dtype}
+    try:
+        print(json.dumps({"bench": "elastic_kv_map_rates", **common, **map_rates(pool.arena, args.pages)}), flush=True)
+        for reserve in (0, 1):
+            print(json.dumps({"bench": "elastic_kv_alloc", **common, **alloc_latency(allocator, reserve, args.rounds)}),
+                  flush=True)
+    finally:
+        _sync(device)
+        pool.arena.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""The elastic KV pool (``--enable-elastic-kv``): physical memory mapped in
+pages as slots are handed out and given back when every slot in a page is
+free (kvcached's rule), on the CPU (mmap + madvise). Checked by a Hypothesis
+state machine over requests, the radix cache, eviction, refused maps and
+rebalancing, with a marker written into every slot handed out (a page
+unmapped under live data would read zeros); by greedy outputs with the flag
+on and off (and under tensor parallelism, the hierarchical cache, and maps
+the machine refuses); and by a server's resident memory across a burst."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant, precondition, rule
+
+import radixserve
+from mem_harness import Harness, RequestRules
+from radixserve.mem_cache.elastic_allocator import ElasticTokenToKVPoolAllocator, elastic_page_slots
+from radixserve.mem_cache.virtual_memory import CpuArena
+from server_harness import ServerProcess
+
+TINY = dict(model_path="tiny-llama", load_format="dummy", device="cpu", dtype="float32", disable_tqdm=True,
+            check_invariants=True, dist_timeout=60)
+ELASTIC = dict(enable_elastic_kv=True, elastic_kv_page_mb=0.004, elastic_kv_min_reserve_pages=0,
+               elastic_kv_max_reserve_pages=1)
+
+
+def test_an_elastic_page_is_whole_slots_whole_kv_pages_and_whole_granules():
+    for slot_bytes, page_size, gran, want in [([512], 1, 2 << 20, 2 << 20), ([768], 16, 4096, 2 << 20),
+                                              ([4096, 2048], 64, 2 << 20, 2 << 20), ([96], 3, 4096, 1)]:
+        slots = elastic_page_slots(slot_bytes, page_size, gran, want)
+        assert slots % page_size == 0 and all(slots * b % gran == 0 for b in slot_bytes)
+        assert slots * max(slot_bytes) >= min(want, gran)
+    assert elastic_page_slots([512], 1, 2 << 20, 2 << 20) == 4096  # a GPU's 2 MB of 512-byte slots
+
+
+# -- the state machine ---------------------------------------------------------------------------
+
+SLOT_FLOATS = 64  # one float32 "layer" buffer of 256-byte slots: 16 slots fill a 4 KB page
+
+
+class MarkedAllocator(ElasticTokenToKVPoolAllocator):
+    """Writes each slot's own number into the slot when it is handed out."""
+
+    def _mark_used(self, slots):
+        self.arena.tensors[0].view(torch.float32).view(-1, SLOT_FLOATS)[slots, 0] = slots.to(torch.float32)
+        return super()._mark_used(slots)
+
+
+class RefusingArena(CpuArena):
+    """A CPU arena whose maps the test can refuse, as a full device would."""
+
+    full = False
+
+    def physical_free(self) -> int:
+        return 0 if self.full else 1 << 40
+
+    def _map_page(self, page: int) -> bool:
+        return not self.full and super()._map_page(page)
+
+
+class ElasticMachine(RequestRules):
+    @initialize(page_size=st.sampled_from([1, 2, 4, 8]), epage_kv_pages=st.sampled_from([2, 4]),
+                reserve=st.sampled_from([(0, 0), (0, 1), (1, 2)]))
+    def setup(self, page_size, epage_kv_pages, reserve):
+        epage_slots = page_size * epage_kv_pages * max(16 // (page_size * epage_kv_pages), 1)
+        size = 12 * epage_slots - page_size
+        self.arena = RefusingArena([epage_slots * SLOT_FLOATS * 4], 12)
+        alloc = MarkedAllocator(size, page_size, "cpu", self.arena, epage_slots, *reserve)
+        self.h = Harness(page_size=page_size, max_reqs=6, max_len=256, allocator=alloc)
+        self.reserve = reserve
+
+    @rule()
+    def rebalance(self):
+        self.h.alloc.rebalance()
+        used = self.h.alloc.epage_used().tolist()
+        empty = [e for e in self.h.alloc.mapped_epages() if e and not used[e]]
+        assert len(empty) <= self.reserve[1], "an empty page kept beyond the reserve"
+        if not self.arena.full:
+            assert len(empty) >= min(self.reserve[0], self.h.alloc.num_epages - len(self.h.alloc.mapped_epages())
+                                     + len(empty)), "the reserve was not refilled"
+
+    @rule(full=st.booleans())
+    def device_full(self, full):
+        self.arena.full = full
+
+    @rule(n=st.integers(0, 96))
+    def evict(self, n):
+        self.h.cache.evict(n)
+
+    @precondition(lambda self: not self.h.live)
+    @rule()
+    def flush(self):
+        self.h.cache.reset()
+        self.h.alloc.clear()
+        assert len(self.h.alloc.mapped_epages()) <= 1 + self.reserve[1]
+
+    @invariant()
+    def held_and_cached_slots_are_mapped_and_intact(self):
+        h = self.h
+        h.check()  # the memory invariant, and the allocator's own (kvcached's rule among them)
+        held = [h.req_pool.req_to_token[r.req_pool_idx, r.cache_protected_len: r.kv_len].to(torch.int64)
+                for r in h.live]
+        owned = torch.cat([*held, h.cache.all_values()])
+        mapped = set(h.alloc.mapped_epages())
+        assert all(int(s) // h.alloc.epage_slots in mapped for s in owned), "a used slot in an unmapped page"
+        marks = self.arena.tensors[0].view(torch.float32).view(-1, SLOT_FLOATS)[owned, 0]
+        assert torch.equal(marks, owned.to(torch.float32)), "a used slot lost its contents"
+
+
+ElasticMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TestElasticProperties = ElasticMachine.TestCase
+
+
+def test_unmapping_returns_resident_memory():
+    def rss_anon() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon:"))
+
+    arena = CpuArena([8 << 20, 8 << 20], 16)  # 16 pages of 16 MB
+    before = rss_anon()
+    for page in range(8):
+        assert arena.map(page)
+        for t in arena.tensors:
+            t[page * (8 << 20): (page + 1) * (8 << 20)].fill_(1)
+    grown = rss_anon()
+    for page in range(8):
+        arena.unmap(page)
+    assert grown - before >= 120 << 20 and rss_anon() - before < 16 << 20
+    assert int(arena.tensors[0][0]) == 0 and arena.stats.maps == arena.stats.unmaps == 8
+
+
+# -- through the engine ----------------------------------------------------------------------------
+
+SHARED = [7, 3, 99, 12, 54, 8, 31, 2, 77, 15, 41, 5] * 3
+
+
+def _prompts() -> list[list[int]]:
+    tails = [[1, 5, 9, 33, 70, 2, 8, 11, 19], [4, 4, 100, 7], [250, 3], list(range(60, 150)), [9] * 41]
+    return [SHARED + t if i % 2 else t for i, t in enumerate(tails)] * 2
+
+
+def _outputs(**options) -> tuple[list[list[int]], dict]:
+    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in (12, 30, 5, 24, 17) * 2]
+    with radixserve.Engine(**{**TINY, **options}) as eng:
+        eng.generate(input_ids=SHARED + [1], sampling_params={"max_new_tokens": 1})  # cache the shared prefix
+        out = [o["output_ids"] for o in eng.generate(input_ids=_prompts(), sampling_params=params)]
+        for _ in range(500):  # the host tier's copies land first (a flush is refused while they run)
+            if eng.flush_cache():
+                break
+            eng.scheduler.step()
+        else:
+            raise AssertionError("the cache was never flushed")
+        return out, eng.get_stats()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _outputs(chunked_prefill_size=16, max_total_tokens=4096, max_running_requests=8)[0]
+
+
+@pytest.mark.parametrize("options", [dict(), dict(tp_size=2), dict(enable_hierarchical_cache=True), dict(page_size=4)],
+                         ids=["tp1", "tp2", "hicache", "page4"])
+def test_greedy_outputs_are_the_same_with_the_elastic_pool(reference, options):
+    out, stats = _outputs(**{"chunked_prefill_size": 16, "max_total_tokens": 4096, "max_running_requests": 8,
+                             **ELASTIC, **options})
+    assert out == reference
+    assert stats["elastic_kv_maps"] > 1 and stats["elastic_kv_unmaps"] > 0  # it grew, and gave back after the flush
+    assert stats["elastic_kv_reserve_pages"] <= 1
+
+
+def test_retraction_in_a_small_elastic_pool_gives_the_same_tokens():
+    """A pool too small for every request's output (as in test_tp_engine):
+    requests are retracted and re-prefilled, their pages unmapped and mapped again."""
+    prompts = [[(7 * i + j) % 500 for j in range(n)] for i, n in enumerate([20, 25, 18, 30, 22, 16])]
+    params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    runs = []
+    for options in (dict(), ELASTIC):
+        with radixserve.Engine(**TINY, **options, max_total_tokens=160, max_running_requests=8) as eng:
+            runs.append(([o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)],
+                         eng.get_stats()))
+    assert runs[0][1]["retractions"] > 0 and runs[1][1]["retractions"] == runs[0][1]["retractions"]
+    assert runs[1][0] == runs[0][0]
+
+
+def test_refused_maps_queue_requests_instead_of_failing(reference, monkeypatch):
+    """The machine refuses every other map for a while: allocations fail like
+    a full pool, requests wait or are retracted, and all finish as without it."""
+    original = CpuArena._map_page
+    calls = {"n": 0}
+
+    def flaky(self, page):
+        calls["n"] += 1
+        return calls["n"] % 2 == 0 and original(self, page)
+
+    monkeypatch.setattr(CpuArena, "_map_page", flaky)
+    out, stats = _outputs(chunked_prefill_size=16, max_total_tokens=4096, max_running_requests=8, **ELASTIC)
+    assert out == reference and stats["elastic_kv_failed_maps"] > 0
+
+
+# -- a server's resident memory ---------------------------------------------------------------------
+
+WIDE = '{"num_hidden_layers": 8, "num_key_value_heads": 4, "head_dim": 32}'  # 8 KB of KV a token
+
+
+def rss_anon(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon:"))
+
+
+@pytest.mark.slow
+def test_an_idle_server_holds_the_reserve_a_burst_grows_it_and_a_flush_gives_it_back():
+    srv = ServerProcess("--model-path", "tiny-llama", "--load-format", "dummy", "--device", "cpu",
+                        "--json-model-override-args", WIDE, "--max-total-tokens", "65536", "--enable-elastic-kv",
+                        "--elastic-kv-min-reserve-pages", "1", "--elastic-kv-max-reserve-pages", "1")
+    try:
+        pid = srv.children()["scheduler"]
+        state = srv.wait_idle()
+        page = state["elastic_kv_mapped_bytes"] // 2  # the dummy page's and one in reserve
+        assert state["elastic_kv_mapped_bytes"] == 2 * page and page == 32 << 20
+
+        def burst(seed: int) -> dict:
+            prompts = [[(31 * i + j + seed) % 500 + 3 for j in range(1900)] for i in range(16)]  # 240 MB of KV
+            replies = []
+
+            def send(ids):
+                body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+                replies.append(httpx.post(srv.url + "/generate", json=body, timeout=300).status_code)
+
+            threads = [threading.Thread(target=send, args=(p,)) for p in prompts]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert replies == [200] * 16
+            return srv.wait_idle()
+
+        def flush() -> dict:
+            assert httpx.post(srv.url + "/flush_cache", timeout=30).status_code == 200
+            return srv.wait_idle()
+
+        # A first burst and flush leave what the scheduler's malloc keeps of the prefills' activations.
+        burst(0)
+        assert flush()["elastic_kv_mapped_bytes"] == 2 * page
+        idle = rss_anon(pid)
+        assert burst(1)["elastic_kv_mapped_bytes"] >= 200 << 20  # the prompts stay cached: their pages stay mapped
+        assert rss_anon(pid) - idle >= 200 << 20
+        assert flush()["elastic_kv_mapped_bytes"] == 2 * page
+        assert rss_anon(pid) - idle < page  # back to the reserve, give or take the allocator's own
+    finally:
+        assert srv.stop() == 0
