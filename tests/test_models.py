@@ -325,3 +325,30 @@ def test_glibc_malloc_settings_apply_and_restore():
     if not sys.platform.startswith("linux"):
         pytest.skip("glibc only")
     assert reuse_freed_memory() and reuse_freed_memory(False)
+
+
+def test_the_heap_trimmer_returns_what_freed_blocks_keep():
+    """With freed blocks kept (reuse_freed_memory), a heap of freed tensors
+    stays resident until the trimmer gives it back; the memory in use stays."""
+    import sys
+
+    from radixserve.model_executor.cpu_malloc import HeapTrimmer, heap_figures, reuse_freed_memory
+
+    if not sys.platform.startswith("linux") or "malloc_free_bytes" not in heap_figures():
+        pytest.skip("glibc 2.33 or later only")
+    assert reuse_freed_memory()
+    try:
+        blocks = [torch.ones(256 * 1024 + 97 * i, dtype=torch.uint8) for i in range(800)]  # about 230 MB
+        keep = blocks[::8]
+        del blocks
+        held = heap_figures()
+        assert held["malloc_free_bytes"] > 150 << 20  # freed, kept by malloc, still resident
+        trimmer = HeapTrimmer(interval_s=3600)
+        trimmer.busy()  # not due yet
+        assert trimmer.returned_bytes == 0
+        trimmer.idle()
+        after = heap_figures()
+        assert trimmer.returned_bytes > 150 << 20 and held["rss_bytes"] - after["rss_bytes"] > 150 << 20
+        assert abs(after["malloc_in_use_bytes"] - held["malloc_in_use_bytes"]) < 8 << 20 and len(keep) == 100
+    finally:
+        reuse_freed_memory(False)

@@ -37,6 +37,7 @@ from radixserve.managers.io_struct import (
 from radixserve.managers.profiler import StepProfiler
 from radixserve.managers.schedule_batch import FinishReason, Req
 from radixserve.managers.scheduler import Scheduler
+from radixserve.model_executor.cpu_malloc import HeapTrimmer, heap_figures
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
@@ -98,6 +99,7 @@ class SchedulerProcess:
         self.profiler = StepProfiler(f"{replica}TP-{self.tp.rank}", scheduler.device,
                                      scheduler.args.resolved_torch_profiler_dir())
         self.closing = False  # a CloseReq came: close the scheduler and leave the loop
+        self.heap = HeapTrimmer()  # the malloc heap's free pages go back when idle, and now and then
 
     def event_loop(self) -> None:
         """Until a CloseReq: take messages (a follower: rank 0's broadcast), step, send."""
@@ -123,8 +125,12 @@ class SchedulerProcess:
                 if self.leader:
                     self.send_outputs(outputs)
                 self.send_replies(self.profiler.step())
+                self.heap.busy()
+            became_idle = not idle and self.scheduler.is_idle()
+            if became_idle:
+                self.heap.idle()
             if self.leader:
-                self.report_stats(became_idle=not idle and self.scheduler.is_idle())
+                self.report_stats(became_idle=became_idle)
 
     def receive_all(self, wait: bool) -> list[bytes]:
         """Every message waiting on the socket, after waiting up to
@@ -235,10 +241,12 @@ class SchedulerProcess:
         return state
 
     def internal_state(self) -> dict:
-        """The load figures, whether overlap scheduling runs, and the memory
-        invariant, checked when the scheduler is idle."""
+        """The load figures, whether overlap scheduling runs, the memory
+        invariant, checked when the scheduler is idle, and this process's
+        resident memory and malloc heap (``cpu_malloc.heap_figures``)."""
         state = self.load_stats()
         state["overlap"] = self.scheduler.overlap  # overlap scheduling, on by default on CUDA
+        state["process_memory"] = {**heap_figures(), "trimmed_bytes": self.heap.returned_bytes}
         state["memory_check"] = "busy"
         if self.scheduler.is_idle():
             try:
