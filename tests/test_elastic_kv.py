@@ -226,7 +226,7 @@ def test_an_idle_server_holds_the_reserve_a_burst_grows_it_and_a_flush_gives_it_
         assert state["elastic_kv_mapped_bytes"] == 2 * page and page == 32 << 20
 
         def burst(seed: int) -> dict:
-            prompts = [[(31 * i + j + seed) % 500 + 3 for j in range(1900)] for i in range(16)]  # 240 MB of KV
+            prompts = [[(31 * i + j + seed) % 500 + 3 for j in range(1000)] for i in range(16)]  # 125 MB of KV
             replies = []
 
             def send(ids):
@@ -249,8 +249,8 @@ def test_an_idle_server_holds_the_reserve_a_burst_grows_it_and_a_flush_gives_it_
         burst(0)
         assert flush()["elastic_kv_mapped_bytes"] == 2 * page
         idle = rss_anon(pid)
-        assert burst(1)["elastic_kv_mapped_bytes"] >= 200 << 20  # the prompts stay cached: their pages stay mapped
-        assert rss_anon(pid) - idle >= 200 << 20
+        assert burst(1)["elastic_kv_mapped_bytes"] >= 100 << 20  # the prompts stay cached: their pages stay mapped
+        assert rss_anon(pid) - idle >= 80 << 20  # what was mapped beyond the reserve, which idle holds already
         assert flush()["elastic_kv_mapped_bytes"] == 2 * page
         assert rss_anon(pid) - idle < page  # back to the reserve, give or take the allocator's own
     finally:

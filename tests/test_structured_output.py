@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import httpx
 import jsonschema
@@ -15,6 +17,7 @@ import pytest
 
 import radixserve
 from server_harness import ServerProcess
+from test_grammar_limits import CACHE_MB, COMPILE_MB, enum_schema, small_schema
 
 pytestmark = pytest.mark.slow
 
@@ -164,7 +167,8 @@ def test_a_bad_grammar_is_refused_offline(eng):
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--max-total-tokens", "8192")
+    srv = ServerProcess("--max-total-tokens", "8192", "--grammar-compile-max-mb", str(COMPILE_MB),
+                        "--grammar-cache-max-mb", str(CACHE_MB))
     yield srv
     assert srv.stop() == 0
 
@@ -202,3 +206,76 @@ def test_openai_response_format(server):
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, response_format={
             "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objekt"}}})
     assert bad.value.body["param"] == "response_format"  # the request's field, not the engine's
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(f"radixserve:{name} ")))
+
+
+def test_a_grammar_over_the_limit_is_a_400_while_the_server_serves(server):
+    url = server.url
+    done: dict = {}
+
+    def long_request():
+        body = {"text": "Count to fifty:", "sampling_params": {"max_new_tokens": 96, "ignore_eos": True}}
+        done["long"] = httpx.post(url + "/generate", json=body, timeout=120)
+
+    runner = threading.Thread(target=long_request)
+    runner.start()
+    healthy = []
+
+    def watch_health():
+        for _ in range(10):
+            healthy.append(httpx.get(url + "/health", timeout=10).status_code)
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch_health)
+    watcher.start()
+    bomb = enum_schema(3000, tag="native")
+    r = httpx.post(url + "/generate", json={"text": "Fill it in:", "sampling_params": {
+        "max_new_tokens": 8, "json_schema": json.dumps(bomb)}}, timeout=120)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "sampling_params.json_schema" and "--grammar-compile-max-mb" in error["message"]
+    runner.join()
+    watcher.join()
+    assert done["long"].status_code == 200 and done["long"].json()["meta_info"]["completion_tokens"] == 96
+    assert healthy == [200] * 10
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Fill in the form."}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=8,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "form", "schema": enum_schema(3000, tag="openai")}})
+    assert refused.value.body["param"] == "response_format"
+    tool = {"type": "function", "function": {"name": "fill", "parameters": enum_schema(3000, tag="tool")}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=8,
+                                       tools=[tool], tool_choice="required")
+    assert refused.value.body["param"] == "tools" and "--grammar-compile-max-mb" in refused.value.body["message"]
+
+    ok = httpx.post(url + "/generate", json={"text": "Fill it in:", "sampling_params": {
+        "max_new_tokens": 24, "json_schema": json.dumps(small_schema(0))}}, timeout=120)
+    assert ok.status_code == 200
+    state = server.wait_idle()
+    assert state["memory_check"] == "ok"
+
+
+def test_the_grammar_cache_stays_within_its_bytes_and_flush_cache_empties_it(server):
+    n = 40  # about 3 MB compiled in all, three times the cache
+    body = {"text": ["Fill it in:"] * n,
+            "sampling_params": [{"max_new_tokens": 1, "json_schema": json.dumps(small_schema(100 + i))} for i in range(n)]}
+    r = httpx.post(server.url + "/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    server.wait_idle()
+    time.sleep(1.5)  # the scheduler's figures reach /metrics once it is idle
+    cached = metric(server, "grammar_cache_bytes")
+    assert 0 < cached <= CACHE_MB << 20
+    assert 0 < metric(server, "grammar_cache_entries") < n
+    assert httpx.post(server.url + "/flush_cache", timeout=30).status_code == 200
+    deadline = time.monotonic() + 10
+    while metric(server, "grammar_cache_bytes") != 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert metric(server, "grammar_cache_bytes") == 0 and metric(server, "grammar_cache_entries") == 0
