@@ -156,7 +156,7 @@ def scheduler_figures(url: str) -> dict:
     mb = {"malloc_in_use": mem.get("malloc_in_use_bytes"), "malloc_free": mem.get("malloc_free_bytes"),
           "trimmed": mem.get("trimmed_bytes"), "grammar_cache": state.get("grammar_cache_bytes")}
     return {"scheduler_mb": {k: round(v / 2**20, 1) for k, v in mb.items() if v is not None},
-            "kv_cached_tokens": state.get("kv_cached")}
+            "scheduler_python_blocks": mem.get("python_blocks"), "kv_cached_tokens": state.get("kv_cached")}
 
 
 def series_of(samples: list[dict]) -> dict[str, list[tuple[int, float]]]:
