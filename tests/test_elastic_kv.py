@@ -9,6 +9,9 @@ the machine refuses); and by a server's resident memory across a burst."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -81,9 +84,30 @@ class ElasticMachine(RequestRules):
         used = self.h.alloc.epage_used().tolist()
         empty = [e for e in self.h.alloc.mapped_epages() if e and not used[e]]
         assert len(empty) <= self.reserve[1], "an empty page kept beyond the reserve"
+        room = min(self.h.alloc.num_epages, self.h.alloc.limit_pages) - len(self.h.alloc.mapped_epages())
         if not self.arena.full:
-            assert len(empty) >= min(self.reserve[0], self.h.alloc.num_epages - len(self.h.alloc.mapped_epages())
-                                     + len(empty)), "the reserve was not refilled"
+            assert len(empty) >= min(self.reserve[0], room + len(empty)), "the reserve was not refilled"
+
+    @rule(pages=st.one_of(st.none(), st.integers(0, 12)))
+    def limit(self, pages):
+        """A run-time limit (``/set_kv_limit``): cached KV goes, in LRU order, until it is met."""
+        alloc = self.h.alloc
+        alloc.set_limit(pages)
+        alloc.rebalance(self.h.cache.evict)
+        self._check_shrunk(alloc.limit_pages)
+
+    @rule(pages=st.integers(0, 12))
+    def shrink(self, pages):
+        """Memory asked back for another server sharing the device."""
+        self.h.alloc.shrink(pages, self.h.cache.evict)
+        self._check_shrunk(pages)
+
+    def _check_shrunk(self, pages):
+        alloc = self.h.alloc
+        used = alloc.epage_used().tolist()
+        if len(alloc.mapped_epages()) > max(pages, 1):  # only pages that hold a running request's or a locked node's slot
+            assert self.h.cache.evictable_size() == 0, "cached KV kept over the limit"
+            assert all(used[e] for e in alloc.mapped_epages() if e), "an empty page kept over the limit"
 
     @rule(full=st.booleans())
     def device_full(self, full):
@@ -204,6 +228,45 @@ def test_refused_maps_queue_requests_instead_of_failing(reference, monkeypatch):
     assert out == reference and stats["elastic_kv_failed_maps"] > 0
 
 
+def test_a_limit_lowered_below_use_holds_requests_until_it_rises(reference):
+    """``set_kv_limit`` while requests run: the cache is evicted and pages
+    unmapped down to what the running requests hold, nobody is admitted or
+    cut short meanwhile (the last ones are retracted to wait), and once the
+    limit rises every request finishes with the tokens it has without one."""
+    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in (12, 30, 5, 24, 17) * 2]
+    with radixserve.Engine(**TINY, chunked_prefill_size=16, max_total_tokens=4096, max_running_requests=8,
+                           **ELASTIC) as eng:
+        eng.generate(input_ids=SHARED + [1], sampling_params={"max_new_tokens": 1})
+        sched = eng.scheduler
+        reqs = [r for ids, p in zip(_prompts(), params) for r in eng._make_reqs(ids, p, False, -1, 0, None)]
+        for req in reqs:
+            sched.add_request(req)
+        while len(sched.running_batch.reqs) < 3:
+            sched.step()
+        page = eng.get_kv_limit()["elastic_kv_page_bytes"]
+        state = eng.set_kv_limit(2 * page)  # the dummy page's and one more: less than the running requests hold
+        assert state["elastic_kv_limit_bytes"] == 2 * page and eng.get_kv_limit() == state
+        for _ in range(60):
+            sched.step()
+            state = eng.get_kv_limit()
+            assert state["elastic_kv_mapped_bytes"] <= max(state["elastic_kv_used_bytes"], 2 * page)
+        assert state["elastic_kv_mapped_bytes"] <= 2 * page  # the cache keeps only what fits under the limit
+        assert not sched.running_batch.reqs and not any(r.finished() for r in reqs[5:])  # held, none cut
+        eng.set_kv_limit(None)
+        pending = {id(r) for r in reqs if not r.finished()}
+        while pending:
+            pending -= {id(r) for r in sched.step() if r.finished()}
+        assert [r.output_ids for r in reqs] == reference
+        assert all(r.finished_reason.to_json()["type"] == "length" and "message" not in r.finished_reason.to_json()
+                   for r in reqs)
+
+
+def test_a_kv_limit_needs_the_elastic_pool():
+    with radixserve.Engine(**TINY, max_total_tokens=512) as eng:
+        with pytest.raises(ValueError, match="--enable-elastic-kv"):
+            eng.set_kv_limit(1 << 20)
+
+
 # -- a server's resident memory ---------------------------------------------------------------------
 
 WIDE = '{"num_hidden_layers": 8, "num_key_value_heads": 4, "head_dim": 32}'  # 8 KB of KV a token
@@ -253,5 +316,27 @@ def test_an_idle_server_holds_the_reserve_a_burst_grows_it_and_a_flush_gives_it_
         assert rss_anon(pid) - idle >= 80 << 20  # what was mapped beyond the reserve, which idle holds already
         assert flush()["elastic_kv_mapped_bytes"] == 2 * page
         assert rss_anon(pid) - idle < page  # back to the reserve, give or take the allocator's own
+
+        # The run-time limit, through kvctl and the endpoints.
+        def kvctl(*argv: str) -> list[dict]:
+            done = subprocess.run([sys.executable, "-m", "radixserve.entrypoints.cli", "kvctl", "--url", srv.url,
+                                   "--json", *argv], capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
+            return json.loads(done.stdout)
+
+        assert kvctl("show")[0]["elastic_kv_limit_bytes"] == kvctl("show")[0]["elastic_kv_max_bytes"]
+        for body, field in [({}, "limit_bytes"), ({"limit_bytes": -1}, "limit_bytes"), ({"limit_gb": "1"}, "limit_gb"),
+                            ({"limit_bytes": 1, "limit_gb": 1}, "limit_bytes"), ([1], "limit_bytes")]:
+            reply = httpx.post(srv.url + "/set_kv_limit", json=body, timeout=30)
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == field, (body, reply.text)
+        burst(2)  # cached: 125 MB mapped
+        assert kvctl("limit", "64M")[0]["elastic_kv_mapped_bytes"] <= 64 << 20  # the cache evicted down to it
+        assert httpx.get(srv.url + "/get_kv_limit", timeout=30).json()[0]["elastic_kv_limit_bytes"] == 64 << 20
+        states = []
+        watcher = threading.Timer(3.0, lambda: states.append(kvctl("limit", "none")))
+        watcher.start()
+        burst(3)  # 125 MB of prompts under a 64 MB limit: some wait until the limit rises, none fails
+        watcher.join()
+        assert states[0][0]["elastic_kv_limit_bytes"] == states[0][0]["elastic_kv_max_bytes"]
     finally:
         assert srv.stop() == 0

@@ -1,5 +1,6 @@
-"""``radixserve`` command line: ``radixserve serve ...`` (HTTP server) and
-``radixserve generate ...`` (offline)."""
+"""``radixserve`` command line: ``radixserve serve ...`` (HTTP server),
+``radixserve generate ...`` (offline) and ``radixserve kvctl ...`` (a
+running server's elastic KV limit)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--json", action="store_true", help="also print meta_info as JSON")
     serve = sub.add_parser("serve", help="start the HTTP server (SGLang native API + OpenAI API)", add_help=False)
     serve.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("kvctl", help="read and set a running server's elastic KV limit", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["kvctl"]:
+        from radixserve.entrypoints.kvctl import main as kvctl_main
+
+        return kvctl_main(argv[1:])
     if argv[:1] == ["serve"]:
         from radixserve.entrypoints.http_server import main as serve_main
 

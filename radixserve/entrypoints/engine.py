@@ -90,6 +90,22 @@ class Engine:
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
 
+    def get_kv_limit(self) -> dict:
+        """The elastic KV pool's run-time limit and what it bounds (bytes)."""
+        return self._kv_limit(False, None)
+
+    def set_kv_limit(self, limit_bytes: int | None) -> dict:
+        """Set the elastic KV pool's run-time limit (None: its whole size):
+        cached KV is evicted to meet it, and admissions wait while the
+        running requests still hold more (docs/elastic_kv.md)."""
+        return self._kv_limit(True, limit_bytes)
+
+    def _kv_limit(self, apply: bool, limit_bytes: int | None) -> dict:
+        ok, message, state = self.scheduler.kv_limit(apply, limit_bytes)
+        if not ok:
+            raise ValueError(message)
+        return state
+
     def get_stats(self) -> dict:
         return self.scheduler.get_stats()
 

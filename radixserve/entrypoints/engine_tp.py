@@ -19,7 +19,14 @@ from typing import Any
 
 import msgpack
 
-from radixserve.managers.io_struct import AbortReq, CloseReq, FlushCacheReq, TokenizedGenerateReqInput, encode
+from radixserve.managers.io_struct import (
+    AbortReq,
+    CloseReq,
+    FlushCacheReq,
+    KVLimitReq,
+    TokenizedGenerateReqInput,
+    encode,
+)
 from radixserve.managers.schedule_batch import Req
 from radixserve.managers.scheduler_process import IDLE_POLL_MS, run_scheduler_process
 from radixserve.server_args import ServerArgs
@@ -79,6 +86,15 @@ class TpLeader:
             flushed = self.scheduler.flush_cache()
             self.tp_group.barrier()  # the followers' reply barrier (SchedulerProcess.send_replies)
             return flushed
+
+    def kv_limit(self, apply: bool, limit_bytes: int | None) -> tuple[bool, str, dict]:
+        if not apply:
+            return self.scheduler.kv_limit(apply, limit_bytes)
+        with self._lock:
+            self._broadcast([encode(KVLimitReq(apply, limit_bytes))])
+            result = self.scheduler.kv_limit(apply, limit_bytes)
+            self.tp_group.barrier()  # the followers' reply barrier
+            return result
 
     def step(self) -> list[Req]:
         with self._lock:

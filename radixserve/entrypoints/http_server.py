@@ -89,6 +89,22 @@ def generate_input(body: Any) -> GenerateReqInput:
         raise ValueError(f"body: {exc}") from None
 
 
+def kv_limit_bytes(body: Any) -> int | None | tuple[str, str]:
+    """The limit a ``/set_kv_limit`` body asks for, in bytes (None: no
+    limit), or ``(field, message)`` when the body is not one of
+    ``{"limit_bytes": int | null}`` and ``{"limit_gb": number | null}``."""
+    if not isinstance(body, dict) or len(body.keys() & {"limit_bytes", "limit_gb"}) != 1 or len(body) != 1:
+        return "limit_bytes", "body: exactly one of limit_bytes (an integer) and limit_gb (a number), or null"
+    (name, value), = body.items()
+    if value is None:
+        return None
+    whole = name == "limit_bytes"
+    if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or not 0 < value < 2**62:
+        kind = "a positive integer" if whole else "a positive number"
+        return name, f"{name}: {kind} or null, got {json.dumps(value)[:40]}"
+    return int(value) if whole else int(value * 2**30)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -194,6 +210,25 @@ def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
         if tm.num_running_requests() or not await tm.flush_cache():
             return error_response("cannot flush the cache while requests are running", 400)
         return Response("Cache flushed.\n", status_code=200)
+
+    @app.get("/get_kv_limit")
+    async def get_kv_limit():
+        """The elastic KV pool's run-time limit and usage, per replica (bytes)."""
+        ok, message, states = await tm.kv_limit(False, None)
+        return states if ok else error_response(message, 400)
+
+    @app.post("/set_kv_limit")
+    async def set_kv_limit(request: Request):
+        """Set the elastic KV pool's limit on every replica (kvcached's
+        ``kvctl limit``): ``{"limit_bytes": N}``, ``{"limit_gb": G}``, or
+        null for the pool's whole size. Cached KV is evicted to meet it;
+        admissions wait while running requests hold more (docs/elastic_kv.md)."""
+        body = await read_json(request)
+        parsed = kv_limit_bytes(body)
+        if isinstance(parsed, tuple):
+            return error_response(parsed[1], 400, parsed[0])
+        ok, message, states = await tm.kv_limit(True, parsed)
+        return states if ok else error_response(message, 400)
 
     @app.api_route("/start_profile", methods=["GET", "POST"])
     async def start_profile(request: Request):

@@ -294,6 +294,23 @@ class ProfileReqOutput:
 
 
 @dataclass
+class KVLimitReq:
+    """Read, or set (``apply``), the elastic KV pool's run-time limit
+    (``/get_kv_limit``, ``/set_kv_limit``, ``radixserve kvctl``);
+    ``limit_bytes`` None is the pool's whole size."""
+
+    apply: bool
+    limit_bytes: int | None = None
+
+
+@dataclass
+class KVLimitReqOutput:
+    success: bool
+    message: str
+    state: dict
+
+
+@dataclass
 class SchedulerStats:
     """The scheduler's load and cache figures, sent every so often while it
     works and when it goes idle; ``/metrics`` and ``/get_load`` serve the latest."""
@@ -329,7 +346,8 @@ _TYPES = {
     cls.__name__: cls
     for cls in (
         TokenizedGenerateReqInput, AbortReq, FlushCacheReq, FlushCacheReqOutput, CloseReq, GetInternalStateReq,
-        GetInternalStateReqOutput, ProfileReq, ProfileReqOutput, SchedulerStats, BatchTokenIDOut, BatchStrOut,
+        GetInternalStateReqOutput, ProfileReq, ProfileReqOutput, KVLimitReq, KVLimitReqOutput, SchedulerStats,
+        BatchTokenIDOut, BatchStrOut,
     )
 }
 

@@ -307,7 +307,8 @@ class ScheduleBatch:
         if short() > 0:
             pools.tree_cache.evict(short())
         retracted = []
-        while short() > 0 and len(self.reqs) > 1:
+        # a run-time limit never cuts a request short: the last one waits too, for the limit to rise
+        while short() > 0 and (len(self.reqs) > 1 or (self.reqs and pools.allocator.limit_binds())):
             victim = min(self.reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
             self.filter_batch(lambda r: r is not victim)
             pools.tree_cache.cache_finished_req(victim)

@@ -134,7 +134,7 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
     def step(self) -> list[Req]:
         """Run one batch; returns the requests updated in it (finished ones too).
         With overlap, a batch's results come back in the next step."""
-        self.allocator.rebalance()  # an elastic pool gives back empty pages, keeps its reserve
+        self.allocator.rebalance(self.tree_cache.evict)  # an elastic pool gives back empty pages, keeps its reserve
         out = self._drain() if self._in_flight and self._must_drain() else []
         self.tree_cache.poll()  # copies between cache tiers that have finished
         out += self._process_aborts()
@@ -219,6 +219,8 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
 
     def _get_new_batch_prefill(self) -> ScheduleBatch | None:
         if not self.waiting and self.chunked_req is None:
+            return None
+        if self.allocator.over_limit():  # a run-time KV limit lowered below use: admit once back under it
             return None
         # The chunked request, if any, is in can_run; finished requests whose
         # last decode is in flight still hold their rows.
@@ -341,6 +343,16 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
         self.grammar_queue.clear_cache()
         self._publish_kv_events()
         return True
+
+    def kv_limit(self, apply: bool, limit_bytes: int | None) -> tuple[bool, str, dict]:
+        """Read, or set and apply at once, the elastic KV pool's run-time
+        limit (docs/elastic_kv.md): ``(ok, message, figures)``."""
+        if not self.allocator.elastic:
+            return False, "a KV limit needs the elastic KV pool (--enable-elastic-kv)", {}
+        if apply:
+            self.allocator.set_limit_bytes(limit_bytes)
+            self.allocator.rebalance(self.tree_cache.evict)
+        return True, "", self.allocator.limit_state()
 
     def close(self) -> None:
         """Stop publishing KV events (sends what is queued, closes the sockets),

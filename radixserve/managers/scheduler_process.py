@@ -27,6 +27,8 @@ from radixserve.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    KVLimitReq,
+    KVLimitReqOutput,
     ProfileReq,
     SchedulerStats,
     TokenizedGenerateReqInput,
@@ -161,6 +163,9 @@ class SchedulerProcess:
         elif isinstance(msg, FlushCacheReq):
             flushed = self.scheduler.flush_cache()  # on every rank: the caches stay the same
             self.send_replies([FlushCacheReqOutput(flushed)])
+        elif isinstance(msg, KVLimitReq):  # every rank: their pools stay the same
+            ok, message, state = self.scheduler.kv_limit(msg.apply, msg.limit_bytes)
+            self.send_replies([KVLimitReqOutput(ok, message, {**state, "dp_rank": self.dp_rank})])
         elif isinstance(msg, ProfileReq):  # every rank profiles itself
             start = msg.action == "start"
             self.send_replies(self.profiler.start(msg.options, msg.req_id) if start else self.profiler.stop(msg.req_id))

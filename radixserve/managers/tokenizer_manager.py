@@ -25,6 +25,8 @@ from radixserve.managers.io_struct import (
     CloseReq,
     FlushCacheReq,
     FlushCacheReqOutput,
+    KVLimitReq,
+    KVLimitReqOutput,
     ProfileReq,
     ProfileReqOutput,
     GenerateReqInput,
@@ -481,6 +483,14 @@ class TokenizerManager:
         replies: list[ProfileReqOutput] = await self._control(request, ProfileReqOutput, timeout=None)
         failed = [r for r in replies if not r.success]
         return not failed, (failed or replies)[0].message
+
+    async def kv_limit(self, apply: bool, limit_bytes: int | None) -> tuple[bool, str, list[dict]]:
+        """Read or set each replica's elastic KV limit: ``(ok, message,
+        per-replica figures in dp-rank order)``."""
+        replies: list[KVLimitReqOutput] = await self._control(KVLimitReq(apply, limit_bytes), KVLimitReqOutput)
+        failed = [r for r in replies if not r.success]
+        states = sorted((r.state for r in replies), key=lambda state: state.get("dp_rank", 0))
+        return not failed, (failed[0].message if failed else ""), states
 
     async def get_internal_states(self) -> list[dict]:
         """Each replica's internal state, in dp-rank order."""

@@ -37,6 +37,8 @@ class TokenToKVPoolAllocator:
     scheduler can evict or retract and try again.
     """
 
+    elastic = False  # memory mapped as used (elastic_allocator.py) or allocated whole
+
     def __init__(self, size: int, page_size: int = 1, device: str | torch.device = "cpu"):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -73,9 +75,19 @@ class TokenToKVPoolAllocator:
         for a pool allocated whole (the elastic pool maps here)."""
         return True
 
-    def rebalance(self) -> None:
+    def rebalance(self, evict=None) -> None:
         """Once a scheduler step: nothing to do for a pool allocated whole
-        (the elastic pool gives back empty pages here)."""
+        (the elastic pool gives back empty pages here, and evicts cached KV
+        with ``evict`` to meet its run-time limit)."""
+
+    def over_limit(self) -> bool:
+        """Whether admissions wait for memory to go back under a run-time
+        limit: never for a pool allocated whole (see the elastic pool)."""
+        return False
+
+    def limit_binds(self) -> bool:
+        """Whether a run-time limit, not the pool's size, is what is short."""
+        return False
 
     def pool_stats(self) -> dict[str, float]:
         """Figures of the pool's memory beyond slot counts (the elastic pool's)."""

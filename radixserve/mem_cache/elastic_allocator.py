@@ -61,6 +61,8 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
     """``TokenToKVPoolAllocator`` over a :class:`VirtualArena` whose page
     ``e`` holds slots ``e * epage_slots .. (e+1) * epage_slots - 1``."""
 
+    elastic = True
+
     def __init__(self, size: int, page_size: int, device: str | torch.device, arena: VirtualArena,
                  epage_slots: int, min_reserve: int = 1, max_reserve: int = 2,
                  agree_min: Callable[[int], int] | None = None):
@@ -181,25 +183,78 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
         super().free(slots)
         self._dirty = True
 
-    def rebalance(self) -> None:
+    def rebalance(self, evict: Callable[[int], int] | None = None) -> None:
         """Unmap empty elastic pages beyond ``max_reserve`` (highest first),
         map empty ones up to ``min_reserve``, and, after a refused map, look
-        at the physical memory again. Nothing to do when no slot was taken or
-        freed and no map refused since the last call. Same on every rank."""
+        at the physical memory again; over the run-time limit, first
+        :meth:`shrink` to it with ``evict``. Nothing to do when no slot was
+        taken or freed and no map refused since the last call. Same on
+        every rank."""
+        if self.over_limit() and evict is not None:
+            self.shrink(self.limit_pages, evict)
         if not self._dirty and self._can_map > 0:
             return
         self._dirty = False
-        used = self.epage_used().tolist()
-        empty = [e for e in self.mapped_epages() if e != 0 and used[e] == 0]
+        empty = self._empty_epages()
         if len(empty) > self.max_reserve:
-            drop = set(empty[self.max_reserve:])  # the highest: the low pages hold the used slots
-            self._drop_free(drop)
-            for e in sorted(drop, reverse=True):
-                self.arena.unmap(e)
+            self._unmap(empty[self.max_reserve:])  # the highest: the low pages hold the used slots
         elif len(empty) < self.min_reserve:
             self._map_more(self.kv_pages_per_epage * (self.min_reserve - len(empty)))
         room = min(self.limit_pages - len(self.arena.stats.mapped), self.arena.physical_free() // self.arena.bytes_per_page)
         self._can_map = self._agree_min(max(room, 0))
+
+    def _empty_epages(self) -> list[int]:
+        """Mapped elastic pages with every slot free, lowest first (never the dummy page's)."""
+        used = self.epage_used().tolist()
+        return [e for e in self.mapped_epages() if e != 0 and used[e] == 0]
+
+    def _unmap(self, epages: list[int]) -> None:
+        if epages:
+            self._drop_free(set(epages))
+            for e in sorted(epages, reverse=True):
+                self.arena.unmap(e)
+
+    # -- the run-time limit and giving memory to others ------------------------
+    def set_limit(self, epages: int | None) -> None:
+        """At most ``epages`` elastic pages mapped (None: the pool's size);
+        at least the dummy page's. Applied by the next :meth:`rebalance`."""
+        self.limit_pages = self.num_epages if epages is None else min(max(int(epages), 1), self.num_epages)
+        self._dirty = True
+
+    def set_limit_bytes(self, limit: int | None) -> None:
+        """The limit in bytes of KV memory (all layers), rounded down to whole elastic pages."""
+        self.set_limit(None if limit is None else limit // self.arena.bytes_per_page)
+
+    def limit_state(self) -> dict:
+        """The limit and what it bounds, for ``/get_kv_limit`` and ``kvctl``."""
+        per_page = self.arena.bytes_per_page
+        return {**self.pool_stats(), "elastic_kv_max_bytes": self.num_epages * per_page,
+                "elastic_kv_page_bytes": per_page, "elastic_kv_over_limit": self.over_limit()}
+
+    def over_limit(self) -> bool:
+        """More pages mapped than the run-time limit allows (admissions wait)."""
+        return len(self.arena.stats.mapped) > self.limit_pages
+
+    def limit_binds(self) -> bool:
+        """Whether the run-time limit, not the pool's size or the device, stops the next map."""
+        return self.limit_pages < self.num_epages and len(self.arena.stats.mapped) >= self.limit_pages
+
+    def shrink(self, epages: int, evict: Callable[[int], int]) -> int:
+        """Unmap empty pages, and evict cached KV in the cache's own order
+        (``evict(n)`` frees up to ``n`` slots, returns how many) to empty
+        more, until at most ``epages`` elastic pages are mapped or nothing
+        more can go: a slot held by a running request or a locked node keeps
+        its page. Returns the pages unmapped."""
+        before = len(self.arena.stats.mapped)
+        while True:
+            empty = self._empty_epages()
+            over = len(self.arena.stats.mapped) - max(epages, 1)
+            self._unmap(empty[len(empty) - min(over, len(empty)):] if over > 0 else [])
+            over -= min(max(over, 0), len(empty))
+            if over <= 0 or not evict(over * self.epage_slots):
+                break
+        self._dirty = True
+        return before - len(self.arena.stats.mapped)
 
     def _drop_free(self, epages: set[int]) -> None:
         """Take the KV pages of ``epages`` (all free) off the free lists."""
