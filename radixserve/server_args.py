@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import tempfile
+import re
 from dataclasses import dataclass, field, fields
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
@@ -23,6 +24,7 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATIONS = ("fp8",)  # online methods of layers/quantization.py
 GRAMMAR_CACHE_MB = 256  # default --grammar-cache-max-mb
+ELASTIC_KV_GROUP = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # an --elastic-kv-group: part of a file name
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,9 @@ class ElasticKVConfig:
     max_gb: float | None = None  # address space to reserve, beyond the static pool's size
     min_reserve_pages: int = 1  # empty pages kept mapped ahead of need
     max_reserve_pages: int = 2  # empty pages kept before unmapping
+    min_gb: float = 0.0  # what another server's ask leaves this one (its floor)
+    group: str | None = "default"  # the servers on a device that give each other memory (None: none)
+    group_gb: float | None = None  # what the group's servers may map together (None: what the device has)
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,15 @@ class ServerArgs:
         "help": "empty elastic pages kept mapped ahead of need"})
     elastic_kv_max_reserve_pages: int = field(default=ElasticKVConfig.max_reserve_pages, metadata={
         "help": "empty elastic pages kept mapped before they are given back"})
+    elastic_kv_min_gb: float = field(default=ElasticKVConfig.min_gb, metadata={
+        "help": "KV memory this server keeps when another server on its device asks for memory (its floor), "
+                "in GB; above it, cached prefixes are evicted and their pages given back"})
+    elastic_kv_group: str = field(default=ElasticKVConfig.group, metadata={
+        "help": "servers with elastic pools on one device that share its memory: each gives cached KV back "
+                "when another of the group cannot map ('none': this server asks and gives nothing)"})
+    elastic_kv_group_gb: float | None = field(default=None, metadata={
+        "help": "KV memory the group's servers on one device may map together, in GB (default: what the "
+                "device has)"})
     random_seed: int = field(default=0, metadata={"help": "seed of the global RNG"})
     # Tensor parallelism (docs/tensor_parallel.md): one scheduler process per rank.
     tp_size: int = field(default=1, metadata={"help": "tensor-parallel ranks (one process and device each)"})
@@ -230,6 +244,11 @@ class ServerArgs:
                              f"got {self.mixed_chunk_min_size}")
         if not self.elastic_kv_page_mb > 0 or (self.elastic_kv_max_gb is not None and not self.elastic_kv_max_gb > 0):
             raise ValueError("elastic_kv_page_mb and elastic_kv_max_gb must be > 0")
+        if not self.elastic_kv_min_gb >= 0 or (self.elastic_kv_group_gb is not None and not self.elastic_kv_group_gb > 0):
+            raise ValueError("elastic_kv_min_gb must be >= 0 and elastic_kv_group_gb > 0")
+        if not ELASTIC_KV_GROUP.fullmatch(self.elastic_kv_group):
+            raise ValueError(f"elastic_kv_group: letters, digits, '_', '.' and '-' (at most 64), "
+                             f"got {self.elastic_kv_group!r}")
         if not 0 <= self.elastic_kv_min_reserve_pages <= self.elastic_kv_max_reserve_pages:
             raise ValueError("elastic KV reserve: need 0 <= --elastic-kv-min-reserve-pages <= "
                              "--elastic-kv-max-reserve-pages")
@@ -304,7 +323,9 @@ class ServerArgs:
         if not self.enable_elastic_kv:
             return None
         return ElasticKVConfig(self.elastic_kv_page_mb, self.elastic_kv_max_gb, self.elastic_kv_min_reserve_pages,
-                               self.elastic_kv_max_reserve_pages)
+                               self.elastic_kv_max_reserve_pages, self.elastic_kv_min_gb,
+                               None if self.elastic_kv_group == "none" else self.elastic_kv_group,
+                               self.elastic_kv_group_gb)
 
     def grammar_compile_limits(self) -> CompileLimits:
         return CompileLimits(self.grammar_compile_max_mb, self.grammar_compile_timeout)

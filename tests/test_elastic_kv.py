@@ -10,6 +10,7 @@ the machine refuses); and by a server's resident memory across a burst."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -24,6 +25,7 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 import radixserve
 from mem_harness import Harness, RequestRules
 from radixserve.mem_cache.elastic_allocator import ElasticTokenToKVPoolAllocator, elastic_page_slots
+from radixserve.mem_cache.elastic_registry import ElasticRegistry
 from radixserve.mem_cache.virtual_memory import CpuArena
 from server_harness import ServerProcess
 
@@ -160,6 +162,56 @@ def test_unmapping_returns_resident_memory():
     assert int(arena.tensors[0][0]) == 0 and arena.stats.maps == arena.stats.unmaps == 8
 
 
+# -- servers that share a device ----------------------------------------------------------------
+
+def _member(path: str, tenant: int, floor_pages: int = 1, budget_pages: int | None = None) -> Harness:
+    """A server's pool (16-slot elastic pages of 4 KB, 12 of them) in the registry at ``path``."""
+    per_page = 16 * SLOT_FLOATS * 4
+    registry = ElasticRegistry(path, tenant, floor_pages * per_page, budget_pages and budget_pages * per_page)
+    alloc = ElasticTokenToKVPoolAllocator(12 * 16 - 1, 1, "cpu", CpuArena([per_page], 12), 16, 0, 0,
+                                          registry=registry, floor_pages=floor_pages)
+    return Harness(page_size=1, max_reqs=8, max_len=256, allocator=alloc)
+
+
+def test_a_server_that_cannot_map_gets_the_cached_kv_of_the_others(tmp_path):
+    """Two pools whose group may map 10 pages together: the first fills 8
+    with cached prefixes; the second, refused, asks; the first, at its next
+    look, evicts in LRU order and unmaps down to what was asked, never
+    under its floor; the second then maps. Ranks of one server (one
+    tenant) never give to each other, and a member that leaves frees its row."""
+    path = str(tmp_path / "registry")
+    a, b = _member(path, tenant=1, floor_pages=3, budget_pages=10), _member(path, tenant=2, budget_pages=10)
+    for i in range(7):  # 7 prompts of 16 tokens: the dummy page's and 7 more pages, all cached once finished
+        a.finish(a.start([100 + i] * 16))
+    assert len(a.alloc.mapped_epages()) == 8 and a.cache.evictable_size() == 7 * 16
+    assert a.alloc.pages_to_keep(a.cache.evictable_size()) is None  # nobody asked
+    # 40 slots: 15 in b's dummy page, 2 more pages, of which the budget leaves one (10 - 8 - 1)
+    assert b.start(list(range(40))) is None
+    assert b.alloc.asks >= 1 and [m.want for m in b.alloc.registry.members() if m.tenant == 2] == [4096]
+    keep = a.alloc.pages_to_keep(a.cache.evictable_size())
+    assert keep == 7  # the ask, in whole pages: what b could not map
+    assert a.alloc.give(keep, a.cache.evict) == 8 - keep and len(a.alloc.mapped_epages()) == keep
+    # the least recently used prompts went (the first two: their 32 slots straddle pages 0 to 2)
+    assert sorted(a.cache.all_values().tolist()) == list(range(33, 113))
+    b.alloc.rebalance()
+    req = b.start(list(range(40)))
+    assert req is not None and b.alloc.registry.members()[1].want == 0
+    # Asked for everything, a keeps its floor.
+    b.alloc.registry.ask(100 << 20)
+    floor = a.alloc.pages_to_keep(a.cache.evictable_size())
+    assert floor == 3 and a.alloc.give(floor, a.cache.evict) == keep - 3
+    # A member of a's own server asks: a gives nothing.
+    own = _member(path, tenant=1)
+    own.alloc.registry.ask(100 << 20)
+    assert a.alloc.pages_to_keep(a.cache.evictable_size()) is None
+    assert len(a.alloc.registry.members()) == 3
+    own.alloc.close()
+    assert len(a.alloc.registry.members()) == 2
+    for h in (a, b):
+        h.check()
+        h.alloc.close()
+
+
 # -- through the engine ----------------------------------------------------------------------------
 
 SHARED = [7, 3, 99, 12, 54, 8, 31, 2, 77, 15, 41, 5] * 3
@@ -277,6 +329,59 @@ def rss_anon(pid: int) -> int:
         return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon:"))
 
 
+def _burst(url: str, seed: int, n: int = 16) -> None:
+    """``n`` prompts of 1,000 tokens at once (8 MB of KV each with ``WIDE``), all answered 200."""
+    prompts = [[(31 * i + j + seed) % 500 + 3 for j in range(1000)] for i in range(n)]
+    replies = []
+
+    def send(ids):
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+        replies.append(httpx.post(url + "/generate", json=body, timeout=300).status_code)
+
+    threads = [threading.Thread(target=send, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert replies == [200] * n
+
+
+@pytest.mark.slow
+def test_two_servers_on_one_device_take_turns_with_its_memory():
+    """Two servers in one group whose budget (256 MB: 8 pages of 32 MB)
+    holds one burst's KV, not two. After its burst a server keeps its
+    prompts cached; the other's burst cannot map, asks, and the first (idle)
+    evicts and unmaps what is asked; a burst that needs all but the floor
+    takes the idle server down to its floor. No request fails."""
+    group = f"test-{os.getpid()}"
+    common = ("--model-path", "tiny-llama", "--load-format", "dummy", "--device", "cpu", "--json-model-override-args",
+              WIDE, "--max-total-tokens", "65536", "--enable-elastic-kv", "--elastic-kv-group", group,
+              "--elastic-kv-group-gb", "0.25", "--elastic-kv-min-reserve-pages", "1",
+              "--elastic-kv-max-reserve-pages", "1", "--elastic-kv-min-gb", "0.03")  # a floor of one page
+    servers = [ServerProcess(*common)]
+    try:
+        servers.append(ServerProcess(*common))
+        page = 32 << 20
+
+        def turn(busy: int, prompts: int) -> list[dict]:
+            _burst(servers[busy].url, seed=100 * prompts + busy, n=prompts)  # 125 KB of KV a prompt
+            after = [s.wait_idle() for s in servers]
+            assert sum(st["elastic_kv_mapped_bytes"] for st in after) <= 8 * page  # the group's budget held
+            assert after[busy]["elastic_kv_mapped_bytes"] >= prompts * 8_000_000 // page * page  # its prompts, cached
+            return after
+
+        turn(0, 16)  # 4 pages of prompts, the dummy page's and the reserve: 6, and 2 for the idle server
+        before = servers[0].wait_idle()["elastic_kv_given_pages"]
+        after = turn(1, 16)  # needs 4 more pages than the budget leaves it: the first server gives them
+        assert after[0]["elastic_kv_given_pages"] > before and after[1]["elastic_kv_asks"] > 0
+        given = after[1]["elastic_kv_given_pages"]
+        after = turn(0, 26)  # about 7 pages: the other server goes down to its floor and its reserve
+        assert after[1]["elastic_kv_given_pages"] > given
+        assert after[1]["elastic_kv_mapped_bytes"] <= after[1]["elastic_kv_floor_bytes"] + page == 2 * page
+    finally:
+        assert [s.stop() for s in servers] == [0] * len(servers)
+
+
 @pytest.mark.slow
 def test_an_idle_server_holds_the_reserve_a_burst_grows_it_and_a_flush_gives_it_back():
     srv = ServerProcess("--model-path", "tiny-llama", "--load-format", "dummy", "--device", "cpu",
@@ -289,19 +394,7 @@ def test_an_idle_server_holds_the_reserve_a_burst_grows_it_and_a_flush_gives_it_
         assert state["elastic_kv_mapped_bytes"] == 2 * page and page == 32 << 20
 
         def burst(seed: int) -> dict:
-            prompts = [[(31 * i + j + seed) % 500 + 3 for j in range(1000)] for i in range(16)]  # 125 MB of KV
-            replies = []
-
-            def send(ids):
-                body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
-                replies.append(httpx.post(srv.url + "/generate", json=body, timeout=300).status_code)
-
-            threads = [threading.Thread(target=send, args=(p,)) for p in prompts]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            assert replies == [200] * 16
+            _burst(srv.url, seed)
             return srv.wait_idle()
 
         def flush() -> dict:

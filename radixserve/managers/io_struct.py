@@ -311,6 +311,15 @@ class KVLimitReqOutput:
 
 
 @dataclass
+class GiveKVReq:
+    """Rank 0 saw other servers on its device ask for memory: every rank
+    evicts cached KV and unmaps down to ``epages`` elastic pages (the
+    leader adds it to the messages it broadcasts, so the ranks stay alike)."""
+
+    epages: int
+
+
+@dataclass
 class SchedulerStats:
     """The scheduler's load and cache figures, sent every so often while it
     works and when it goes idle; ``/metrics`` and ``/get_load`` serve the latest."""
@@ -346,7 +355,7 @@ _TYPES = {
     cls.__name__: cls
     for cls in (
         TokenizedGenerateReqInput, AbortReq, FlushCacheReq, FlushCacheReqOutput, CloseReq, GetInternalStateReq,
-        GetInternalStateReqOutput, ProfileReq, ProfileReqOutput, KVLimitReq, KVLimitReqOutput, SchedulerStats,
+        GetInternalStateReqOutput, ProfileReq, ProfileReqOutput, KVLimitReq, KVLimitReqOutput, GiveKVReq, SchedulerStats,
         BatchTokenIDOut, BatchStrOut,
     )
 }

@@ -33,6 +33,9 @@ ELASTIC_KV_GAUGES = tuple((key, key, text) for key, text in (
     ("elastic_kv_failed_maps", "Maps the device refused since start (no memory left)"),
     ("elastic_kv_map_seconds", "Seconds spent mapping since start"),
     ("elastic_kv_unmap_seconds", "Seconds spent unmapping since start"),
+    ("elastic_kv_floor_bytes", "What the elastic KV pool keeps when other servers on its device ask for memory"),
+    ("elastic_kv_given_pages", "Pages unmapped since start because other servers on the device asked"),
+    ("elastic_kv_asks", "Times since start the pool asked the other servers on its device for memory"),
 ))
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 

@@ -357,8 +357,10 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
     def close(self) -> None:
         """Stop publishing KV events (sends what is queued, closes the sockets),
         finish the cache tiers' copies (the file tier's writes land) and
-        close the disaggregation KV manager (its transfers fail)."""
+        close the disaggregation KV manager (its transfers fail), and leave
+        the elastic KV registry."""
         self.tree_cache.close()
+        self.allocator.close()
         if self.disagg is not None:
             self.disagg.close()
         if self.kv_event_publisher is not None:

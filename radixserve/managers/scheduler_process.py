@@ -27,6 +27,7 @@ from radixserve.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    GiveKVReq,
     KVLimitReq,
     KVLimitReqOutput,
     ProfileReq,
@@ -46,6 +47,7 @@ from radixserve.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000
+SHARED_POLL_MS = 100  # the idle wait of a server whose elastic KV pool shares its device with others
 STATS_INTERVAL_S = 0.5  # how often a busy scheduler reports its load (for /metrics)
 # A request that is not streamed sends its tokens on in batches of this many (and when it ends), as
 # SGLang's scheduler does: no one reads them before the end, and every batch costs the detokenizer and
@@ -102,6 +104,7 @@ class SchedulerProcess:
                                      scheduler.args.resolved_torch_profiler_dir())
         self.closing = False  # a CloseReq came: close the scheduler and leave the loop
         self.heap = HeapTrimmer()  # the malloc heap's free pages go back when idle, and now and then
+        self.shared_kv = getattr(scheduler.allocator, "registry", None) is not None  # other servers may ask for memory
 
     def event_loop(self) -> None:
         """Until a CloseReq: take messages (a follower: rank 0's broadcast), step, send."""
@@ -109,7 +112,7 @@ class SchedulerProcess:
             if self.watch is not None and not self.watch.alive():
                 self.watch.exit_orphaned()
             idle = self.scheduler.is_idle()
-            received = self.receive_all(wait=idle) if self.leader else None
+            received = self.receive_all(wait=idle) + self.memory_asked() if self.leader else None
             if self.tp.size > 1:  # a follower waits here, at most IDLE_POLL_MS while the leader is idle
                 received = msgpack.unpackb(self.tp.broadcast_bytes(msgpack.packb(received) if self.leader else None))
             if idle and not received:
@@ -137,7 +140,7 @@ class SchedulerProcess:
     def receive_all(self, wait: bool) -> list[bytes]:
         """Every message waiting on the socket, after waiting up to
         ``IDLE_POLL_MS`` for one if ``wait``."""
-        if wait and not self.recv.poll(IDLE_POLL_MS):
+        if wait and not self.recv.poll(SHARED_POLL_MS if self.shared_kv else IDLE_POLL_MS):
             return []
         received = []
         while True:
@@ -145,6 +148,12 @@ class SchedulerProcess:
                 received.append(self.recv.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return received
+
+    def memory_asked(self) -> list[bytes]:
+        """A ``GiveKVReq`` when other servers on this device asked for KV memory since the last look."""
+        sched = self.scheduler
+        keep = sched.allocator.pages_to_keep(sched.tree_cache.evictable_size()) if self.shared_kv else None
+        return [] if keep is None else [encode(GiveKVReq(keep))]
 
     def handle_bytes(self, data: bytes) -> None:
         try:
@@ -166,6 +175,10 @@ class SchedulerProcess:
         elif isinstance(msg, KVLimitReq):  # every rank: their pools stay the same
             ok, message, state = self.scheduler.kv_limit(msg.apply, msg.limit_bytes)
             self.send_replies([KVLimitReqOutput(ok, message, {**state, "dp_rank": self.dp_rank})])
+        elif isinstance(msg, GiveKVReq):  # every rank: their pools stay the same
+            given = self.scheduler.allocator.give(msg.epages, self.scheduler.tree_cache.evict)
+            if self.leader and given:
+                logger.info("gave %d elastic KV pages to other servers on the device", given)
         elif isinstance(msg, ProfileReq):  # every rank profiles itself
             start = msg.action == "start"
             self.send_replies(self.profiler.start(msg.options, msg.req_id) if start else self.profiler.stop(msg.req_id))

@@ -80,6 +80,9 @@ class TokenToKVPoolAllocator:
         (the elastic pool gives back empty pages here, and evicts cached KV
         with ``evict`` to meet its run-time limit)."""
 
+    def close(self) -> None:
+        """The engine is stopping: nothing to let go of here (the elastic pool leaves its registry)."""
+
     def over_limit(self) -> bool:
         """Whether admissions wait for memory to go back under a run-time
         limit: never for a pool allocated whole (see the elastic pool)."""

@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
+from radixserve.mem_cache.elastic_registry import ElasticRegistry, registry_path
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool
 from radixserve.mem_cache.virtual_memory import VirtualArena, granularity, make_arena
 from radixserve.server_args import ElasticKVConfig
@@ -65,7 +66,8 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
 
     def __init__(self, size: int, page_size: int, device: str | torch.device, arena: VirtualArena,
                  epage_slots: int, min_reserve: int = 1, max_reserve: int = 2,
-                 agree_min: Callable[[int], int] | None = None):
+                 agree_min: Callable[[int], int] | None = None, registry: ElasticRegistry | None = None,
+                 floor_pages: int = 1):
         if epage_slots % page_size:
             raise ValueError(f"an elastic page of {epage_slots} slots holds no whole number of {page_size}-slot pages")
         if not 0 <= min_reserve <= max_reserve:
@@ -82,6 +84,9 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
         self.limit_pages = self.num_epages  # elastic pages that may be mapped at once (a run-time limit lowers it)
         self._can_map = self.num_epages  # more elastic pages believed mappable now
         self._dirty = True  # slots freed (or pages mapped) since the last rebalance
+        self.registry = registry  # the other servers on this device (elastic_registry.py), or None
+        self.floor_pages = max(floor_pages, 1)  # what another server's ask leaves mapped
+        self.given_pages = self.asks = 0
         super().__init__(size, page_size, device)
 
     # -- geometry ----------------------------------------------------------
@@ -153,15 +158,19 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
         short = -(-n // self.page_size) - len(self.free_pages) - sum(len(p) for p in self._released)
         return short <= 0 or self._map_more(short)
 
-    def _map_more(self, kv_pages: int) -> bool:
+    def _map_more(self, kv_pages: int, ask: bool = True) -> bool:
         """Map the fewest lowest unmapped elastic pages that hold ``kv_pages``
-        more KV pages, on every rank; their pages join the free list."""
+        more KV pages, on every rank; their pages join the free list. If the
+        device or the group's budget refuses, ``ask`` the other servers."""
         want, held = [], 0
         for e in self._unmapped(max(self.limit_pages - len(self.arena.stats.mapped), 0)):
             if held >= kv_pages:
                 break
             want.append(e)
             held += len(self._kv_pages([e]))
+        wanted, per_page = len(want), self.arena.bytes_per_page
+        if self.registry is not None and want:  # the group's budget, claimed before the device is asked
+            want = want[: self.registry.claim(len(want) * per_page, self.arena.mapped_bytes()) // per_page]
         done = 0
         for e in want:
             if not self.arena.map(e):
@@ -173,7 +182,14 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
         if agreed:
             self._released.append(self._kv_pages(want[:agreed]))
             self._dirty = True
-        if agreed < len(want) or held < kv_pages:
+        if self.registry is not None:
+            self.registry.publish(self.arena.mapped_bytes())
+            if done < wanted and ask:  # the device or the group's budget said no: ask the other servers
+                self.registry.ask((wanted - done) * per_page)
+                self.asks += 1
+            else:
+                self.registry.satisfied()
+        if agreed < wanted or held < kv_pages:
             self._can_map = 0  # full until the next rebalance looks again
             return False
         return True
@@ -199,8 +215,11 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
         if len(empty) > self.max_reserve:
             self._unmap(empty[self.max_reserve:])  # the highest: the low pages hold the used slots
         elif len(empty) < self.min_reserve:
-            self._map_more(self.kv_pages_per_epage * (self.min_reserve - len(empty)))
-        room = min(self.limit_pages - len(self.arena.stats.mapped), self.arena.physical_free() // self.arena.bytes_per_page)
+            self._map_more(self.kv_pages_per_epage * (self.min_reserve - len(empty)), ask=False)  # no one's need
+        per_page = self.arena.bytes_per_page
+        room = min(self.limit_pages - len(self.arena.stats.mapped), self.arena.physical_free() // per_page)
+        if self.registry is not None and (budget := self.registry.room(self.arena.mapped_bytes())) is not None:
+            room = min(room, budget // per_page)
         self._can_map = self._agree_min(max(room, 0))
 
     def _empty_epages(self) -> list[int]:
@@ -213,6 +232,35 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
             self._drop_free(set(epages))
             for e in sorted(epages, reverse=True):
                 self.arena.unmap(e)
+            if self.registry is not None:
+                self.registry.publish(self.arena.mapped_bytes())
+
+    # -- servers that share the device (elastic_registry.py) --------------------------
+    def pages_to_keep(self, cached_slots: int) -> int | None:
+        """Between steps, on the rank that decides: publish this pool's
+        figures when due, and, if other servers on the device asked for
+        memory since the last look, the elastic pages to keep (their ask,
+        but never under the floor); None when there is nothing to give."""
+        if self.registry is None:
+            return None
+        per_page = self.arena.bytes_per_page
+        if self.registry.due():
+            used = int((self.epage_used() > 0).sum()) * per_page
+            self.registry.publish(self.arena.mapped_bytes(), used, cached_slots * per_page // self.epage_slots)
+        want = self.registry.demand()
+        mapped = len(self.arena.stats.mapped)
+        keep = max(self.floor_pages, mapped - -(-want // per_page))
+        return keep if want and keep < mapped else None
+
+    def close(self) -> None:
+        if self.registry is not None:
+            self.registry.close()
+
+    def give(self, epages: int, evict: Callable[[int], int]) -> int:
+        """:meth:`shrink` for another server's ask (counted); same on every rank."""
+        given = self.shrink(epages, evict)
+        self.given_pages += given
+        return given
 
     # -- the run-time limit and giving memory to others ------------------------
     def set_limit(self, epages: int | None) -> None:
@@ -276,7 +324,9 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
                 "elastic_kv_reserve_pages": len(s.mapped) - used_pages,
                 "elastic_kv_limit_bytes": self.limit_pages * per_page,
                 "elastic_kv_maps": s.maps, "elastic_kv_unmaps": s.unmaps, "elastic_kv_failed_maps": s.failed_maps,
-                "elastic_kv_map_seconds": round(s.map_s, 6), "elastic_kv_unmap_seconds": round(s.unmap_s, 6)}
+                "elastic_kv_map_seconds": round(s.map_s, 6), "elastic_kv_unmap_seconds": round(s.unmap_s, 6),
+                "elastic_kv_floor_bytes": self.floor_pages * per_page, "elastic_kv_given_pages": self.given_pages,
+                "elastic_kv_asks": self.asks}
 
     def _backed_pages(self) -> int:
         return len(self._kv_pages(self.mapped_epages()))
@@ -301,11 +351,12 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
 
 def build_elastic_pool(size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int, layer_num: int,
                        device: torch.device, config: ElasticKVConfig,
-                       agree_min: Callable[[int], int] | None = None,
+                       agree_min: Callable[[int], int] | None = None, tenant: int = 0,
                        ) -> tuple[MHATokenToKVPool, ElasticTokenToKVPoolAllocator]:
     """A KV pool of ``size`` slots over a virtual arena (its K and V buffers
     reserved, nothing mapped beyond the dummy page and the reserve) and its
-    allocator. The pool keeps the arena (``pool.arena``)."""
+    allocator, a member of the device's registry (``config.group``) for the
+    server ``tenant``. The pool keeps the arena (``pool.arena``)."""
     slot_bytes = head_num * head_dim * dtype.itemsize
     epage_slots = elastic_page_slots([slot_bytes], page_size, granularity(torch.device(device)),
                                      int(config.page_mb * 2**20))
@@ -313,8 +364,15 @@ def build_elastic_pool(size: int, page_size: int, dtype: torch.dtype, head_num: 
     arena = make_arena([epage_slots * slot_bytes] * (2 * layer_num), num_epages, torch.device(device))
     pool = MHATokenToKVPool(size, page_size, dtype, head_num, head_dim, layer_num, device, buffers=arena.tensors)
     pool.arena = arena
+    registry = None
+    if config.group is not None:
+        device = torch.device(device)
+        key = "cpu" if device.type == "cpu" else str(torch.cuda.get_device_properties(device).uuid)
+        budget = None if config.group_gb is None else int(config.group_gb * 2**30)
+        registry = ElasticRegistry(registry_path(config.group, key), tenant, int(config.min_gb * 2**30), budget)
+    floor = -(-int(config.min_gb * 2**30) // arena.bytes_per_page)
     allocator = ElasticTokenToKVPoolAllocator(size, page_size, device, arena, epage_slots, config.min_reserve_pages,
-                                              config.max_reserve_pages, agree_min)
+                                              config.max_reserve_pages, agree_min, registry, floor)
     logger.info("elastic KV pool: %d pages of %d slots (%.1f MB each, %.2f GiB reserved), %d mapped",
                 num_epages, epage_slots, arena.bytes_per_page / 2**20, arena.reserved_bytes() / 2**30,
                 len(arena.stats.mapped))

@@ -22,6 +22,7 @@ Scheduler's; the runner only owns the memory they share:
 from __future__ import annotations
 
 import gc
+import os
 import logging
 from typing import TYPE_CHECKING
 
@@ -213,7 +214,8 @@ class ModelRunner:
             from radixserve.mem_cache.elastic_allocator import build_elastic_pool
 
             self.token_to_kv_pool, self.token_to_kv_pool_allocator = build_elastic_pool(
-                *shape, config=self.elastic_kv, agree_min=self.tp_group.agree_min)
+                *shape, config=self.elastic_kv, agree_min=self.tp_group.agree_min,
+                tenant=self.tp_group.agree_min(os.getpid() if self.tp_rank == 0 else 2**62))  # the server: rank 0's pid
         else:
             self.token_to_kv_pool = MHATokenToKVPool(*shape)
             self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
