@@ -14,6 +14,7 @@ and bad requests (400s). Prompts are random words of 1 to 300 tokens, so the
 radix cache fills the KV pool and then evicts. The server is SmolLM2 on the
 CPU by default.
 
+SIGINT or SIGTERM stops sending requests: the summary covers those done.
 The summary gives each process's resident MB at 10%, 50% and 100% of the
 requests and its slope over the second half in MB per 1,000 requests: a
 leak keeps a slope there; allocator growth flattens.
@@ -226,7 +227,10 @@ def run(url: str, proc: subprocess.Popen, args) -> None:
     def work(i: int) -> None:
         if not hasattr(local, "client"):
             local.client = httpx.Client(base_url=url, timeout=300)
-        status = one_request(local.client, random.Random(args.seed * 1_000_003 + i), plan[i], i)
+        try:
+            status = one_request(local.client, random.Random(args.seed * 1_000_003 + i), plan[i], i)
+        except httpx.HTTPError as exc:  # counted: the server dropped or stalled a connection
+            status = type(exc).__name__
         with lock:
             done[0] += 1
             statuses[status] = statuses.get(status, 0) + 1
@@ -249,15 +253,26 @@ def run(url: str, proc: subprocess.Popen, args) -> None:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    interrupted = threading.Event()  # SIGINT or SIGTERM: no new requests, the summary of those done
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: interrupted.set())
     with ThreadPoolExecutor(args.concurrency) as pool:
-        list(pool.map(work, range(args.requests)))
+        gate = threading.Semaphore(2 * args.concurrency)
+        for i in range(args.requests):
+            while not gate.acquire(timeout=0.5):
+                if interrupted.is_set():
+                    break
+            if interrupted.is_set():
+                break
+            pool.submit(work, i).add_done_callback(lambda _: gate.release())
     time.sleep(args.sample_s * 2)  # the server idle: one more sample or two
     stop.set()
     sampler.join()
     elapsed = time.monotonic() - start
-    print(json.dumps({"summary": True, "requests": args.requests, "concurrency": args.concurrency,
-                      "seconds": round(elapsed, 1), "statuses": {str(k): v for k, v in sorted(statuses.items())},
-                      "rss": summary(samples, args.requests)}), flush=True)
+    print(json.dumps({"summary": True, "requests": done[0], "interrupted": interrupted.is_set(),
+                      "concurrency": args.concurrency, "seconds": round(elapsed, 1),
+                      "statuses": {str(k): v for k, v in sorted(statuses.items())},
+                      "rss": summary(samples, done[0])}), flush=True)
 
 
 if __name__ == "__main__":

@@ -91,3 +91,45 @@ def test_refused_maps_queue_requests_on_the_gpu(monkeypatch):
     monkeypatch.setattr(CudaArena, "_map_page", flaky)
     elastic, stats = _greedy(enable_elastic_kv=True, elastic_kv_page_mb=2)
     assert elastic == static and stats["elastic_kv_failed_maps"] > 0
+
+
+def test_two_pools_on_one_gpu_give_each_other_memory():
+    """Two servers' pools on one GPU in one group (the registry named by the
+    GPU's UUID), with a budget of 16 pages together: one fills 12 pages with
+    cached KV; the other, refused by the budget, asks; the first unmaps what
+    was asked (the device gets it back) and the second maps it."""
+    import os
+
+    from radixserve.mem_cache.elastic_allocator import build_elastic_pool
+    from radixserve.server_args import ElasticKVConfig
+
+    config = ElasticKVConfig(page_mb=2, min_reserve_pages=0, max_reserve_pages=0, group=f"gpu-test-{os.getpid()}",
+                             group_gb=16 * 16 / 1024)  # 16 pages of 16 MB (2 MB in each of 8 buffers)
+    shape = (1 << 16, 1, torch.bfloat16, 8, 128, 4, torch.device("cuda"))
+    (_, a), (_, b) = (build_elastic_pool(*shape, config=config, tenant=t) for t in (1, 2))
+    try:
+        assert a.arena.bytes_per_page == 16 * MB and str(torch.cuda.get_device_properties(0).uuid) in a.registry.path
+        cached = [a.alloc(1024) for _ in range(11)]  # the dummy page's and 11 more: 12 mapped
+        assert all(c is not None for c in cached) and len(a.mapped_epages()) == 12
+
+        def evict(n: int) -> int:  # the cache's LRU order: oldest first
+            freed = 0
+            while cached and freed < n:
+                slots = cached.pop(0)
+                a.free(slots)
+                freed += len(slots)
+            return freed
+
+        assert b.alloc(1024 * 4) is None and b.asks == 1  # 4 pages wanted, 3 left in the budget
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        keep = a.pages_to_keep(0)
+        assert keep is not None and a.give(keep, evict) == 12 - keep >= 1
+        torch.cuda.synchronize()
+        assert torch.cuda.mem_get_info()[0] - free_before >= (12 - keep) * 16 * MB  # back to the device
+        b.rebalance()
+        assert b.alloc(1024 * 4) is not None
+    finally:
+        for alloc in (a, b):
+            alloc.close()
+            alloc.arena.close()

@@ -92,11 +92,11 @@ def test_a_compile_over_the_time_limit_is_refused_and_its_worker_replaced(tokeni
 def test_the_compiled_grammar_cache_is_bounded_in_bytes_least_recently_used_out(tokenizer):
     from radixserve.sampling.grammar import GrammarBackend
 
-    bound = 400_000
+    bound = 1_500_000
     backend = GrammarBackend(tokenizer, len(tokenizer), cache_max_bytes=bound)
     specs = [("json_schema", json.dumps(small_schema(i))) for i in range(12)]
     first = backend.submit(specs[0]).result()
-    one = first.memory_size_bytes + len(specs[0][1])
+    one = backend.entry_bytes(specs[0], first)
     assert 3 * one < bound < 10 * one  # so that twelve do not fit
     for spec in specs[1:6]:
         backend.submit(spec).result()
@@ -110,3 +110,31 @@ def test_the_compiled_grammar_cache_is_bounded_in_bytes_least_recently_used_out(
     backend.clear_cache()
     assert backend.cache_stats() == {"grammar_cache_bytes": 0, "grammar_cache_entries": 0} and not backend._cache
     assert backend.submit(specs[0]).result().memory_size_bytes == first.memory_size_bytes  # compiles again
+
+
+def test_what_the_grammar_cache_counts_is_the_heap_its_grammars_take(tokenizer):
+    """The bound holds on the real memory: over many compiled grammars the
+    heap grows by about what the cache counts (xgrammar's own size of a small
+    JSON schema is a quarter of it), and a flush gives it all back."""
+    import gc
+
+    from radixserve.model_executor.cpu_malloc import heap_figures
+    from radixserve.sampling.grammar import GrammarBackend
+
+    backend = GrammarBackend(tokenizer, len(tokenizer), cache_max_bytes=1 << 40)
+    backend.submit(("regex", "warm")).result()  # the compiler and its tokenizer info
+    gc.collect()
+    start, total = heap_figures()["malloc_in_use_bytes"], 0
+    for kind, specs in [("json_schema", [json.dumps(small_schema(1000 + i)) for i in range(60)]),
+                        ("regex", [rf"(yes|no|m{i}), \d{{1,3}} [a-z]{{2,{i % 5 + 3}}}" for i in range(60)])]:
+        gc.collect()
+        heap, counted = heap_figures()["malloc_in_use_bytes"], backend.cache_bytes
+        for text in specs:
+            backend.submit((kind, text)).result()
+        gc.collect()
+        grown, count = heap_figures()["malloc_in_use_bytes"] - heap, backend.cache_bytes - counted
+        assert 0.6 * count < grown < 1.5 * count, (kind, grown, count)
+        total += grown
+    backend.clear_cache()
+    gc.collect()
+    assert heap_figures()["malloc_in_use_bytes"] - start < 0.1 * total
