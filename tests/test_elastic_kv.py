@@ -173,12 +173,13 @@ def _member(path: str, tenant: int, floor_pages: int = 1, budget_pages: int | No
     return Harness(page_size=1, max_reqs=8, max_len=256, allocator=alloc)
 
 
-def test_a_server_that_cannot_map_gets_the_cached_kv_of_the_others(tmp_path):
+def test_a_server_that_cannot_map_gets_the_cached_kv_of_the_others(tmp_path, monkeypatch):
     """Two pools whose group may map 10 pages together: the first fills 8
     with cached prefixes; the second, refused, asks; the first, at its next
     look, evicts in LRU order and unmaps down to what was asked, never
     under its floor; the second then maps. Ranks of one server (one
     tenant) never give to each other, and a member that leaves frees its row."""
+    monkeypatch.setattr("radixserve.mem_cache.elastic_registry.HEARTBEAT_S", 0.0)  # look at every call
     path = str(tmp_path / "registry")
     a, b = _member(path, tenant=1, floor_pages=3, budget_pages=10), _member(path, tenant=2, budget_pages=10)
     for i in range(7):  # 7 prompts of 16 tokens: the dummy page's and 7 more pages, all cached once finished

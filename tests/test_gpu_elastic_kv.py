@@ -93,7 +93,7 @@ def test_refused_maps_queue_requests_on_the_gpu(monkeypatch):
     assert elastic == static and stats["elastic_kv_failed_maps"] > 0
 
 
-def test_two_pools_on_one_gpu_give_each_other_memory():
+def test_two_pools_on_one_gpu_give_each_other_memory(monkeypatch):
     """Two servers' pools on one GPU in one group (the registry named by the
     GPU's UUID), with a budget of 16 pages together: one fills 12 pages with
     cached KV; the other, refused by the budget, asks; the first unmaps what
@@ -103,6 +103,7 @@ def test_two_pools_on_one_gpu_give_each_other_memory():
     from radixserve.mem_cache.elastic_allocator import build_elastic_pool
     from radixserve.server_args import ElasticKVConfig
 
+    monkeypatch.setattr("radixserve.mem_cache.elastic_registry.HEARTBEAT_S", 0.0)  # look at every call
     config = ElasticKVConfig(page_mb=2, min_reserve_pages=0, max_reserve_pages=0, group=f"gpu-test-{os.getpid()}",
                              group_gb=16 * 16 / 1024)  # 16 pages of 16 MB (2 MB in each of 8 buffers)
     shape = (1 << 16, 1, torch.bfloat16, 8, 128, 4, torch.device("cuda"))

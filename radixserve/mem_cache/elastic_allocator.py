@@ -241,12 +241,11 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
         figures when due, and, if other servers on the device asked for
         memory since the last look, the elastic pages to keep (their ask,
         but never under the floor); None when there is nothing to give."""
-        if self.registry is None:
+        if self.registry is None or not self.registry.due():  # looks every HEARTBEAT_S (100 ms)
             return None
         per_page = self.arena.bytes_per_page
-        if self.registry.due():
-            used = int((self.epage_used() > 0).sum()) * per_page
-            self.registry.publish(self.arena.mapped_bytes(), used, cached_slots * per_page // self.epage_slots)
+        used = int((self.epage_used() > 0).sum()) * per_page
+        self.registry.publish(self.arena.mapped_bytes(), used, cached_slots * per_page // self.epage_slots)
         want = self.registry.demand()
         mapped = len(self.arena.stats.mapped)
         keep = max(self.floor_pages, mapped - -(-want // per_page))
