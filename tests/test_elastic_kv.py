@@ -86,9 +86,11 @@ class ElasticMachine(RequestRules):
         used = self.h.alloc.epage_used().tolist()
         empty = [e for e in self.h.alloc.mapped_epages() if e and not used[e]]
         assert len(empty) <= self.reserve[1], "an empty page kept beyond the reserve"
-        room = min(self.h.alloc.num_epages, self.h.alloc.limit_pages) - len(self.h.alloc.mapped_epages())
+        alloc = self.h.alloc
+        room = min(alloc.num_epages, alloc.limit_pages) - len(alloc.mapped_epages())
+        free = len(alloc.free_pages) + sum(len(p) for p in alloc._released)
         if not self.arena.full:
-            assert len(empty) >= min(self.reserve[0], room + len(empty)), "the reserve was not refilled"
+            assert free >= self.reserve[0] * alloc.kv_pages_per_epage or room == 0, "the reserve was not refilled"
 
     @rule(pages=st.one_of(st.none(), st.integers(0, 12)))
     def limit(self, pages):

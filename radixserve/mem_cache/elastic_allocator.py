@@ -23,8 +23,11 @@ Region map (``E`` KV pages of ``page_size`` slots per elastic page)::
   meets a refused map.
 - :meth:`rebalance`, once a scheduler step, unmaps elastic pages with every
   slot free beyond ``max_reserve`` of them (highest first: a slot held by a
-  request or a radix node keeps its page), maps empty ones up to
-  ``min_reserve``, and looks again at the physical memory. Frees never unmap
+  request or a radix node keeps its page), maps pages until ``min_reserve``
+  pages' worth of slots are free in mapped memory, and looks again at the
+  physical memory. It counts free slots from the free list's length (no
+  device sync) and reads the pages' use (a sync) only when there are free
+  slots enough to leave more than ``max_reserve`` pages empty. Frees never unmap
   by themselves, so a step never loses a page that it freed and reuses.
 - Under tensor parallelism every rank runs the same decisions; each map is
   tried on every rank and counts only as far as it succeeded on all of them
@@ -211,11 +214,14 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
         if not self._dirty and self._can_map > 0:
             return
         self._dirty = False
-        empty = self._empty_epages()
-        if len(empty) > self.max_reserve:
-            self._unmap(empty[self.max_reserve:])  # the highest: the low pages hold the used slots
-        elif len(empty) < self.min_reserve:
-            self._map_more(self.kv_pages_per_epage * (self.min_reserve - len(empty)), ask=False)  # no one's need
+        e = self.kv_pages_per_epage
+        free = len(self.free_pages) + sum(len(p) for p in self._released)  # mapped and free: known without a sync
+        if free >= (self.max_reserve + 1) * e:  # maybe more empty pages than the reserve keeps: look (a sync)
+            empty = self._empty_epages()
+            if len(empty) > self.max_reserve:
+                self._unmap(empty[self.max_reserve:])  # the highest: the low pages hold the used slots
+        elif free < self.min_reserve * e:  # the reserve: a page's worth of free slots mapped per reserve page
+            self._map_more(self.min_reserve * e - free, ask=False)  # no one's need: never asks the others
         per_page = self.arena.bytes_per_page
         room = min(self.limit_pages - len(self.arena.stats.mapped), self.arena.physical_free() // per_page)
         if self.registry is not None and (budget := self.registry.room(self.arena.mapped_bytes())) is not None:
