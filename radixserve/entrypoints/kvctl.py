@@ -50,7 +50,7 @@ def _call(url: str, api_key: str | None, path: str, body: dict | None = None):
         try:
             detail = json.loads(detail)["error"]["message"]
         except (ValueError, KeyError, TypeError):
-            pass
+            pass  # not the server's JSON error: show the body as it came
         raise SystemExit(f"kvctl: {path}: HTTP {exc.code}: {detail}") from None
     except urllib.error.URLError as exc:
         raise SystemExit(f"kvctl: cannot reach {url}: {exc.reason}") from None

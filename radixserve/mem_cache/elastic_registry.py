@@ -150,11 +150,7 @@ class ElasticRegistry:
         member then publishes what it did map."""
         with self._locked():
             me = self._mine()
-            allowed = nbytes
-            if self.budget is not None:
-                now = time.time()
-                others = sum(m.mapped for i, m in enumerate(self._rows()) if i != self.slot and m.live(now))
-                allowed = max(min(nbytes, self.budget - others - mapped), 0)
+            allowed = nbytes if self.budget is None else max(min(nbytes, self.budget - self._others_mapped() - mapped), 0)
             me.heartbeat, me.mapped = time.time(), mapped + allowed
             self._write(me)
             return allowed
@@ -163,10 +159,13 @@ class ElasticRegistry:
         """Bytes the group's budget leaves this member beyond ``mapped`` (None: no budget)."""
         if self.budget is None:
             return None
-        now = time.time()
         with self._locked():
-            others = sum(m.mapped for i, m in enumerate(self._rows()) if i != self.slot and m.live(now))
-        return max(self.budget - others - mapped, 0)
+            return max(self.budget - self._others_mapped() - mapped, 0)
+
+    def _others_mapped(self) -> int:
+        """Bytes the other live members map (under the lock)."""
+        now = time.time()
+        return sum(m.mapped for i, m in enumerate(self._rows()) if i != self.slot and m.live(now))
 
     def ask(self, nbytes: int) -> None:
         """Ask the other servers for ``nbytes``: a new ask each call."""
