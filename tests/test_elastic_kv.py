@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -26,6 +27,7 @@ import radixserve
 from mem_harness import Harness, RequestRules
 from radixserve.mem_cache.elastic_allocator import ElasticTokenToKVPoolAllocator, elastic_page_slots
 from radixserve.mem_cache.elastic_registry import ElasticRegistry
+from radixserve.mem_cache.page_mapper import PageMapper
 from radixserve.mem_cache.virtual_memory import CpuArena
 from server_harness import ServerProcess
 
@@ -61,22 +63,35 @@ class RefusingArena(CpuArena):
     """A CPU arena whose maps the test can refuse, as a full device would."""
 
     full = False
+    lag = 0.0  # seconds a map or unmap takes on the mapper's thread: widens its races with the allocator
 
     def physical_free(self) -> int:
         return 0 if self.full else 1 << 40
 
     def _map_page(self, page: int) -> bool:
+        self._lag()
         return not self.full and super()._map_page(page)
+
+    def _unmap_page(self, page: int) -> None:
+        self._lag()
+        super()._unmap_page(page)
+
+    def _lag(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(self.lag)
 
 
 class ElasticMachine(RequestRules):
+    background = False  # maps ahead and unmaps done at once, in the test's thread
+
     @initialize(page_size=st.sampled_from([1, 2, 4, 8]), epage_kv_pages=st.sampled_from([2, 4]),
                 reserve=st.sampled_from([(0, 0), (0, 1), (1, 2)]))
     def setup(self, page_size, epage_kv_pages, reserve):
         epage_slots = page_size * epage_kv_pages * max(16 // (page_size * epage_kv_pages), 1)
         size = 12 * epage_slots - page_size
         self.arena = RefusingArena([epage_slots * SLOT_FLOATS * 4], 12)
-        alloc = MarkedAllocator(size, page_size, "cpu", self.arena, epage_slots, *reserve)
+        self.arena.lag = 0.002 if self.background else 0.0
+        alloc = MarkedAllocator(size, page_size, "cpu", self.arena, epage_slots, *reserve, background=self.background)
         self.h = Harness(page_size=page_size, max_reqs=6, max_len=256, allocator=alloc)
         self.reserve = reserve
 
@@ -87,10 +102,10 @@ class ElasticMachine(RequestRules):
         empty = [e for e in self.h.alloc.mapped_epages() if e and not used[e]]
         assert len(empty) <= self.reserve[1], "an empty page kept beyond the reserve"
         alloc = self.h.alloc
-        room = min(alloc.num_epages, alloc.limit_pages) - len(alloc.mapped_epages())
-        free = len(alloc.free_pages) + sum(len(p) for p in alloc._released)
+        room = min(alloc.num_epages, alloc.limit_pages) - len(alloc.mapped_epages()) - len(alloc._ahead)
+        free = len(alloc.free_pages) + sum(len(p) for p in alloc._released) + len(alloc._ahead) * alloc.kv_pages_per_epage
         if not self.arena.full:
-            assert free >= self.reserve[0] * alloc.kv_pages_per_epage or room == 0, "the reserve was not refilled"
+            assert free >= self.reserve[0] * alloc.kv_pages_per_epage or room <= 0, "the reserve was not refilled"
 
     @rule(pages=st.one_of(st.none(), st.integers(0, 12)))
     def limit(self, pages):
@@ -141,9 +156,61 @@ class ElasticMachine(RequestRules):
         assert torch.equal(marks, owned.to(torch.float32)), "a used slot lost its contents"
 
 
+    def teardown(self):
+        if hasattr(self, "h"):
+            self.h.alloc.close()
+
+
+class BackgroundElasticMachine(ElasticMachine):
+    """The same, with the mapper's thread mapping ahead and unmapping while
+    the test allocates, frees and evicts: a page taken while the thread is
+    on it, or still giving it back, must still hold what was written."""
+
+    background = True
+
+
 ElasticMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+BackgroundElasticMachine.TestCase.settings = ElasticMachine.TestCase.settings
 TestElasticProperties = ElasticMachine.TestCase
+TestElasticPropertiesWithAMapperThread = BackgroundElasticMachine.TestCase
+
+
+def test_the_mapper_never_hands_out_a_page_it_is_still_giving_back():
+    """The mapper's thread is slow (50 ms a call): a page asked for now
+    while it is queued to be mapped ahead is mapped at once; one queued to be
+    given back is handed out only after that unmap, mapped again."""
+    arena = RefusingArena([4096], 4)
+    arena.lag = 0.05
+    mapper = PageMapper(arena, background=True)
+    try:
+        mapper.map_ahead([1, 2, 3])
+        assert mapper.map_now(3) and arena.is_mapped(3)  # at once, not after 1 and 2
+        mapper.drain()
+        assert arena.stats.maps == 3 and mapper.now_maps == 1
+        mapper.unmap([2])
+        assert mapper.map_now(2)  # after the unmap, mapped again
+        mapper.drain()
+        assert all(arena.is_mapped(p) for p in (1, 2, 3)) and arena.stats.unmaps == 1 and arena.stats.maps == 4
+        assert mapper.pending() == 0
+    finally:
+        mapper.close()
+
+
+def test_a_mapper_thread_that_fails_makes_the_next_call_fail():
+    class Broken(CpuArena):
+        def _map_page(self, page):
+            if threading.current_thread() is not threading.main_thread():
+                raise OSError("the device went away")
+            return super()._map_page(page)
+
+    mapper = PageMapper(Broken([4096], 4), background=True)
+    mapper.map_ahead([1])
+    with pytest.raises(RuntimeError, match="mapper thread failed"):
+        mapper.drain()
+    with pytest.raises(RuntimeError, match="mapper thread failed"):
+        mapper.map_now(2)
+    mapper.close()
 
 
 def test_unmapping_returns_resident_memory():
@@ -187,26 +254,30 @@ def test_a_server_that_cannot_map_gets_the_cached_kv_of_the_others(tmp_path, mon
     for i in range(7):  # 7 prompts of 16 tokens: the dummy page's and 7 more pages, all cached once finished
         a.finish(a.start([100 + i] * 16))
     assert len(a.alloc.mapped_epages()) == 8 and a.cache.evictable_size() == 7 * 16
-    assert a.alloc.pages_to_keep(a.cache.evictable_size()) is None  # nobody asked
+    assert a.alloc.pages_to_keep(a.cache.evictable_size(), idle=True) is None  # nobody asked
     # 40 slots: 15 in b's dummy page, 2 more pages, of which the budget leaves one (10 - 8 - 1)
     assert b.start(list(range(40))) is None
     assert b.alloc.asks >= 1 and [m.want for m in b.alloc.registry.members() if m.tenant == 2] == [4096]
-    keep = a.alloc.pages_to_keep(a.cache.evictable_size())
-    assert keep == 7  # the ask, in whole pages: what b could not map
+    keep = a.alloc.pages_to_keep(a.cache.evictable_size(), idle=False)
+    assert keep == 7  # busy, a gives the ask, in whole pages: what b could not map
     assert a.alloc.give(keep, a.cache.evict) == 8 - keep and len(a.alloc.mapped_epages()) == keep
     # the least recently used prompts went (the first two: their 32 slots straddle pages 0 to 2)
     assert sorted(a.cache.all_values().tolist()) == list(range(33, 113))
     b.alloc.rebalance()
     req = b.start(list(range(40)))
     assert req is not None and b.alloc.registry.members()[1].want == 0
-    # Asked for everything, a keeps its floor.
-    b.alloc.registry.ask(100 << 20)
-    floor = a.alloc.pages_to_keep(a.cache.evictable_size())
+    # Asked for one page: busy, a gives that page; idle, its whole cache down to its floor.
+    b.alloc.registry.ask(4096)
+    assert a.alloc.pages_to_keep(a.cache.evictable_size(), idle=False) == keep - 1
+    b.alloc.registry.ask(4096)
+    floor = a.alloc.pages_to_keep(a.cache.evictable_size(), idle=True)
     assert floor == 3 and a.alloc.give(floor, a.cache.evict) == keep - 3
+    b.alloc.registry.ask(100 << 20)  # at its floor, a gives nothing more, busy or idle
+    assert a.alloc.pages_to_keep(a.cache.evictable_size(), idle=False) is None
     # A member of a's own server asks: a gives nothing.
     own = _member(path, tenant=1)
     own.alloc.registry.ask(100 << 20)
-    assert a.alloc.pages_to_keep(a.cache.evictable_size()) is None
+    assert a.alloc.pages_to_keep(a.cache.evictable_size(), idle=True) is None
     assert len(a.alloc.registry.members()) == 3
     own.alloc.close()
     assert len(a.alloc.registry.members()) == 2
@@ -276,7 +347,7 @@ def test_refused_maps_queue_requests_instead_of_failing(reference, monkeypatch):
 
     def flaky(self, page):
         calls["n"] += 1
-        return calls["n"] % 2 == 0 and original(self, page)
+        return calls["n"] % 2 == 1 and original(self, page)
 
     monkeypatch.setattr(CpuArena, "_map_page", flaky)
     out, stats = _outputs(chunked_prefill_size=16, max_total_tokens=4096, max_running_requests=8, **ELASTIC)

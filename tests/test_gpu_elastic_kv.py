@@ -49,6 +49,48 @@ def test_cuda_pages_map_read_write_and_return_their_memory():
         arena.close()
 
 
+def test_the_mapper_thread_maps_zeroed_pages_and_gives_them_back():
+    """Pages mapped ahead on the mapper's thread (its own stream) are zeroed
+    before they count as mapped, work in kernels on the default stream, and
+    are unmapped by the thread after the device is done with them."""
+    from radixserve.mem_cache.page_mapper import PageMapper
+    from radixserve.mem_cache.virtual_memory import CudaArena
+
+    arena = CudaArena([2 * MB, 2 * MB], 64, torch.device("cuda"))
+    mapper = PageMapper(arena, background=True)
+    try:
+        assert mapper.map_now(0)
+        k, _ = arena.tensors
+        k[: 2 * MB].fill_(5)
+        mapper.map_ahead(list(range(1, 33)))
+        mapper.drain()
+        assert mapper.now_maps == 1 and all(arena.is_mapped(p) for p in range(33))
+        assert int(k[2 * MB: 33 * 2 * MB].count_nonzero()) == 0  # zeroed on the thread's stream, waited for
+        k[: 33 * 2 * MB].add_(1)
+        mapper.unmap(list(range(1, 33)))  # while the add may still run
+        mapper.drain()
+        assert int((k[: 2 * MB] == 6).sum()) == 2 * MB and len(arena.stats.mapped) == 1
+    finally:
+        mapper.close()
+        arena.close()
+
+
+def test_a_cuda_arena_leaves_the_device_the_margin_it_keeps():
+    """``keep_free`` (a static pool's ``1 - mem_fraction_static``): maps stop
+    when the device would have less free, not when it has none."""
+    from radixserve.mem_cache.virtual_memory import CudaArena
+
+    torch.cuda.synchronize()
+    free = torch.cuda.mem_get_info()[0]
+    arena = CudaArena([2 * MB, 2 * MB], 64, torch.device("cuda"), keep_free=free - 10 * 4 * MB)  # room for ~10 pages
+    try:
+        mapped = sum(arena.map(page) for page in range(64))
+        assert 6 <= mapped <= 10 and arena.stats.failed_maps == 64 - mapped
+        assert arena.physical_free() < arena.bytes_per_page
+    finally:
+        arena.close()
+
+
 DUMMY = dict(model_path="tiny-llama", load_format="dummy", dtype="bfloat16", disable_tqdm=True, check_invariants=True,
              max_total_tokens=1 << 16, max_running_requests=16,
              # 2 KB of KV a token and layer: 1,024 tokens in each 2 MB elastic page
@@ -86,7 +128,7 @@ def test_refused_maps_queue_requests_on_the_gpu(monkeypatch):
 
     def flaky(self, page):
         calls["n"] += 1
-        return calls["n"] % 2 == 0 and original(self, page)
+        return calls["n"] % 2 == 1 and original(self, page)  # the first (the dummy page's) maps
 
     monkeypatch.setattr(CudaArena, "_map_page", flaky)
     elastic, stats = _greedy(enable_elastic_kv=True, elastic_kv_page_mb=2)
@@ -124,8 +166,9 @@ def test_two_pools_on_one_gpu_give_each_other_memory(monkeypatch):
         assert b.alloc(1024 * 4) is None and b.asks == 1  # 4 pages wanted, 3 left in the budget
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
-        keep = a.pages_to_keep(0)
+        keep = a.pages_to_keep(0, idle=False)
         assert keep is not None and a.give(keep, evict) == 12 - keep >= 1
+        a.mapper.drain()  # the mapper's thread unmaps once the device is done
         torch.cuda.synchronize()
         # back to the device (less a 2 MB block or two that torch's allocator may take for the frees' own tensors)
         assert torch.cuda.mem_get_info()[0] - free_before >= (12 - keep) * 16 * MB - 4 * MB

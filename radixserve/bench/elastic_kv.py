@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 import time
 
 import torch
@@ -47,12 +48,16 @@ def map_rates(arena, pages: int) -> dict:
 
 
 def alloc_latency(allocator, reserve: int, rounds: int) -> dict:
-    """Median time of ``alloc`` of one elastic page's slots when the reserve
-    holds ``reserve`` empty pages (0: the page is mapped inside the call)."""
+    """Median time of ``alloc`` of one elastic page's slots when ``reserve``
+    pages were mapped ahead by the mapper's thread (0: none, the page is
+    mapped inside the call)."""
     allocator.min_reserve = allocator.max_reserve = reserve
     times = []
     for _ in range(rounds):
         allocator.rebalance()
+        if not reserve:  # the reserve follows the pace of recent steps: drop it to time a map on the spot
+            allocator.shrink(len(allocator.mapped_epages()), lambda n: 0)
+        allocator.mapper.drain()  # the thread had a step's time or more
         start = time.perf_counter()
         slots = allocator.alloc(allocator.epage_slots)
         times.append(time.perf_counter() - start)
@@ -60,6 +65,51 @@ def alloc_latency(allocator, reserve: int, rounds: int) -> dict:
         allocator.rebalance()
     return {"reserve_pages": reserve, "alloc_ms_median": round(1e3 * statistics.median(times), 3),
             "alloc_ms_max": round(1e3 * max(times), 3)}
+
+
+def contention(allocator, seconds: float = 2.0) -> dict:
+    """What the mapper's thread costs the scheduler's thread while it maps:
+    Python loop turns per second (the GIL) and, on CUDA, matmuls per second
+    on the default stream (the driver and the device), with the thread idle
+    and with it mapping pages back to back (unmapped again in between)."""
+    device = allocator.device
+    a = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+    def rates() -> tuple[float, float]:
+        turns, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds / 2:
+            turns += 1
+        python = turns / (time.perf_counter() - start)
+        _sync(device)
+        mms, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds / 2:
+            a @ a
+            mms += 1
+            if mms % 16 == 0:
+                _sync(device)
+        _sync(device)
+        return python, mms / (time.perf_counter() - start)
+
+    idle = rates()
+    pages = [e for e in range(1, allocator.num_epages) if not allocator.arena.is_mapped(e)][:32]
+    stop, maps = [False], [0]
+
+    def churn():  # as busy as the mapper can be: map ahead, drain, give back, again
+        while not stop[0]:
+            allocator.mapper.map_ahead(pages)
+            allocator.mapper.drain()
+            maps[0] += len(pages)
+            allocator.mapper.unmap(pages)
+            allocator.mapper.drain()
+
+    worker = threading.Thread(target=churn)
+    worker.start()
+    busy = rates()
+    stop[0] = True
+    worker.join()
+    return {"python_turns_per_s_idle": round(idle[0]), "python_turns_per_s_mapping": round(busy[0]),
+            "matmuls_per_s_idle": round(idle[1], 1), "matmuls_per_s_mapping": round(busy[1], 1),
+            "pages_mapped_meanwhile": maps[0]}
 
 
 def main() -> None:
@@ -86,8 +136,10 @@ def main() -> None:
         for reserve in (0, 1):
             print(json.dumps({"bench": "elastic_kv_alloc", **common, **alloc_latency(allocator, reserve, args.rounds)}),
                   flush=True)
+        print(json.dumps({"bench": "elastic_kv_contention", **common, **contention(allocator)}), flush=True)
     finally:
         _sync(device)
+        allocator.close()
         pool.arena.close()
 
 

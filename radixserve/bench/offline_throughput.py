@@ -122,7 +122,8 @@ def run_radixserve(engine, wl: Workload, reqs: list[Request]) -> tuple[list[list
     outs = engine.generate(input_ids=[r.input_ids for r in reqs], sampling_params=params)
     wall = time.perf_counter() - start
     after = engine.get_stats()
-    elastic = ("elastic_kv_maps", "elastic_kv_unmaps", "elastic_kv_map_seconds", "elastic_kv_unmap_seconds")
+    elastic = ("elastic_kv_maps", "elastic_kv_unmaps", "elastic_kv_map_seconds", "elastic_kv_unmap_seconds",
+               "elastic_kv_step_maps", "elastic_kv_step_map_seconds")  # the step waited for these
     counters = {k: round(after[k] - before[k], 6) for k in ("forward_ct", "retractions", "cached_tokens", *elastic)
                 if k in after}  # the elastic pool's maps during the run (--enable-elastic-kv)
     return [o["output_ids"] for o in outs], wall, counters

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from radixserve.mem_cache.kv_events.publisher import DROP_REASONS
+
 HICACHE_GAUGES = (
     ("hicache_host_used", "hicache_host_used_tokens", "Host tier slots holding KV"),
     ("hicache_host_size", "hicache_host_size_tokens", "Host tier size in tokens"),
@@ -36,6 +38,9 @@ ELASTIC_KV_GAUGES = tuple((key, key, text) for key, text in (
     ("elastic_kv_floor_bytes", "What the elastic KV pool keeps when other servers on its device ask for memory"),
     ("elastic_kv_given_pages", "Pages unmapped since start because other servers on the device asked"),
     ("elastic_kv_asks", "Times since start the pool asked the other servers on its device for memory"),
+    ("elastic_kv_ahead_pages", "Pages asked of the mapper's thread ahead of need and not taken yet"),
+    ("elastic_kv_step_maps", "Maps a scheduler step waited for since start (it outran the pages mapped ahead)"),
+    ("elastic_kv_step_map_seconds", "Seconds scheduler steps spent waiting for maps since start"),
 ))
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -59,6 +64,12 @@ class ServerMetrics:
         self.grammar = {key: Gauge(p + name, text, registry=r) for key, name, text in GRAMMAR_GAUGES}
         # The elastic KV pool (docs/elastic_kv.md); present with --enable-elastic-kv.
         self.elastic_kv = {key: Gauge(p + name, text, registry=r) for key, name, text in ELASTIC_KV_GAUGES}
+        # KV events (docs/kv_events.md): a counter, fed by the schedulers' running totals; present with
+        # --kv-events-config
+        self.kv_events_dropped = Counter(p + "kv_events_dropped", "KV cache events not sent live since start: "
+                                         "the publisher's queue was full, or its socket refused them",
+                                         ["reason"], registry=r)
+        self._kv_events_dropped_seen: dict[str, float] = {}
 
     def on_request(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
@@ -87,6 +98,12 @@ class ServerMetrics:
         for key, gauge in (*self.hicache.items(), *self.grammar.items(), *self.elastic_kv.items()):
             if key in state:
                 gauge.set(state[key])
+        for reason in DROP_REASONS:
+            total = state.get(f"kv_events_dropped_{reason}")
+            if total is not None:
+                seen = self._kv_events_dropped_seen.get(reason, 0)
+                self.kv_events_dropped.labels(reason=reason).inc(max(total - seen, 0))
+                self._kv_events_dropped_seen[reason] = max(total, seen)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -29,6 +29,7 @@ import abc
 import logging
 import mmap
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python's module lacks the name
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels refuse it (EINVAL) and the page faults in on first write
 CPU_MIN_AVAILABLE = 512 << 20  # a CPU map fails rather than leave the machine less than this
+FREE_LOOK_S = 0.05  # a CUDA arena asks the driver for free memory at most this often between maps
 
 
 @dataclass
@@ -61,6 +63,7 @@ class VirtualArena(abc.ABC):
         self.page_bytes = list(page_bytes)
         self.num_pages = num_pages
         self.stats = ArenaStats()
+        self._stats_lock = threading.Lock()  # a background mapper (page_mapper.py) maps while the scheduler does
         self.tensors: list[torch.Tensor] = []  # one uint8 tensor per buffer, over its whole range
 
     @property
@@ -89,12 +92,13 @@ class VirtualArena(abc.ABC):
             return True
         start = time.perf_counter()
         ok = self._map_page(page)
-        self.stats.map_s += time.perf_counter() - start
-        if ok:
-            self.stats.maps += 1
-            self.stats.mapped.add(page)
-        else:
-            self.stats.failed_maps += 1
+        with self._stats_lock:
+            self.stats.map_s += time.perf_counter() - start
+            if ok:
+                self.stats.maps += 1
+                self.stats.mapped.add(page)
+            else:
+                self.stats.failed_maps += 1
         return ok
 
     def unmap(self, page: int) -> None:
@@ -103,13 +107,21 @@ class VirtualArena(abc.ABC):
             return
         start = time.perf_counter()
         self._unmap_page(page)
-        self.stats.unmap_s += time.perf_counter() - start
-        self.stats.unmaps += 1
-        self.stats.mapped.discard(page)
+        with self._stats_lock:
+            self.stats.unmap_s += time.perf_counter() - start
+            self.stats.unmaps += 1
+            self.stats.mapped.discard(page)
 
     def close(self) -> None:
         for page in sorted(self.stats.mapped):
             self.unmap(page)
+
+    def enter_thread(self) -> None:
+        """Make the calling (background) thread able to map and unmap."""
+
+    def settle(self) -> None:
+        """Wait until the pages this thread mapped are ready for any stream
+        (on CUDA, zeroed); a map in the scheduler's thread needs no wait."""
 
     @abc.abstractmethod
     def _map_page(self, page: int) -> bool:
@@ -133,9 +145,11 @@ def granularity(device: torch.device) -> int:
     return mmap.PAGESIZE
 
 
-def make_arena(page_bytes: list[int], num_pages: int, device: torch.device) -> VirtualArena:
+def make_arena(page_bytes: list[int], num_pages: int, device: torch.device, keep_free: int = 0) -> VirtualArena:
+    """An arena on ``device``; on CUDA a map never leaves the device less than
+    ``keep_free`` bytes free (on a CPU the margin is ``CPU_MIN_AVAILABLE``)."""
     if device.type == "cuda":
-        return CudaArena(page_bytes, num_pages, device)
+        return CudaArena(page_bytes, num_pages, device, keep_free)
     if device.type == "cpu":
         return CpuArena(page_bytes, num_pages)
     raise ValueError(f"--enable-elastic-kv: no virtual memory on device {device}")
@@ -220,10 +234,12 @@ class _CudaRange:
 
 
 class CudaArena(VirtualArena):
-    def __init__(self, page_bytes: list[int], num_pages: int, device: torch.device):
+    def __init__(self, page_bytes: list[int], num_pages: int, device: torch.device, keep_free: int = 0):
         from cuda.bindings import driver
 
         super().__init__(page_bytes, num_pages)
+        self.keep_free = keep_free  # left on the device for activations, this process's and the others'
+        self._seen_free, self._looked_at = 0, -FREE_LOOK_S  # the driver's figure, less what was mapped since
         self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         torch.cuda.init()  # the primary context, which torch and the driver calls share
         _check(driver.cuInit(0))
@@ -245,7 +261,24 @@ class CudaArena(VirtualArena):
         self._handles: dict[int, list] = {}  # page -> the physical allocation of each buffer's page
 
     def physical_free(self) -> int:
-        return torch.cuda.mem_get_info(self.device)[0]
+        """The device's free memory beyond ``keep_free``, from a look at most
+        ``FREE_LOOK_S`` old less what this arena mapped since: the scheduler
+        asks every step, and ``cudaMemGetInfo`` is not free. Stale only by
+        what other processes did meanwhile, and a map checks afresh."""
+        now = time.monotonic()
+        if now - self._looked_at > FREE_LOOK_S:
+            self._seen_free, self._looked_at = torch.cuda.mem_get_info(self.device)[0], now
+        return max(self._seen_free - self.keep_free, 0)
+
+    def enter_thread(self) -> None:
+        """The device's primary context, and a stream of the thread's own for
+        the zeroing (waited for in :meth:`settle`), so the thread never
+        queues work on a stream the forward uses."""
+        torch.cuda.set_device(self.device)
+        torch.cuda.set_stream(torch.cuda.Stream(self.device))
+
+    def settle(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
 
     def _map_page(self, page: int) -> bool:
         """A physical allocation for the page of each buffer (``cuMemMap``
@@ -253,6 +286,10 @@ class CudaArena(VirtualArena):
         current stream: the forward and copy streams wait on that stream
         before they run (``tp_worker``, ``hiradix_cache``), so no host sync."""
         driver, handles = self._driver, []
+        if self.keep_free:
+            self._looked_at = -FREE_LOOK_S  # a fresh look
+            if self.physical_free() < self.bytes_per_page:
+                return False
         try:
             with torch.cuda.device(self.device):
                 stream = torch.cuda.current_stream().cuda_stream
@@ -268,11 +305,13 @@ class CudaArena(VirtualArena):
             self._release(page, handles)
             return False
         self._handles[page] = handles
+        self._seen_free -= self.bytes_per_page
         return True
 
     def _unmap_page(self, page: int) -> None:
         torch.cuda.synchronize(self.device)  # no kernel on any stream may still use it
         self._release(page, self._handles.pop(page))
+        self._seen_free += self.bytes_per_page
 
     def _release(self, page: int, handles: list) -> None:
         driver = self._driver

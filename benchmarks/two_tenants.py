@@ -1,0 +1,245 @@
+"""Servers that share one GPU (W9 of docs/benchmarks.md) and what the elastic
+KV pool costs a lone server (W5), in one device call. Phases (``--phases``):
+
+- ``lone``: one server with a static pool, then one with ``--enable-elastic-kv``,
+  each alone on the device: W5 at ``--cost-rate`` req/s (the cost of
+  elasticity) and one W9 burst (the lone server's throughput).
+- ``static-pair``: two servers, each with a static pool of half the KV
+  (``--half-tokens``), bursts in turn: A, then B.
+- ``elastic-pair``: two elastic servers, each allowed the whole free memory
+  (one ``--elastic-kv-group``), alternating bursts A, B, A, B: while one runs,
+  the other is idle with its radix cache full of the last burst's prompts.
+  Both servers' mapped and used KV bytes are read every 0.1 s, so each idle
+  server's footprint while the busy one needs memory shows.
+
+A burst is ``radixserve.bench.serving``: random prompts, ``--input-len`` in and
+``--output-len`` out, Poisson at ``--rate`` req/s, the cache not flushed
+first. Prints one JSON line per figure and writes them, with the servers'
+logs' tails on failure, to ``OUT/two_tenants.jsonl``::
+
+    python benchmarks/two_tenants.py --out DIR [--model llama-3.1-8b] [--phases lone,static-pair,elastic-pair]
+
+A CPU smoke run (a minute or two): ``--model tiny-llama --device cpu --dtype float32
+--attention-backend torch_native --prompts 6 --input-len 32 --output-len 8 --half-tokens 4096``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Server:
+    """A radixserve server in its own process group, stopped on exit."""
+
+    def __init__(self, name: str, port: int, args: argparse.Namespace, flags: list[str]):
+        self.name, self.port = name, port
+        self.log_path = os.path.join(args.log_dir, f"server-{name}.log")
+        cmd = [sys.executable, "-m", "radixserve.launch_server", "--model-path", args.model, "--load-format", "dummy",
+               "--dtype", args.dtype, "--port", str(port), "--attention-backend", args.attention_backend,
+               *(["--device", args.device] if args.device else []), *args.server_args.split(), *flags]
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.started = time.time()
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server {self.name} exited: {self.tail()}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
+                return
+            except OSError:
+                time.sleep(1)
+        raise RuntimeError(f"server {self.name} not healthy after {timeout:.0f} s: {self.tail()}")
+
+    def info(self) -> dict:
+        """The server's options and its (first replica's) scheduler figures, in one dict."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/get_server_info", timeout=5) as r:
+            info = json.load(r)
+        return {**info, **(info.pop("internal_states") or [{}])[0]}
+
+    def tail(self, n: int = 15) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return "".join(f.readlines()[-n:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(40)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+class Watcher(threading.Thread):
+    """Reads each server's KV bytes every ``period`` seconds."""
+
+    KEYS = ("elastic_kv_mapped_bytes", "elastic_kv_used_bytes", "elastic_kv_floor_bytes", "elastic_kv_given_pages",
+            "elastic_kv_asks", "elastic_kv_reserve_pages")
+
+    def __init__(self, servers: list[Server], period: float = 0.1):
+        super().__init__(daemon=True)
+        self.servers, self.period, self.samples = servers, period, []
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            now = time.time()
+            for s in self.servers:
+                try:
+                    info = s.info()
+                except OSError:
+                    continue
+                self.samples.append({"t": now, "server": s.name, **{k: info.get(k) for k in self.KEYS}})
+            self.stop_event.wait(self.period)
+
+
+def emit(out, record: dict) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    out.write(line + "\n")
+    out.flush()
+
+
+def burst(server: Server, args: argparse.Namespace, rate: float, prompts: int, seed: int, label: str) -> dict:
+    """One bench.serving run against ``server``; its JSON figures (without the per-request timelines)."""
+    cmd = [sys.executable, "-m", "radixserve.bench.serving", "--port", str(server.port), "--dataset-name", "random",
+           "--num-prompts", str(prompts), "--random-input-len", str(args.input_len), "--random-output-len",
+           str(args.output_len), "--random-range-ratio", "1", "--request-rate", str(rate), "--seed", str(seed),
+           "--disable-flush-cache", "--disable-tqdm", "--slo-ttft", "1000", "--slo-tpot", "50", "--label", label]
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.burst_timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"bench {label} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    res = json.loads(lines[-1])
+    res.pop("requests", None)
+    return {"start": start, "end": time.time(), **res}
+
+
+def footprint(samples: list[dict], name: str, start: float, end: float) -> dict:
+    """The idle server ``name``'s KV bytes while the other ran [start, end]:
+    at the start, the least, and when it first came within 64 MB of its floor
+    plus one page (the dummy page's) after the other server's first ask."""
+    mine = [s for s in samples if s["server"] == name and start <= s["t"] <= end]
+    theirs = [s for s in samples if s["server"] != name and start <= s["t"] <= end]
+    if not mine:
+        return {}
+    asked = next((s["t"] for s in theirs if s["elastic_kv_asks"] and s["elastic_kv_asks"] >
+                  (theirs[0]["elastic_kv_asks"] or 0)), None)
+    floor = mine[0]["elastic_kv_floor_bytes"] or 0
+    low = min(s["elastic_kv_mapped_bytes"] for s in mine)
+    reached = next((s["t"] for s in mine if asked and s["t"] >= asked
+                    and s["elastic_kv_mapped_bytes"] <= max(floor, low) + (64 << 20)), None)
+    return {"idle_mapped_gb_at_start": round(mine[0]["elastic_kv_mapped_bytes"] / 2**30, 3),
+            "idle_mapped_gb_min": round(low / 2**30, 3), "idle_floor_gb": round(floor / 2**30, 3),
+            "other_first_ask_s": None if asked is None else round(asked - start, 2),
+            "idle_down_to_min_s_after_ask": None if reached is None or asked is None else round(reached - asked, 2),
+            "idle_given_pages": mine[-1]["elastic_kv_given_pages"] - (mine[0]["elastic_kv_given_pages"] or 0)}
+
+
+def run_lone(args, out) -> None:
+    for name, flags in (("lone-static", []), ("lone-elastic", ["--enable-elastic-kv"])):
+        server = Server(name, args.port, args, flags)
+        try:
+            server.wait_healthy(args.start_timeout)
+            emit(out, {"phase": name, "event": "started", "start_s": round(time.time() - server.started, 1)})
+            res = burst(server, args, args.cost_rate, args.cost_prompts, 3, f"W5 {args.cost_rate} req/s, {name}")
+            emit(out, {"phase": name, "workload": "W5", **res})
+            res = burst(server, args, args.rate, args.prompts, 11, f"W9 burst, {name}")
+            info = server.info()
+            emit(out, {"phase": name, "workload": "W9", **res,
+                       **{k: v for k, v in info.items() if k.startswith("elastic_kv_") or k == "max_total_tokens"
+                          and isinstance(v, (int, float))}})
+        except Exception as exc:  # noqa: BLE001 - the next phase still runs
+            emit(out, {"phase": name, "error": str(exc)[-3000:]})
+        finally:
+            server.stop()
+
+
+def run_pair(args, out, elastic: bool) -> None:
+    phase = "elastic-pair" if elastic else "static-pair"
+    flags = (["--enable-elastic-kv", "--elastic-kv-group", f"w9-{os.getpid()}"] if elastic
+             else ["--max-total-tokens", str(args.half_tokens)])
+    servers = [Server(f"{phase}-{x}", args.port + i, args, flags) for i, x in enumerate("AB")]
+    watcher = Watcher(servers)
+    try:
+        for s in servers:
+            s.wait_healthy(args.start_timeout)
+        emit(out, {"phase": phase, "event": "started", "start_s": round(time.time() - servers[0].started, 1)})
+        watcher.start()
+        order = [0, 1, 0, 1] if elastic else [0, 1]
+        for turn, i in enumerate(order):
+            busy, idle = servers[i], servers[1 - i]
+            res = burst(busy, args, args.rate, args.prompts, 100 + turn, f"W9 burst {turn} on {busy.name}")
+            emit(out, {"phase": phase, "workload": "W9", "turn": turn, "server": busy.name, **res,
+                       **(footprint(watcher.samples, idle.name, res["start"], res["end"]) if elastic else {})})
+            time.sleep(args.idle_s)
+        for s in servers:
+            info = s.info()
+            emit(out, {"phase": phase, "event": "end", "server": s.name,
+                       **{k: v for k, v in info.items() if k.startswith("elastic_kv_") or k == "max_total_tokens"
+                          and isinstance(v, (int, float))}})
+    except Exception as exc:  # noqa: BLE001
+        emit(out, {"phase": phase, "error": str(exc)[-3000:], "tails": {s.name: s.tail() for s in servers}})
+    finally:
+        watcher.stop_event.set()
+        for s in servers:
+            s.stop()
+        if watcher.samples:
+            with open(os.path.join(args.out, f"{phase}-footprint.jsonl"), "w") as f:
+                f.writelines(json.dumps(s) + "\n" for s in watcher.samples)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--phases", default="lone,static-pair,elastic-pair")
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default=None)
+    p.add_argument("--attention-backend", default="triton")
+    p.add_argument("--server-args", default="", help="more flags for every server")
+    p.add_argument("--port", type=int, default=31000)
+    p.add_argument("--rate", type=float, default=16.0, help="W9 bursts, req/s")
+    p.add_argument("--prompts", type=int, default=384, help="prompts per W9 burst")
+    p.add_argument("--cost-rate", type=float, default=20.0, help="W5 for the cost of elasticity, req/s")
+    p.add_argument("--cost-prompts", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--half-tokens", type=int, default=360_000, help="each static server's KV tokens in the pair")
+    p.add_argument("--idle-s", type=float, default=2.0, help="pause between bursts")
+    p.add_argument("--start-timeout", type=float, default=300)
+    p.add_argument("--burst-timeout", type=float, default=240)
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    args.log_dir = tempfile.mkdtemp(prefix="two-tenants-")
+    phases = args.phases.split(",")
+    with open(os.path.join(args.out, "two_tenants.jsonl"), "a") as out:
+        emit(out, {"event": "begin", "phases": phases, "model": args.model, "rate": args.rate, "prompts": args.prompts,
+                   "input_len": args.input_len, "output_len": args.output_len})
+        if "lone" in phases:
+            run_lone(args, out)
+        if "static-pair" in phases:
+            run_pair(args, out, elastic=False)
+        if "elastic-pair" in phases:
+            run_pair(args, out, elastic=True)
+
+
+if __name__ == "__main__":
+    main()
