@@ -46,6 +46,7 @@ serve: model
 	$(VENV)/bin/radixserve serve --host 127.0.0.1 --port 30000 $(SERVE_ARGS)
 
 test: install $(COMPAT_STAMP)
+	$(PY) -m ruff check --no-cache radixserve tests benchmarks scripts
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:

@@ -10,19 +10,26 @@ import tempfile
 import re
 from dataclasses import dataclass, field, fields
 
+from radixserve.disaggregation import check_transfer_backend
+# The flags' choices are the parsers' registries (SGLang's names), which import nothing of the engine.
+from radixserve.entrypoints.openai.reasoning_parser import REASONING_FORMATS
+from radixserve.entrypoints.openai.tool_parser import TOOL_CALL_PARSERS
+
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 EVICTION_POLICIES = ("lru", "lfu")
 CHARS_PER_TOKEN_LIMIT = 32  # default --max-prompt-chars per token of context
-# SGLang's names; the parsers are in entrypoints/openai/tool_parser.py and reasoning_parser.py
-TOOL_CALL_PARSER_NAMES = ("llama3", "qwen", "qwen25")
-REASONING_PARSER_NAMES = ("deepseek-r1", "qwen3")
+TOOL_CALL_PARSER_NAMES = tuple(sorted(TOOL_CALL_PARSERS))
+REASONING_PARSER_NAMES = tuple(sorted(REASONING_FORMATS))
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
-HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # HiRadixCache's (hiradix_cache.py)
 HICACHE_STORAGE_BACKENDS = ("file",)
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 # SGLang's names; auto is the model's dtype. fp8 values are stored unscaled (scale 1.0).
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATIONS = ("fp8",)  # online methods of layers/quantization.py
+# the largest extend captured in pieces by default: past it, an 8B extend keeps the GPU
+# busier than its launches keep the host
+PIECEWISE_MAX_TOKENS = 4096
 GRAMMAR_CACHE_MB = 256  # default --grammar-cache-max-mb
 ELASTIC_KV_GROUP = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # an --elastic-kv-group: part of a file name
 
@@ -149,6 +156,10 @@ class ServerArgs:
     elastic_kv_group_gb: float | None = field(default=None, metadata={
         "help": "KV memory the group's servers on one device may map together, in GB (default: what the "
                 "device has)"})
+    enable_memory_saver: bool = field(default=False, metadata={
+        "help": "SGLang's: the weights live in virtual memory and the KV in the elastic pool (this implies "
+                "--enable-elastic-kv), so /release_memory_occupation can give their memory back and "
+                "/resume_memory_occupation take it again"})
     random_seed: int = field(default=0, metadata={"help": "seed of the global RNG"})
     # Tensor parallelism (docs/tensor_parallel.md): one scheduler process per rank.
     tp_size: int = field(default=1, metadata={"help": "tensor-parallel ranks (one process and device each)"})
@@ -242,6 +253,8 @@ class ServerArgs:
         if self.mixed_chunk_min_size < 0 or (self.mixed_chunk_min_size and not self.enable_mixed_chunk):
             raise ValueError(f"mixed_chunk_min_size must be >= 0 and needs --enable-mixed-chunk, "
                              f"got {self.mixed_chunk_min_size}")
+        if self.enable_memory_saver:  # the KV side of the memory saver is the elastic pool
+            self.enable_elastic_kv = True
         if not self.elastic_kv_page_mb > 0 or (self.elastic_kv_max_gb is not None and not self.elastic_kv_max_gb > 0):
             raise ValueError("elastic_kv_page_mb and elastic_kv_max_gb must be > 0")
         if not self.elastic_kv_min_gb >= 0 or (self.elastic_kv_group_gb is not None and not self.elastic_kv_group_gb > 0):
@@ -355,11 +368,10 @@ class ServerArgs:
 
     def _check_disaggregation(self) -> None:
         _one_of("disaggregation_mode", self.disaggregation_mode, DISAGGREGATION_MODES)
-        backend = self.disaggregation_transfer_backend
-        if backend in ("mooncake", "nixl"):
-            raise ValueError(f"disaggregation_transfer_backend: {backend} needs CUDA and RDMA (InfiniBand/RoCE) "
-                             "libraries that this build does not have; use torch")
-        _one_of("disaggregation_transfer_backend", backend, ("torch",))
+        try:
+            check_transfer_backend(self.disaggregation_transfer_backend)
+        except ValueError as e:
+            raise ValueError(f"disaggregation_transfer_backend: {e}") from None
         if not 0 < self.disaggregation_bootstrap_port < 65536:
             raise ValueError(f"disaggregation_bootstrap_port must be a port, got {self.disaggregation_bootstrap_port}")
         # A mode takes any --tp-size, --dp-size and --nnodes, each server its own: disaggregation/head_map.py
@@ -422,13 +434,11 @@ class ServerArgs:
         if (self.disable_piecewise_cuda_graph or self.disable_cuda_graph
                 or self.resolved_device() != "cuda" or self.disaggregation_mode == "decode"):
             return []
-        from radixserve.model_executor.piecewise_cuda_graph_runner import DEFAULT_MAX_TOKENS, default_token_sizes
-
         if self.piecewise_cuda_graph_tokens:
             return self._piecewise_token_list()
         chunk = self.resolved_chunked_prefill_size()
-        return default_token_sizes(self.piecewise_cuda_graph_max_tokens or min(
-            chunk if chunk > 0 else DEFAULT_MAX_TOKENS, DEFAULT_MAX_TOKENS))
+        return piecewise_token_sizes(self.piecewise_cuda_graph_max_tokens or min(
+            chunk if chunk > 0 else PIECEWISE_MAX_TOKENS, PIECEWISE_MAX_TOKENS))
 
     def _piecewise_token_list(self) -> list[int]:
         if not self.piecewise_cuda_graph_tokens:
@@ -495,6 +505,16 @@ class ServerArgs:
 
     def replace(self, **changes) -> "ServerArgs":
         return dataclasses.replace(self, **changes)
+
+
+def piecewise_token_sizes(max_tokens: int) -> list[int]:
+    """The extend sizes to capture piecewise CUDA graphs for, up to
+    ``max_tokens`` (and ``max_tokens`` itself): steps of 4 to 32, 16 to 256,
+    32 to 512, 64 to 1,024, 128 to 2,048, then 256: past 128 tokens padding
+    adds at most an eighth of a batch; below, a step is bound by its launches anyway."""
+    steps = ((4, 32, 4), (48, 256, 16), (288, 512, 32), (576, 1024, 64), (1152, 2048, 128), (2304, max_tokens, 256))
+    sizes = [t for start, stop, step in steps for t in range(start, stop + 1, step) if t <= max_tokens]
+    return sorted(set(sizes + [max_tokens]))
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:

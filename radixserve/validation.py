@@ -6,15 +6,53 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import ValidationError, ValidationInfo, field_validator
+from pydantic import AfterValidator, ValidationError, ValidationInfo
 
 # Tags pydantic puts in an error's location for union members.
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "tuple", "set", "none", "None", "bytes"}
 _MAX_SHOWN = 80  # characters of the offending value quoted in a message
 # "<field path>: " at the start of a message
 FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
+
+# The request fields of SGLang (GenerateReqInput and SamplingParams, v0.5, and
+# its OpenAI routes) and of OpenAI's API that this engine does not implement,
+# with the values that ask for nothing: those are accepted and ignored, any
+# other value is refused by name. A list of such values counts as one (a
+# batch's per-prompt `lora_path: [null, null]`). Each model declares the ones
+# it takes as ``NoOpOnly`` fields. (docs/api.md)
+NO_OP_VALUES: dict[str, tuple] = {
+    # multimodal inputs
+    "input_embeds": (None,), "image_data": (None, []), "video_data": (None, []), "audio_data": (None, []),
+    "mm_hashes": (None,), "mm_content_hashes": (None,), "use_audio_in_video": (False,), "video_config": (None,),
+    "modalities": (None, [], ["text"]), "images_config": (None,), "mm_processor_kwargs": (None,),
+    "need_wait_for_mm_inputs": (None, False), "num_items_assigned": (None,), "encoder_urls": (None, []),
+    "max_dynamic_patch": (None,), "min_dynamic_patch": (None,), "image_max_dynamic_patch": (None,),
+    "video_max_dynamic_patch": (None,),
+    # LoRA, sessions, custom processors and sampling
+    "lora_path": (None,), "lora_id": (None,), "session_params": (None,), "custom_logit_processor": (None,),
+    "custom_params": (None,), "watermark": (None,), "positional_embed_overrides": (None,),
+    "beam_width": (None, 1), "ebnf_full_assistant": (False,),
+    # outputs
+    "return_hidden_states": (False,), "return_routed_experts": (False,), "routed_experts_start_len": (0,),
+    "return_indexer_topk": (False,), "return_sampling_mask": (None, False), "sampling_logprobs_mode": (None,),
+    "return_flat_raw_top_logprobs": (False,), "return_flat_raw_output_top_logprobs": (False,),
+    "return_flat_raw_top_logprobs_b64": (False,), "return_bytes": (False,), "return_entropy": (False,),
+    "return_prompt_token_ids": (False,), "return_cached_tokens_details": (False,),
+    "return_spec_tokens_details": (False,), "return_token_ids": (False,), "return_meta_info": (False,),
+    "return_input_ids_in_sglext": (False,), "return_output_ids_in_sglext": (False,),
+    "multi_item_delimiter_indices": (None,), "token_indices_to_pool": (None,),
+    # routing, and disaggregation beyond bootstrap_host / port / room (docs/disaggregation.md)
+    "bootstrap_pair_key": (None,), "decode_tp_size": (None,), "routed_dp_rank": (None, 0),
+    "data_parallel_rank": (None, 0), "disagg_prefill_dp_rank": (None,), "http_worker_ipc": (None,),
+    "background": (False,), "require_reasoning": (False,), "max_thinking_tokens": (None,),
+    "extra_key": (None, ""), "cache_salt": (None, ""),
+    # OpenAI's completions and chat (a chat request's input_ids too)
+    "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none", "auto"), "audio": (None,),
+    "prediction": (None,), "web_search_options": (None,), "verbosity": (None,), "thinking": (None,),
+    "task": (None,), "input_ids": (None,),
+}
 
 
 def error_path(loc: tuple | list, prefix: str = "") -> str:
@@ -78,12 +116,9 @@ def _is_no_op(value: Any, no_ops: tuple) -> bool:
     return isinstance(value, list) and bool(value) and all(_is_no_op(v, no_ops) for v in value)
 
 
-def no_op_validator(table: dict[str, tuple], fields: tuple[str, ...] | None = None):
-    """A pydantic field validator that holds each field of ``table`` (or
-    ``fields`` of it) to its no-op values (``require_no_op``); assign it in a
-    model or pydantic dataclass body."""
+def _only_no_op(value: Any, info: ValidationInfo) -> Any:
+    return require_no_op(info.field_name, value, NO_OP_VALUES[info.field_name])
 
-    def check(value: Any, info: ValidationInfo) -> Any:
-        return require_no_op(info.field_name, value, table[info.field_name])
 
-    return field_validator(*(fields or tuple(table)))(check)
+# A request field this engine does not implement: accepted at its values of NO_OP_VALUES only.
+NoOpOnly = Annotated[Any, AfterValidator(_only_no_op)]

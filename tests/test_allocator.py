@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from radixserve.mem_cache import MHATokenToKVPool, PoolExhausted, ReqToTokenPool, TokenToKVPoolAllocator
+from radixserve.mem_cache import (
+    MHATokenToKVPool, PoolExhausted, ReqToTokenPool, TokenToKVPoolAllocator, page_aligned, page_floor, pages_for,
+)
 
 
 def t(*xs):
@@ -31,6 +33,15 @@ def test_alloc_fails_cleanly_when_short():
     assert a.alloc_extend(t(0, 0), t(40, 40), t(0, 0)) is None  # 3 + 3 pages > 4
     assert a.available_size() == 64
     a.check_invariants()
+
+
+def test_page_rounding_of_ints_and_tensors():
+    assert [pages_for(n, 16) for n in (0, 1, 16, 17)] == [0, 1, 1, 2]
+    assert [page_aligned(n, 16) for n in (0, 1, 16, 17)] == [0, 16, 16, 32]
+    assert [page_floor(n, 16) for n in (0, 15, 16, 33)] == [0, 0, 16, 32]
+    assert pages_for(t(0, 1, 17), 16).tolist() == [0, 1, 2]  # the allocator's batched extends
+    assert page_floor(t(15, 33), 16).tolist() == [0, 32]
+    assert TokenToKVPoolAllocator(size=100, page_size=16).size == 96  # whole pages only
 
 
 def test_page_returns_only_when_all_its_slots_are_free():

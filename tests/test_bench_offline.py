@@ -1,29 +1,47 @@
-"""The offline throughput benchmark end to end on a tiny dummy model."""
+"""The offline throughput benchmark end to end on a tiny dummy model, the
+walls of its timed regions fixed so that every figure it reports is known."""
 
 from __future__ import annotations
 
 import json
 
-from radixserve.bench.offline_throughput import main
+from radixserve.bench import offline_throughput as bench
+
+OURS_S, HF_S = 1.0, 4.0  # the timed walls: HF takes four times as long for the same tokens
 
 
-def test_offline_throughput_reports_both_backends(capsys, tmp_path):
+def _with_wall(result: tuple, wall: float) -> tuple:
+    outputs, _, counters = result
+    return outputs, wall, counters
+
+
+def test_offline_throughput_figures_follow_from_the_tokens_and_the_walls(capsys, tmp_path, monkeypatch):
+    made = []  # the requests both backends ran
+    real = {name: getattr(bench, name) for name in ("make_requests", "run_radixserve", "run_hf")}
+    monkeypatch.setattr(bench, "make_requests", lambda *a: made.append(real["make_requests"](*a)) or made[-1])
+    monkeypatch.setattr(bench, "run_radixserve", lambda *a: _with_wall(real["run_radixserve"](*a), OURS_S))
+    monkeypatch.setattr(bench, "run_hf", lambda *a: _with_wall(real["run_hf"](*a), HF_S))
     out_file = tmp_path / "bench.jsonl"
-    records = main([
+    records = bench.main([
         "--workload", "W1", "--model-path", "tiny-llama", "--num-prompts", "5", "--input-len-range", "4", "12",
         "--output-len-range", "2", "6", "--compare-hf", "--hf-batch-size", "2", "--disable-tqdm",
         "--output-json", str(out_file),
     ])
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert printed == records == [json.loads(line) for line in out_file.read_text().splitlines()]
+    (reqs,) = made
+    in_tokens = sum(len(r.input_ids) for r in reqs)
+    out_tokens = sum(r.max_new_tokens for r in reqs)  # ignore_eos: each runs to its own max_new_tokens
     ours, hf, summary = records
     assert (ours["backend"], hf["backend"]) == ("radixserve", "hf_transformers")
-    for rec in (ours, hf):
+    for rec, wall in ((ours, OURS_S), (hf, HF_S)):
         assert rec["workload"] == "W1" and rec["model"] == "tiny-llama" and rec["full_size"] is False
         assert rec["num_prompts"] == 5 and rec["input_len_range"] == [4, 12] and rec["output_len_range"] == [2, 6]
-        assert 5 * 4 <= rec["input_tokens"] <= 5 * 12
-        assert rec["output_tokens"] == ours["output_tokens"]  # ignore_eos: every request runs to its max_new_tokens
-        assert rec["output_tok_s"] > 0 and rec["wall_s"] > 0
-    assert 5 * 2 <= ours["output_tokens"] <= 5 * 6
-    assert 2 <= ours["forward_ct"] <= ours["output_tokens"]  # batched: fewer steps than tokens
-    assert summary["speedup_output_tok_s"] == round(ours["output_tok_s"] / hf["output_tok_s"], 3)
+        # a batch's padding (HF runs each batch to its longest request) is not output
+        assert (rec["input_tokens"], rec["output_tokens"], rec["wall_s"]) == (in_tokens, out_tokens, wall)
+        # rates per second of the timed wall (exact: the walls divide the counts into quarters)
+        assert rec["output_tok_s"] == out_tokens / wall and rec["total_tok_s"] == (in_tokens + out_tokens) / wall
+        assert rec["request_s"] == 5 / wall
+    assert hf["generated_tokens_incl_padding"] >= out_tokens
+    assert 2 <= ours["forward_ct"] <= out_tokens  # batched: fewer steps than tokens
+    assert summary["speedup_output_tok_s"] == HF_S / OURS_S

@@ -31,7 +31,7 @@ from disagg_server_harness import (
     DECODE_ARGS, GREEDY, PDPair, abort_message, assert_memory_ok, generate, new_room, prefill_args, replica_states,
     scheduler_pids,
 )
-from radixserve.disaggregation import KVPoll, KVTransferConfig, KVTransferError
+from radixserve.disaggregation import KVPoll, KVTransferConfig, KVTransferError, get_kv_classes
 from radixserve.disaggregation.bootstrap import (
     KVBootstrapServer, query_prefill_rank, register_prefill_rank, wait_for_prefill_rank,
 )
@@ -60,6 +60,17 @@ def test_modes_take_dp_and_several_nodes():
         args = ServerArgs.from_kwargs(model_path="tiny-llama", load_format="dummy", device="cpu", tp_size=2, nnodes=2,
                                       node_rank=1, dist_init_addr="127.0.0.1:29500", disaggregation_mode=mode)
         assert args.local_tp_ranks() == range(1, 2)  # tests/test_disagg_nodes.py serves through such servers
+
+
+@pytest.mark.parametrize("backend,why", [("mooncake", "needs CUDA and RDMA"), ("nixl", "needs CUDA and RDMA"),
+                                         ("gloo", "unknown transfer backend")])
+def test_a_transfer_backend_this_build_lacks_is_refused_at_start_up_and_by_get_kv_classes(backend, why):
+    assert set(get_kv_classes("torch")) == {"manager", "sender", "receiver", "bootstrap_server"}
+    with pytest.raises(ValueError, match=why):
+        get_kv_classes(backend)
+    with pytest.raises(ValueError, match=f"^disaggregation_transfer_backend: .*{why}"):
+        ServerArgs.from_kwargs(model_path="tiny-llama", disaggregation_mode="prefill",
+                               disaggregation_transfer_backend=backend)
 
 
 def test_bootstrap_registry_is_keyed_by_dp_group():

@@ -19,7 +19,6 @@ import torch
 
 from radixserve.disaggregation.base import KVPoll
 from radixserve.disaggregation.bootstrap import KVBootstrapServer
-from radixserve.managers import disagg_prefill
 from radixserve.managers.scheduler_factory import build_scheduler
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
@@ -72,8 +71,8 @@ def scheduler():
 
 
 @pytest.fixture
-def stand_in(monkeypatch):
-    monkeypatch.setattr(disagg_prefill, "TorchDistKVSender", StandInSender)
+def stand_in(scheduler, monkeypatch):
+    monkeypatch.setitem(scheduler.disagg.kv_classes, "sender", StandInSender)  # the transfer backend's sender
 
 
 def add(s, n: int, max_new: int = 4):
@@ -100,11 +99,11 @@ def test_a_prompt_in_flight_holds_its_kv_then_is_sent_and_ends_with_its_first_to
     s = scheduler
     reqs = [add(s, 20), add(s, 9), add(s, 40)]  # chunks of 32: the third is cut, so the batch is not drained
     s.step()  # bootstrapped: into the waiting queue, prefilled, results next step
-    assert s._in_flight is not None and s.chunked_req is reqs[2]
+    assert s.in_flight_reqs() == reqs and s.chunked_req is reqs[2]
     assert s.disagg.holding() == reqs[:2]  # the chunked one counts as the chunked request
     assert all(r.kv_sender.sent is None for r in reqs) and not s.disagg.inflight_queue
     assert s.step() == []  # processed (sent, waiting for the transfer) behind the next chunk
-    assert s.disagg.inflight_queue == reqs[:2] and s._in_flight is not None
+    assert s.disagg.inflight_queue == reqs[:2] and s.in_flight_reqs() == [reqs[2]]
     run_until_idle(s, until=lambda: reqs[2] in s.disagg.inflight_queue)
     pool = s.req_to_token_pool.req_to_token
     for req in reqs:

@@ -147,6 +147,13 @@ def test_more_top_logprobs_than_a_transfer_carries_are_refused(servers):
         assert out.status_code == 400 and "top_logprobs_num" in out.text, out.text
 
 
+def test_token_ids_logprobs_a_transfer_does_not_carry_are_refused(servers):
+    body = servers["pair"].body(PROMPTS[1], return_logprob=True, token_ids_logprob=[3, 4])
+    for name in ("prefill", "decode"):
+        out = generate(servers[name].url, body)
+        assert out.status_code == 400 and out.json()["error"]["param"] == "token_ids_logprob", out.text
+
+
 def test_decode_request_whose_prefill_never_comes(servers):
     """A room no prefill request claims: the decode side gives up after its
     waiting timeout, frees what it reserved, and serves the next pair."""

@@ -259,6 +259,41 @@ def test_logprobs_match_hf(llama, overlap):
         assert [t for _, t in top] == ref[len(ids) - 1 + k].topk(3).indices.tolist()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_token_ids_logprobs_match_hf(llama, overlap):
+    """SGLang's ``token_ids_logprob``: the logprobs of the ids named, in their
+    order, at every prompt position (the first None, as for the top
+    logprobs; chunks of 8 score the next chunk's first token from their last
+    logits) and at every output position, per prompt in a batch; one list
+    for every prompt; ignored without ``return_logprob``, as in SGLang."""
+    folder, hf = llama
+    batch = prompts([20, 11, 9], seed=3)
+    named = [[7, 300, batch[0][0], 7], [0, 319], []]
+    params = {**GREEDY, "max_new_tokens": 5}
+    with engine(folder, overlap, chunked_prefill_size=8) as eng:
+        outs = eng.generate(input_ids=batch, sampling_params=params, return_logprob=True, logprob_start_len=0,
+                            token_ids_logprob=named)
+        shared = eng.generate(input_ids=batch, sampling_params=params, return_logprob=True, token_ids_logprob=[1, 2])
+        quiet = eng.generate(input_ids=batch[0], sampling_params=params, token_ids_logprob=[5])
+    for ids, ask, out in zip(batch, named, outs):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([ids + out["output_ids"]])).logits[0].float(), -1)
+        meta = out["meta_info"]
+        inp, outp = meta["input_token_ids_logprobs"], meta["output_token_ids_logprobs"]
+        assert inp[0] is None and len(inp) == len(ids) and len(outp) == len(out["output_ids"]) == 5
+        for q, entry in enumerate(inp[1:], start=1):
+            assert [t for _, t in entry] == ask
+            assert [lp for lp, _ in entry] == pytest.approx([float(ref[q - 1, t]) for t in ask], abs=1e-4)
+        for k, entry in enumerate(outp):
+            assert [t for _, t in entry] == ask
+            assert [lp for lp, _ in entry] == pytest.approx([float(ref[len(ids) - 1 + k, t]) for t in ask], abs=1e-4)
+    for out, want in zip(shared, outs):  # no prompt positions scored (logprob_start_len -1)
+        meta = out["meta_info"]
+        assert meta["input_token_ids_logprobs"] == [] and out["output_ids"] == want["output_ids"]
+        assert [[t for _, t in entry] for entry in meta["output_token_ids_logprobs"]] == [[1, 2]] * 5
+    assert "input_token_ids_logprobs" not in quiet["meta_info"]
+
+
 @pytest.mark.parametrize("start", [5, 8, 13])
 def test_input_logprobs_from_a_start_follow_sglang(llama, start):
     """``logprob_start_len > 0``, in chunks of 8 (8 opens the second one) and
@@ -392,14 +427,14 @@ def test_overlap_queues_the_next_chunk_behind_the_one_in_flight(llama, page_size
     batch.append(list(batch[0]))
     params = {**GREEDY, "max_new_tokens": 6}
     with overlap_engine(folder, page_size=page_size, chunked_prefill_size=16) as eng:
-        sched, launch = eng.scheduler, eng.scheduler._launch_forward
+        sched, launch = eng.scheduler, eng.scheduler.launch_batch
         behind = []
 
         def spy(batch):
             behind.extend(r.kv_inflight > 0 for r in batch.reqs if batch.forward_mode.is_extend())
             return launch(batch)
 
-        sched._launch_forward = spy
+        sched.launch_batch = spy
         check_against_hf(eng, hf, batch, params)
         assert sum(behind) >= 4, "next chunks waited for the chunk in flight"
         eng.scheduler.tree_cache.evict(10**9)
@@ -422,14 +457,14 @@ def test_mixed_chunk_decodes_inside_prefills_with_the_same_tokens(llama, overlap
     mixed_steps, undrained = [], []
     with engine(folder, overlap=overlap, enable_mixed_chunk=True, max_running_requests=3,
                 chunked_prefill_size=16) as eng:
-        launch = eng.scheduler._launch_forward
+        launch = eng.scheduler.launch_batch
 
         def spy(b):
             mixed_steps.append(len(b.decoding_reqs))
             undrained.append(any(r.kv_inflight for r in b.decoding_reqs))
             return launch(b)
 
-        eng.scheduler._launch_forward = spy
+        eng.scheduler.launch_batch = spy
         outs = eng.generate(input_ids=batch, sampling_params=params)
         for ids, p, out in zip(batch, params, outs):
             assert out["output_ids"] == hf_greedy(hf, ids, p["max_new_tokens"])
@@ -463,7 +498,7 @@ def test_mixed_steps_sized_by_the_queue_take_no_more_prompt_than_their_budget(ll
     monkeypatch.setattr(scheduler_module, "mixed_step_budget", spy_budget)
     with engine(folder, overlap=overlap, enable_mixed_chunk=True, max_running_requests=3,
                 chunked_prefill_size=64, mixed_chunk_min_size=16) as eng:
-        prefill = eng.scheduler._get_new_batch_prefill
+        prefill = eng.scheduler.get_new_batch_prefill
 
         def spy_prefill():
             budgets.append(None)
@@ -473,7 +508,7 @@ def test_mixed_steps_sized_by_the_queue_take_no_more_prompt_than_their_budget(ll
                 steps.append((budgets[-1], riders, sum(r.extend_input_len for r in b.reqs[:len(b.reqs) - riders])))
             return b
 
-        eng.scheduler._get_new_batch_prefill = spy_prefill
+        eng.scheduler.get_new_batch_prefill = spy_prefill
         outs = eng.generate(input_ids=batch, sampling_params=params)
     for ids, p, out in zip(batch, params, outs):
         assert out["output_ids"] == hf_greedy(hf, ids, p["max_new_tokens"])

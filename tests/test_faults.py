@@ -20,6 +20,7 @@ import msgpack
 import pytest
 import zmq
 
+from radixserve.entrypoints.launcher import scheduler_addr
 from server_harness import ServerProcess, alive, wait_for
 
 TINY = ("--model-path", "tiny-llama", "--max-total-tokens", "4096")
@@ -148,7 +149,7 @@ def limited(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ipc")
     srv = ServerProcess(*TINY, "--max-running-requests", "2", "--max-queued-requests", "2",
                         "--http-header-timeout", "1", "--max-connections", "16",
-                        env={"TMPDIR": str(tmp), "RADIXSERVE_HEALTH_CHECK_TIMEOUT": "1"})
+                        env={"TMPDIR": str(tmp), "RADIXSERVE_HEALTH_CHECK_TIMEOUT": "1"}, log_path=tmp / "server.log")
     srv.tmp = tmp
     yield _warm(srv)
     assert srv.stop() == 0
@@ -215,19 +216,27 @@ def test_garbage_on_the_ipc_sockets_is_dropped(limited):
     ctx = zmq.Context()
     try:
         sockets = {}
-        for name in ("scheduler", "detokenizer", "tokenizer"):
+        addresses = {"scheduler": scheduler_addr(str(ipc), 0), "detokenizer": f"ipc://{ipc}/detokenizer",
+                     "tokenizer": f"ipc://{ipc}/tokenizer"}
+        for name, address in addresses.items():
             sockets[name] = ctx.socket(zmq.PUSH)
             sockets[name].setsockopt(zmq.LINGER, 2000)
-            sockets[name].connect(f"ipc://{ipc}/{name}")
+            sockets[name].connect(address)
         junk = [b"\x00junk", msgpack.packb(5), msgpack.packb(["NoSuchMessage", {}]),
                 msgpack.packb(["TokenizedGenerateReqInput", {"rid": 5, "input_ids": "x"}]),
                 msgpack.packb(["TokenizedGenerateReqInput", {"rid": "r1", "input_ids": [10 ** 9], "sampling_params": {}}]),
                 msgpack.packb(["TokenizedGenerateReqInput", {"rid": "r2", "input_ids": [1], "sampling_params": {"n": "x"}}]),
                 msgpack.packb(["BatchTokenIDOut", {"rids": ["r3"], "new_ids": [[1]], "meta": "x"}])]
         for sock in sockets.values():
-            for data in junk:
+            for data in [*junk, msgpack.packb(["EndOfJunk", {}])]:
                 sock.send(data)
-        time.sleep(1)  # nothing outside the server shows that the junk was read: let it arrive first
+        # A socket's messages arrive in order: once each process has logged
+        # dropping the last one, it has handled all of them.
+        log = limited.tmp / "server.log"
+        ends = ("[scheduler] dropped a malformed message: unknown message type 'EndOfJunk'",
+                "[detokenizer] dropped a malformed message: unknown message type 'EndOfJunk'",
+                "dropped a message from the detokenizer: ValueError: unknown message type 'EndOfJunk'")
+        wait_for(lambda: all(end in log.read_text() for end in ends), 30, "every process's drop of the last message")
     finally:
         ctx.destroy(linger=2000)
     r = httpx.post(limited.url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}})

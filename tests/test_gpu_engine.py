@@ -7,8 +7,9 @@ Requests of mixed prompt lengths and output lengths make the decode batch
 shrink step by step, so graphs replay padded. HF then scores our prompt +
 output in one forward (teacher forcing): each of our greedy tokens must be
 HF's argmax wherever HF's top-2 margin is clear, and our logprobs (of the
-outputs, and of the prompts' own tokens as the extend scores them) must match
-HF's within bf16 tolerance. A tiny KV pool checks retraction on the GPU.
+outputs, and of the prompts' own tokens as the extend scores them, and of
+the ids ``token_ids_logprob`` names at each) must match HF's within bf16
+tolerance. A tiny KV pool checks retraction on the GPU.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ MARGIN = 0.5  # top-2 logprob gap beyond which bf16 noise cannot flip the argmax
 # |our logprob - HF's| of the chosen tokens: two bf16 computations of a
 # 4-layer model differ by ~0.05 typically, with outliers near 0.2.
 LOGPROB_MAX_DIFF, LOGPROB_MEAN_DIFF = 0.3, 0.08
+ASKED = [0, 17, 4095]  # token_ids_logprob: ids scored at every position, whichever token comes
+# Mostly unlikely tokens there: logprobs of larger magnitude, so bf16's relative error is larger in absolute terms.
+ASKED_MAX_DIFF = 0.6
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -80,25 +84,31 @@ def test_greedy_and_logprobs_match_hf(checkpoint, cuda_graph, overlap):
         assert eng.scheduler.overlap == overlap
         pieces = _count_piecewise_extends(runner)
         plain = eng.generate(input_ids=prompts, sampling_params=params)
-        scored = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2)
+        scored = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2,
+                              token_ids_logprob=ASKED)
         inputs = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                              logprob_start_len=0)
+                              logprob_start_len=0, token_ids_logprob=ASKED)
         assert (len(pieces) >= 2) == cuda_graph  # the prompts' extends replayed pieces
         if cuda_graph:
             del runner.piecewise_runner.forward  # no cycle keeps the KV pool alive after the engine
         assert eng.scheduler.is_idle()
         eng.scheduler.check_memory()
 
-    checked, diffs, in_diffs = 0, [], []
+    checked, diffs, in_diffs, asked_diffs = 0, [], [], []
     for prompt, out, with_lp, prompt_lp in zip(prompts, plain, scored, inputs):
         checked += _check_greedy(hf, prompt, out["output_ids"])
         assert len(out["output_ids"]) == len(with_lp["output_ids"])
         ref = _hf_logprobs(hf, prompt, with_lp["output_ids"])
         diffs += [abs(lp - float(ref[k, tok])) for k, (lp, tok) in enumerate(with_lp["meta_info"]["output_token_logprobs"])]
+        asked = with_lp["meta_info"]["output_token_ids_logprobs"]
+        asked_diffs += [abs(lp - float(ref[k, tok])) for k, entry in enumerate(asked) for lp, tok in entry]
         if len(prompt) > 1:  # the prompt's own tokens, scored by the extend
             ref_in = _hf_logprobs(hf, prompt[:1], prompt[1:])
             in_diffs += [abs(lp - float(ref_in[k, tok]))
                          for k, (lp, tok) in enumerate(prompt_lp["meta_info"]["input_token_logprobs"][1:])]
+            asked = prompt_lp["meta_info"]["input_token_ids_logprobs"][1:]
+            assert [[tok for _, tok in entry] for entry in asked] == [ASKED] * (len(prompt) - 1)
+            asked_diffs += [abs(lp - float(ref_in[k, tok])) for k, entry in enumerate(asked) for lp, tok in entry]
     in_diffs.sort()
     print(f"logprob |diff| vs HF: max {max(diffs):.3f} mean {sum(diffs) / len(diffs):.4f}; {checked} tokens checked; "
           f"{len(in_diffs)} prompt tokens: max {in_diffs[-1]:.3f} p99.9 {in_diffs[len(in_diffs) * 999 // 1000]:.3f} "
@@ -107,6 +117,9 @@ def test_greedy_and_logprobs_match_hf(checkpoint, cuda_graph, overlap):
     # The prompts' ~2,000 scored tokens: the same bound on all but the rarest outliers.
     assert in_diffs[len(in_diffs) * 999 // 1000] <= LOGPROB_MAX_DIFF and sum(in_diffs) / len(in_diffs) <= LOGPROB_MEAN_DIFF
     assert checked >= sum(OUTPUT_LENS) // 3  # many steps have a clear winner
+    print(f"token_ids_logprob |diff| vs HF: max {max(asked_diffs):.3f} mean {sum(asked_diffs) / len(asked_diffs):.4f} "
+          f"over {len(asked_diffs)}")
+    assert max(asked_diffs) <= ASKED_MAX_DIFF and sum(asked_diffs) / len(asked_diffs) <= LOGPROB_MEAN_DIFF
 
 
 @pytest.mark.parametrize("page_size, pool, new_tokens", [(1, 160, 40), (16, 160, 80)])
@@ -157,17 +170,17 @@ def test_mixed_chunk_keeps_outputs(checkpoint):
         max_total_tokens=16384, enable_mixed_chunk=True, check_invariants=True,
         disable_tqdm=True,
     ) as eng:
-        launch, mixed = eng.scheduler._launch_forward, []
+        launch, mixed = eng.scheduler.launch_batch, []
 
         def spy(batch):
             mixed.append(len(batch.decoding_reqs))
             return launch(batch)
 
-        eng.scheduler._launch_forward = spy
+        eng.scheduler.launch_batch = spy
         pieces = _count_piecewise_extends(eng.scheduler.model_runner)
         outs = eng.generate(input_ids=prompts, sampling_params=[
             {"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in OUTPUT_LENS])
-        del eng.scheduler._launch_forward  # no cycle keeps the KV pool alive after the engine
+        del eng.scheduler.launch_batch  # no cycle keeps the KV pool alive after the engine
         del eng.scheduler.model_runner.piecewise_runner.forward
     assert sum(1 for n in mixed if n) >= 5 and len(pieces) >= sum(1 for n in mixed if n)
     checked = sum(_check_greedy(hf, p, o["output_ids"]) for p, o in zip(prompts, outs))

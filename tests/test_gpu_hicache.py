@@ -36,7 +36,7 @@ def test_streams_and_events_move_the_kv():
     cache = HiRadixCache(ReqToTokenPool(8, 2048, "cuda"), alloc, 1, host, "write_through")
     key = list(range(1000))
     slots = alloc.alloc(1000)
-    before = [pool.k_buffer[l][slots].clone() for l in range(4)]
+    before = [pool.k_buffer[layer][slots].clone() for layer in range(4)]
     cache.insert(key, slots)
     torch.cuda.synchronize()
     cache.poll()

@@ -57,10 +57,9 @@ def test_a_compile_over_the_memory_limit_is_refused_and_remembered(tokenizer):
             box.check("json_schema", bomb)
         assert box.refused == 1
         box.check("regex", r"\d{3}-\d{4}")  # a fresh worker takes over
-        start = time.monotonic()
         with pytest.raises(ValueError, match="--grammar-compile-max-mb"):
             box.check("json_schema", bomb)
-        assert time.monotonic() - start < 0.5 and box.refused == 1  # the verdict, not a second trial
+        assert box.refused == 1  # the verdict, not a second trial (which would count a second refusal)
         with pytest.raises(ValueError, match=r"^ebnf: invalid ebnf"):  # the compiler's own errors name the kind
             box.check("ebnf", 'root ::= "a" undefined_rule')
     finally:

@@ -17,12 +17,12 @@ import radixserve
 from radixserve.mem_cache import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.mem_cache.hicache_storage import FileTier
 from radixserve.mem_cache import hiradix_cache
-from radixserve.mem_cache.hiradix_cache import WRITE_POLICIES, HiRadixCache
+from radixserve.mem_cache.hiradix_cache import HiRadixCache
 from radixserve.mem_cache.storage import HiCacheFile
 from radixserve.mem_cache.host_pool import HostKVPool, host_pool_tokens, runs
 from radixserve.mem_cache.invariants import check_memory_invariant
 from radixserve.sampling.sampling_params import SamplingParams
-from radixserve.server_args import ServerArgs
+from radixserve.server_args import HICACHE_WRITE_POLICIES, ServerArgs
 from test_engine import GREEDY, hf_greedy, llama  # noqa: F401  (fixture)
 
 # -- the host pool ------------------------------------------------------------------
@@ -45,7 +45,7 @@ def test_runs_split_consecutive_slots():
 def test_backup_then_load_moves_every_layer():
     pool, host = make_pools()
     src = torch.tensor([3, 17, 4, 60])
-    before = [(pool.k_buffer[l][src].clone(), pool.v_buffer[l][src].clone()) for l in range(3)]
+    before = [(pool.k_buffer[layer][src].clone(), pool.v_buffer[layer][src].clone()) for layer in range(3)]
     host_slots = host.allocator.alloc(4)
     host.backup_from_device(src, host_slots)
     dst = torch.tensor([30, 31, 8, 9])
@@ -82,7 +82,7 @@ def put(cache, alloc, tokens):
 
 
 def kv_of(pool, slots):
-    return torch.stack([pool.k_buffer[l][slots] for l in range(pool.layer_num)])
+    return torch.stack([pool.k_buffer[layer][slots] for layer in range(pool.layer_num)])
 
 
 class OtherRankBehind:
@@ -338,7 +338,7 @@ def test_a_device_node_over_host_only_children_is_evicted_in_its_turn():
 
 
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
-@pytest.mark.parametrize("policy", WRITE_POLICIES)
+@pytest.mark.parametrize("policy", HICACHE_WRITE_POLICIES)
 def test_device_eviction_takes_the_policy_first_of_the_whole_tree(monkeypatch, policy, eviction):
     """Device eviction pops a heap of device leaves kept up to date as the
     tree changes; each node it gives up must be the one a walk of the whole

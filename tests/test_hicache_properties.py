@@ -15,8 +15,9 @@ from hypothesis.stateful import initialize, invariant, rule
 from mem_harness import Harness, RequestRules, request_tokens
 from radixserve.mem_cache import MHATokenToKVPool
 from radixserve.mem_cache import hiradix_cache
-from radixserve.mem_cache.hiradix_cache import WRITE_POLICIES, HiRadixCache
+from radixserve.mem_cache.hiradix_cache import HiRadixCache
 from radixserve.mem_cache.host_pool import HostKVPool
+from radixserve.server_args import HICACHE_WRITE_POLICIES
 
 LAYERS = 2
 THRESHOLD = hiradix_cache.LOAD_BACK_THRESHOLD
@@ -91,7 +92,7 @@ class HiHarness(Harness):
 
 
 class HiCacheMachine(RequestRules):
-    @initialize(page_size=st.sampled_from([1, 2, 4]), policy=st.sampled_from(WRITE_POLICIES),
+    @initialize(page_size=st.sampled_from([1, 2, 4]), policy=st.sampled_from(HICACHE_WRITE_POLICIES),
                 host_pages=st.integers(48, 120), lag=st.integers(0, 3), eviction=st.sampled_from(["lru", "lfu"]))
     def setup(self, page_size, policy, host_pages, lag, eviction):
         hiradix_cache.LOAD_BACK_THRESHOLD = 1  # short keys: load back any host hit (restored in teardown)

@@ -6,31 +6,24 @@ is whole."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
-import time
 
 import httpx
 import pytest
 
-from server_harness import ServerProcess
-
 pytestmark = pytest.mark.slow
-KEY = "hostile-key"
-HEADERS = {"Authorization": f"Bearer {KEY}"}
-PROMPT_CHARS = 3_000_000  # --max-prompt-chars, raised so that a prompt can take the tokenizer seconds
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--max-total-tokens", "8192", "--max-prompt-chars", str(PROMPT_CHARS), api_key=KEY)
-    yield srv
-    assert srv.stop() == 0
+def server(smollm2_keyed):
+    return smollm2_keyed  # conftest.py: shared with test_server_native.py and test_server_openai.py
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    with httpx.Client(base_url=server.url, headers=HEADERS, timeout=120) as c:
+    with httpx.Client(base_url=server.url, headers=server.headers(), timeout=120) as c:
         yield c
 
 
@@ -131,33 +124,65 @@ def test_a_50_mb_body_gets_413(server, client):
     assert_still_serving(server, client)
 
 
-def test_health_answers_during_a_large_tokenization(server, client):
-    too_long = client.post("/generate", json={"text": "a" * (PROMPT_CHARS + 1)})
+def test_prompts_past_the_character_or_token_limit_get_a_400(server, client):
+    from radixserve.server_args import CHARS_PER_TOKEN_LIMIT
+
+    context = client.get("/get_model_info").json()["context_length"]
+    max_chars = CHARS_PER_TOKEN_LIMIT * context  # the default --max-prompt-chars
+    too_long = client.post("/generate", json={"text": "a" * (max_chars + 1)})
     assert "--max-prompt-chars" in assert_error(too_long, 400, "text")["message"]
-    text = "The quick brown fox jumps over the lazy dog. " * (PROMPT_CHARS // 46)
-    result = {}
-
-    def big():
-        result["r"] = httpx.post(server.url + "/generate", json={"text": text}, headers=HEADERS, timeout=300)
-
-    worker = threading.Thread(target=big)
-    worker.start()
-    waits = []
-    while worker.is_alive():
-        t0 = time.monotonic()
-        assert httpx.get(server.url + "/health", timeout=5).status_code == 200
-        waits.append(time.monotonic() - t0)
-        time.sleep(0.05)
-    worker.join()
-    assert "context window" in assert_error(result["r"], 400, "text")["message"]
-    assert len(waits) >= 5, "the tokenization took long enough to be observed"
-    assert max(waits) < 1.0, f"/health waited {max(waits):.2f}s while a prompt was tokenized"
+    too_many_tokens = "The quick brown fox jumps over the lazy dog. " * (max_chars // 46)
+    r = client.post("/generate", json={"text": too_many_tokens})
+    assert "context window" in assert_error(r, 400, "text")["message"]
     assert_still_serving(server, client)
 
 
-def test_server_info_never_shows_the_api_key(client):
+def test_health_answers_while_a_prompt_is_tokenized(tmp_path):
+    """A long prompt is tokenized off the event loop: with its tokenizer held
+    (in-process, so that the test knows when the tokenization runs), /health
+    answers, and the request gets its answer once the tokenizer returns."""
+    from radixserve.entrypoints.http_server import create_app
+    from radixserve.entrypoints.launcher import EngineProcesses
+    from radixserve.managers.tokenizer_manager import INLINE_TOKENIZE_CHARS, RequestLimits, TokenizerManager
+    from radixserve.server_args import ServerArgs
+
+    running, release = threading.Event(), threading.Event()
+
+    class HeldTokenizer:
+        """encode() runs until the test releases it (or 60 s, should the event loop be the one it holds)."""
+
+        def encode(self, text):
+            running.set()
+            release.wait(60)
+            return [1] * 100
+
+    model_info = {"context_len": 64, "vocab_size": 100}
+    tm = TokenizerManager(HeldTokenizer(), model_info, "held", f"ipc://{tmp_path}/scheduler",
+                          f"ipc://{tmp_path}/tokenizer", RequestLimits(max_prompt_chars=10**6))
+    args = ServerArgs.from_kwargs(model_path="tiny-llama")
+    app = create_app(EngineProcesses(tm, [], str(tmp_path), model_info), args)
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as ac:
+            big = asyncio.create_task(ac.post("/generate", json={"text": "a" * (INLINE_TOKENIZE_CHARS + 1)}))
+            assert await asyncio.to_thread(running.wait, 60), "the tokenizer was never called"
+            health = await ac.get("/health")
+            tokenizing = not big.done()
+            release.set()
+            return health, tokenizing, await big
+
+    try:
+        health, tokenizing, big = asyncio.run(run())
+    finally:
+        release.set()
+        tm.close()
+    assert health.status_code == 200 and tokenizing, "/health answered only after the tokenization"
+    assert "context window" in assert_error(big, 400, "text")["message"]
+
+
+def test_server_info_never_shows_the_api_key(server, client):
     info = client.get("/get_server_info").json()
-    assert "api_key" not in info and KEY not in json.dumps(info)
+    assert "api_key" not in info and server.api_key not in json.dumps(info)
 
 
 def test_chat_content_cannot_forge_role_markers(client):

@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import gguf
 import numpy as np
@@ -326,9 +325,7 @@ def test_second_load_is_a_cache_hit(tmp_path, cache_dir, monkeypatch):
         raise AssertionError("cache hit expected")
 
     monkeypatch.setattr(gguf_loader, "convert_gguf", must_not_convert)
-    start = time.perf_counter()
     assert load_gguf(str(path)) == folder
-    assert time.perf_counter() - start < 0.5
     assert os.stat(weights).st_mtime_ns == before
     assert resolve_model(str(path)).weights_dir == folder
     dummy = resolve_model(str(path), load_format="dummy")  # the GGUF's config, random weights

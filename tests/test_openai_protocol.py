@@ -5,6 +5,7 @@ types (strict) and its client (as users run it) against a test-local app."""
 
 from __future__ import annotations
 
+import json
 
 import openai
 import pytest
@@ -20,8 +21,10 @@ from transformers import PreTrainedTokenizerFast
 
 from radixserve.entrypoints.openai import adapters
 from radixserve.entrypoints.openai.protocol import MAX_N, ChatCompletionRequest, CompletionRequest
+from radixserve.entrypoints.openai.serving import add_openai_routes
 from radixserve.managers.io_struct import GenerateReqInput
 from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.validation import NO_OP_VALUES, NoOpOnly
 
 WORDS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "hello", "world", "hi", "there", "!"]
 TEMPLATE = (
@@ -146,6 +149,21 @@ def test_unknown_fields_ignored_and_neutral_unsupported_values_accepted():
     )
     assert req.user == "u1" and req.store is False and req.temperature is None
     assert not hasattr(req, "some_vendor_field")
+
+
+NO_OP_MODELS = [(GenerateReqInput, {"text": "hi"}), (SamplingParams, {}), (CompletionRequest, {"prompt": "x"}),
+                (ChatCompletionRequest, {"messages": USER_HI})]
+
+
+@pytest.mark.parametrize("cls,body", NO_OP_MODELS, ids=lambda v: getattr(v, "__name__", ""))
+def test_fields_not_implemented_take_their_no_op_values_and_refuse_others_by_name(cls, body):
+    fields = [name for name, f in cls.__pydantic_fields__.items() if f.metadata == list(NoOpOnly.__metadata__)]
+    assert len(fields) >= 4
+    for name in fields:
+        for value in NO_OP_VALUES[name]:
+            assert getattr(cls(**body, **{name: value}), name) == value
+        with pytest.raises(ValidationError, match=f"'{name}' is not supported by this server"):
+            cls(**body, **{name: {"asks": "for something"}})
 
 
 def test_prompt_shapes_accepted():
@@ -283,6 +301,65 @@ def test_chat_without_template_or_rejected_by_it(tokenizer):
     strict.chat_template = "{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}x"
     with pytest.raises(ValueError, match="^messages: .*user first"):
         adapters.render_chat(ChatCompletionRequest(messages=[{"role": "assistant", "content": "x"}]), strict)
+
+
+def test_reasoning_effort_reaches_a_template_that_takes_it(tokenizer):
+    """As SGLang: the level is a template variable, with ``thinking`` and
+    ``enable_thinking`` defaulting to whether it is not "none"; a template
+    that does not read it renders as without it."""
+    effort = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer)
+    effort.chat_template = "{{ reasoning_effort }}|{{ enable_thinking }}|{{ thinking }}"
+
+    def render(tok, **fields):
+        return adapters.render_chat(ChatCompletionRequest(messages=USER_HI, **fields), tok)
+
+    assert render(effort, reasoning_effort="high") == "high|True|True"
+    assert render(effort, reasoning_effort="none") == "none|False|False"
+    assert render(effort, reasoning_effort=0.25) == "0.25|True|True"
+    assert render(effort, reasoning_effort="low", chat_template_kwargs={"enable_thinking": False}) == "low|False|True"
+    assert render(effort) == "||"
+    assert render(tokenizer, reasoning_effort="medium") == render(tokenizer)
+    for bad in ("extreme", 1.5, True):
+        err = error_of(ChatCompletionRequest, {"messages": USER_HI, "reasoning_effort": bad})
+        assert err["param"] == "reasoning_effort"
+
+
+class FakeTokenizerManager:
+    """What the OpenAI routes use of a TokenizerManager, with ``fake_generate`` for the engine."""
+
+    served_model_name, model_names, context_len = "tiny", {"tiny", "/models/tiny"}, 64
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    async def run_blocking(self, fn, *args):
+        return fn(*args)
+
+    async def generate_request(self, obj: GenerateReqInput, request=None):
+        prompt = {"text": obj.text} if obj.text is not None else {"input_ids": obj.input_ids}
+        for out in fake_generate({**prompt, "sampling_params": obj.sampling_params or {}}):
+            yield out
+
+
+def test_any_model_name_is_served_and_echoed_and_an_adapter_is_refused(tokenizer):
+    """SGLang serves its model whatever ``model`` says (sglang-router fills
+    one in) and echoes it; ``base:adapter`` asks for a LoRA adapter, which a
+    server without LoRA refuses (400 naming ``model``)."""
+    app = FastAPI()
+    add_openai_routes(app, FakeTokenizerManager(tokenizer))
+    http = TestClient(app)
+    for name in ("tiny", "gpt-5", "default", "/models/tiny", "org/tiny:"):  # "x:" names no adapter
+        reply = http.post("/v1/chat/completions", json={"model": name, "messages": USER_HI})
+        assert reply.status_code == 200 and reply.json()["model"] == name, reply.text
+    assert http.post("/v1/completions", json={"prompt": "hi"}).json()["model"] == "tiny"
+    stream = http.post("/v1/completions", json={"model": "gpt-5", "prompt": "hi", "stream": True}).text
+    chunks = [json.loads(line[6:]) for line in stream.splitlines() if line.startswith("data: {")]
+    assert chunks and all(c["model"] == "gpt-5" for c in chunks)
+    for route, body in (("/v1/chat/completions", {"messages": USER_HI}), ("/v1/completions", {"prompt": "hi"})):
+        reply = http.post(route, json={"model": "tiny:sql-adapter", **body})
+        error = reply.json()["error"]
+        assert reply.status_code == 400 and error["param"] == "model"
+        assert "LoRA adapter 'sql-adapter'" in error["message"]
 
 
 # -- outputs -> responses -------------------------------------------------------------------------

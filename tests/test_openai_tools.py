@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import jsonschema
 import openai
@@ -271,7 +270,6 @@ async def fake_outputs(text: str, piece: int):
 
 def build_app(piece: int) -> FastAPI:
     app = FastAPI()
-    tm = SimpleNamespace(served_model_name="tiny")
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_: Request, exc: RequestValidationError):
@@ -283,7 +281,7 @@ def build_app(piece: int) -> FastAPI:
         text = SCRIPTS[req.messages[-1].text()]
         if not req.stream:
             return adapters.build_chat_response(req, [output(text)], "tiny", 1, parsing=parsing).model_dump()
-        events = serving._chat_events(req, tm, fake_outputs(text, piece), "chatcmpl-1", 1, parsing)
+        events = serving._chat_events(req, "tiny", fake_outputs(text, piece), "chatcmpl-1", 1, parsing)
         return StreamingResponse(sse_stream(events), media_type="text/event-stream")
 
     return app
@@ -345,8 +343,7 @@ def test_stream_chunks_in_openais_shape(client):
 
 def test_stream_loop_without_parsers_is_unchanged():
     req = chat(stream=True)
-    events = serving._chat_events(req, SimpleNamespace(served_model_name="m"), fake_outputs("<think>x", 3), "id", 1,
-                                  chat_parsing(req))
+    events = serving._chat_events(req, "m", fake_outputs("<think>x", 3), "id", 1, chat_parsing(req))
 
     async def collect():
         return [e async for e in events]

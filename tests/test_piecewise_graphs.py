@@ -15,12 +15,8 @@ from test_engine import GREEDY, hf_greedy, llama, prompts, tiny  # noqa: F401 (f
 from triton_interpreter import run_interpreted
 
 import radixserve
-from radixserve.model_executor.piecewise_cuda_graph_runner import (
-    PiecewiseCudaGraphRunner,
-    default_token_sizes,
-    supports_pieces,
-)
-from radixserve.server_args import ServerArgs
+from radixserve.model_executor.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner, supports_pieces
+from radixserve.server_args import ServerArgs, piecewise_token_sizes
 
 SIZES = [8, 32, 64, 128]  # small, so that most extends pad and the largest do not fit
 
@@ -50,9 +46,9 @@ def spy_on_pieces(eng) -> list[tuple[int, int]]:
     return seen
 
 
-def test_default_token_sizes_pad_little():
+def test_piecewise_token_sizes_pad_little():
     for max_tokens in (1, 7, 100, 1024, 4096, 8192):
-        sizes = default_token_sizes(max_tokens)
+        sizes = piecewise_token_sizes(max_tokens)
         assert sizes == sorted(set(sizes)) and sizes[-1] == max_tokens and sizes[0] >= 1
         for n in range(1, max_tokens + 1):
             padded = sizes[bisect.bisect_left(sizes, n)]
@@ -153,7 +149,7 @@ def test_server_flags():
                       ).resolved_piecewise_cuda_graph_tokens() == ServerArgs(**on, device="cuda").resolved_piecewise_cuda_graph_tokens()
     assert ServerArgs(**on, device="cuda", disable_cuda_graph=True).resolved_piecewise_cuda_graph_tokens() == []
     assert ServerArgs(**on, device="cuda", chunked_prefill_size=1024
-                      ).resolved_piecewise_cuda_graph_tokens() == default_token_sizes(1024)
+                      ).resolved_piecewise_cuda_graph_tokens() == piecewise_token_sizes(1024)
     assert ServerArgs(**on, device="cuda").resolved_piecewise_cuda_graph_tokens()[-1] == 4096
     assert ServerArgs(**on, device="cuda", chunked_prefill_size=-1,
                       piecewise_cuda_graph_max_tokens=300).resolved_piecewise_cuda_graph_tokens()[-1] == 300

@@ -16,7 +16,6 @@ from radixserve.entrypoints.openai.reasoning_parser import (
 )
 from radixserve.entrypoints.openai.chat_parsing import ChatParsing, ChoiceOutput
 from radixserve.entrypoints.openai.tool_parser import QwenToolParser, ToolCall, ToolParseDelta, merge_deltas
-from radixserve.server_args import REASONING_PARSER_NAMES
 
 QWEN3, R1 = REASONING_FORMATS["qwen3"], REASONING_FORMATS["deepseek-r1"]
 CALL = '<tool_call>\n{"name": "search", "arguments": {"q": "</think> 東京"}}\n</tool_call>'
@@ -98,7 +97,3 @@ def test_reasoning_then_tool_call_stream_as_the_whole_text(text):
         assert (reasoning, merged.content, merged.calls) == (whole.reasoning, whole.content, whole.calls), chunks
     if "Sure" in text:
         assert whole == ChoiceOutput("Search it.", "\n\nSure.", [ToolCall(0, "search", '{"q": "</think> 東京"}')])
-
-
-def test_registry_matches_the_flag_choices():
-    assert set(REASONING_FORMATS) == set(REASONING_PARSER_NAMES)

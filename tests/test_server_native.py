@@ -10,19 +10,16 @@ import json
 import httpx
 import pytest
 
-from server_harness import ServerProcess
+from server_harness import ServerProcess, wait_for
 
 pytestmark = pytest.mark.slow
-KEY = "test-key"
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 GREEDY = {"temperature": 0, "max_new_tokens": 16}
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--max-total-tokens", "16384", "--max-running-requests", "64", api_key=KEY)
-    yield srv
-    assert srv.stop() == 0, "SIGTERM shuts the server down cleanly"
+def server(smollm2_keyed):
+    return smollm2_keyed  # conftest.py: shared with test_hostile.py and test_server_openai.py
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +78,33 @@ def test_stop_strings_and_logprobs(client):
     assert len(meta["output_top_logprobs"][0]) == 2
 
 
+def test_token_ids_logprob_in_sglangs_shape(client):
+    """At each position scored, ``[logprob, id, text]`` for each id asked, in
+    the order asked (repeats too); where the token there is one of them, its
+    entry is the ``*_token_logprobs`` one. Per prompt in a batch; an id
+    outside the vocabulary is a 400 naming it."""
+    body = {"text": "The capital of France is", "sampling_params": GREEDY, "return_logprob": True,
+            "logprob_start_len": 0, "return_text_in_logprobs": True}
+    first = client.post("/generate", json=body).json()
+    ask = [first["output_ids"][1], first["output_ids"][0], first["output_ids"][1]]
+    out = client.post("/generate", json={**body, "token_ids_logprob": ask}).json()
+    meta = out["meta_info"]
+    assert out["output_ids"] == first["output_ids"] and meta["input_token_ids_logprobs"][0] is None
+    pairs = [*zip(meta["input_token_logprobs"][1:], meta["input_token_ids_logprobs"][1:]),
+             *zip(meta["output_token_logprobs"], meta["output_token_ids_logprobs"])]
+    assert len(pairs) == meta["prompt_tokens"] - 1 + meta["completion_tokens"]
+    for (lp, tok, text), entry in pairs:
+        assert [t for _, t, _ in entry] == ask
+        if tok in ask:
+            assert entry[ask.index(tok)] == [pytest.approx(lp, abs=1e-5), tok, text]
+    assert any(tok in ask for (_, tok, _), _ in pairs)
+    batch = client.post("/generate", json={"text": ["Hello", "One, two,"], "sampling_params": GREEDY,
+                                           "return_logprob": True, "token_ids_logprob": [[5], [6, 7]]}).json()
+    assert [[t for _, t, _ in o["meta_info"]["output_token_ids_logprobs"][0]] for o in batch] == [[5], [6, 7]]
+    bad = client.post("/generate", json={**body, "text": ["a", "b"], "token_ids_logprob": [[5], [99999999]]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "token_ids_logprob[1]", bad.text
+
+
 @pytest.mark.parametrize("body,param,words", [
     ({}, "text", "exactly one"),
     ({"text": "hi", "sampling_params": {"temperature": -1}}, "sampling_params.temperature", "temperature"),
@@ -115,18 +139,33 @@ def test_info_endpoints(client):
     assert client.post("/flush_cache").status_code == 200
 
 
-def test_flush_cache_refused_while_running(server, client):
+def test_flush_cache_while_a_request_runs_is_refused_or_waits_for_it(server, client):
+    """As SGLang's /flush_cache (GET or POST): refused (400) while a request
+    runs; with ``?timeout=`` it waits that long for the server to go idle,
+    and flushes once it is."""
+    body = {"text": "Go on forever", "rid": "flush-blocker", "stream": True,
+            "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+
     async def run():
         async with httpx.AsyncClient(base_url=server.url, headers=server.headers(), timeout=120) as ac:
-            task = asyncio.create_task(ac.post("/generate", json={"text": "Count to fifty:", "sampling_params": {
-                "max_new_tokens": 64, "ignore_eos": True}}))
-            await asyncio.sleep(1.0)
-            refused = await ac.post("/flush_cache")
-            await task
-            return refused.status_code
+            async with ac.stream("POST", "/generate", json=body) as stream:
+                events = stream.aiter_lines()
+                await anext(events)  # its first token: it runs
+                refused = [await ac.get("/flush_cache"), await ac.post("/flush_cache", params={"timeout": 0.3})]
+                flush = asyncio.create_task(ac.post("/flush_cache", params={"timeout": 60}))
+                for _ in range(10):  # tokens go on while the flush waits
+                    await anext(events)
+                assert not flush.done(), "the flush waits for the running request"
+                assert (await ac.post("/abort_request", json={"rid": body["rid"]})).status_code == 200
+                return refused, await flush
 
-    assert asyncio.run(run()) == 400
-    assert client.post("/flush_cache").status_code == 200
+    refused, flushed = asyncio.run(run())
+    assert [r.status_code for r in refused] == [400, 400]
+    assert "?timeout=" in refused[0].json()["error"]["message"], refused[0].text
+    assert "did not go idle within 0.3 s" in refused[1].json()["error"]["message"], refused[1].text
+    assert flushed.status_code == 200, flushed.text
+    assert client.post("/flush_cache", params={"timeout": -1}).json()["error"]["param"] == "timeout"
+    assert client.get("/flush_cache").status_code == 200
 
 
 def test_disconnect_aborts_and_memory_comes_back(server, client):
@@ -152,7 +191,7 @@ def test_abort_request_endpoint(server, client):
         async with httpx.AsyncClient(base_url=server.url, headers=server.headers(), timeout=120) as ac:
             task = asyncio.create_task(ac.post("/generate", json={"text": "Go on forever", "rid": "to-abort",
                                                                   "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}))
-            await asyncio.sleep(1.0)
+            await asyncio.to_thread(wait_for, lambda: server.state()["running"] == 1, 60, "the request's start")
             assert (await ac.post("/abort_request", json={"rid": "to-abort"})).status_code == 200
             return (await task).json()
 
@@ -310,11 +349,18 @@ def test_profile_num_steps_answers_once_the_trace_is_written(server, tmp_path):
     has run its steps and written the trace."""
     body = {"output_dir": str(tmp_path), "profile_id": "n", "num_steps": "3", "start_step": "0", "activities": [],
             "profile_by_stage": None, "profile_stages": None, "profile_prefix": "pre-"}
+    (tmp_path / "a-file").touch()  # a probe's output_dir below it cannot be made: the probe never starts a profile
+
+    async def in_progress(ac):
+        """Once the scheduler has the start, a probe is refused as one too many."""
+        while "already in progress" not in (probe := await ac.post("/start_profile", json={
+                "output_dir": str(tmp_path / "a-file" / "x")})).text:
+            assert "cannot create" in probe.text, probe.text
 
     async def run():
         async with httpx.AsyncClient(base_url=server.url, headers=server.headers(), timeout=120) as ac:
             started = asyncio.create_task(ac.post("/start_profile", json=body))
-            await asyncio.sleep(0.5)
+            await asyncio.wait_for(in_progress(ac), 60)
             assert not started.done(), "no step ran yet: the start is still waiting"
             assert (await ac.get("/get_server_info")).status_code == 200, "other control calls are not held up"
             await ac.post("/generate", json={"text": PROMPT, "sampling_params": GREEDY})

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from router_harness import RouterProcess
-from server_harness import ServerProcess, wait_for
+from server_harness import wait_for
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
@@ -34,10 +34,8 @@ def needs(module: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--max-total-tokens", "16384")
-    yield srv
-    assert srv.stop() == 0
+def server(smollm2_open):
+    return smollm2_open  # conftest.py: shared with test_structured_output.py
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ import openai
 import pytest
 
 import radixserve
-from server_harness import ServerProcess
-from test_grammar_limits import CACHE_MB, COMPILE_MB, enum_schema, small_schema
+from server_harness import wait_for
+from test_grammar_limits import CACHE_MB, enum_schema, small_schema
 
 pytestmark = pytest.mark.slow
 
@@ -166,11 +166,8 @@ def test_a_bad_grammar_is_refused_offline(eng):
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--max-total-tokens", "8192", "--grammar-compile-max-mb", str(COMPILE_MB),
-                        "--grammar-cache-max-mb", str(CACHE_MB))
-    yield srv
-    assert srv.stop() == 0
+def server(smollm2_open):
+    return smollm2_open  # conftest.py: test_grammar_limits.py's limits; shared with test_sglang_clients.py
 
 
 def test_generate_with_grammars_and_bad_ones(server):
@@ -269,11 +266,13 @@ def test_the_grammar_cache_stays_within_its_bytes_and_flush_cache_empties_it(ser
             "sampling_params": [{"max_new_tokens": 1, "json_schema": json.dumps(small_schema(100 + i))} for i in range(n)]}
     r = httpx.post(server.url + "/generate", json=body, timeout=300)
     assert r.status_code == 200, r.text
-    server.wait_idle()
-    time.sleep(1.5)  # the scheduler's figures reach /metrics once it is idle
-    cached = metric(server, "grammar_cache_bytes")
-    assert 0 < cached <= CACHE_MB << 20
-    assert 0 < metric(server, "grammar_cache_entries") < n
+    state = server.wait_idle()
+    assert 0 < state["grammar_cache_bytes"] <= CACHE_MB << 20
+    assert 0 < state["grammar_cache_entries"] < n
+    # the scheduler sends its figures as it goes idle: /metrics shows these
+    wait_for(lambda: metric(server, "grammar_cache_bytes") == state["grammar_cache_bytes"]
+             and metric(server, "grammar_cache_entries") == state["grammar_cache_entries"], 10,
+             "the idle scheduler's grammar cache figures in /metrics")
     assert httpx.post(server.url + "/flush_cache", timeout=30).status_code == 200
     deadline = time.monotonic() + 10
     while metric(server, "grammar_cache_bytes") != 0 and time.monotonic() < deadline:

@@ -21,7 +21,6 @@ from radixserve.entrypoints.openai.tool_parser import (
     ToolCallParser,
     merge_deltas,
 )
-from radixserve.server_args import TOOL_CALL_PARSER_NAMES
 
 TOOLS = ["get_weather", "search", "no_args"]
 WEATHER = '{"city": "Paris", "unit": "celsius"}'
@@ -155,9 +154,9 @@ def test_without_tools_nothing_is_a_call():
     assert QwenToolParser.parse("hi " + text, []) == ParsedToolCalls("hi", [])
 
 
-def test_registry_matches_the_flag_choices():
-    assert set(TOOL_CALL_PARSERS) == set(TOOL_CALL_PARSER_NAMES)
-    assert TOOL_CALL_PARSERS["qwen25"] is TOOL_CALL_PARSERS["qwen"] is QwenToolParser
+def test_qwen25_parses_the_qwen_format_as_in_sglang():
+    text = "Sure. " + qwen_block("search", '{"q": 1}')
+    assert TOOL_CALL_PARSERS["qwen25"].parse(text, TOOLS) == ParsedToolCalls("Sure.", calls(("search", '{"q": 1}')))
 
 
 def test_flags_take_sglangs_names_only():

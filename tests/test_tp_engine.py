@@ -5,6 +5,8 @@ structured output; bad configurations fail at start-up with a clear error."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -126,6 +128,17 @@ def test_a_model_tp_does_not_split_fails_at_start_up():
     with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by tp_size 3"):
         radixserve.Engine(**TINY, tp_size=3)
     assert time.monotonic() - t0 < 60
+
+
+def test_a_script_without_a_main_guard_fails_at_once_saying_why(tmp_path):
+    """Rank 1's process imports the script again and stops while it starts;
+    rank 0 says so at once instead of waiting --dist-timeout at its rendezvous."""
+    script = tmp_path / "no_main_guard.py"
+    script.write_text("import radixserve\n\n"
+                      f"radixserve.Engine(**{dict(TINY, dist_timeout=600)!r}, tp_size=2)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "scheduler-tp1 exited during start-up" in done.stderr and 'if __name__ == "__main__":' in done.stderr
 
 
 def test_an_unusable_init_address_fails_at_start_up():

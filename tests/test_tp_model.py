@@ -8,7 +8,7 @@ joins, a rank that dies, and that tp 1 runs no collective at all."""
 from __future__ import annotations
 
 import contextlib
-import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -185,14 +185,19 @@ def test_ranks_converting_one_gguf_take_turns(tmp_path, monkeypatch):
 
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, "qwen2")
-    real_convert, calls = gguf_loader.convert_gguf, []
+    real_convert, real_lock, calls = gguf_loader.convert_gguf, gguf_loader._lock_if_possible, []
+    all_missed = threading.Barrier(3, timeout=60)
 
-    def slow_convert(source, out_dir):
+    def counted_convert(source, out_dir):
         calls.append(out_dir)
-        time.sleep(0.3)
         real_convert(source, out_dir)
 
-    monkeypatch.setattr(gguf_loader, "convert_gguf", slow_convert)
+    def lock_once_all_missed(file):  # every rank has found no folder before any of them takes the lock
+        all_missed.wait()
+        real_lock(file)
+
+    monkeypatch.setattr(gguf_loader, "convert_gguf", counted_convert)
+    monkeypatch.setattr(gguf_loader, "_lock_if_possible", lock_once_all_missed)
     with ThreadPoolExecutor(3) as pool:
         folders = list(pool.map(lambda _: gguf_loader.load_gguf(str(path), str(tmp_path / "cache")), range(3)))
     assert len(set(folders)) == 1 and gguf_loader.is_converted(folders[0]) and len(calls) == 1
@@ -218,13 +223,18 @@ def test_head_layout():
         ({"intermediate_size": 130}, 4, "intermediate_size 130 is not divisible by tp_size 4"),
     ],
 )
-def test_models_that_cannot_be_split_fail_at_start_up(overrides, tp_size, message):
+def test_models_that_cannot_be_split_fail_at_start_up(overrides, tp_size, message, monkeypatch):
+    from radixserve.model_executor import model_runner
+
+    def join(*args, **kwargs):
+        raise AssertionError("the rank went to meet the others before checking the split")
+
+    monkeypatch.setattr(model_runner, "init_tp_group", join)
     config = resolve_model("tiny-llama", overrides=overrides)
-    start = time.monotonic()
     with pytest.raises(ValueError, match=message):
         ModelRunner(config, max_total_tokens=64, max_running_requests=1, tp_rank=0, tp_size=tp_size,
-                    dist_init_method="tcp://127.0.0.1:9")  # checked before any rank waits for another
-    assert time.monotonic() - start < 1 and not dist.is_initialized()
+                    dist_init_method="tcp://127.0.0.1:9")
+    assert not dist.is_initialized()
 
 
 def test_bad_rank_arguments_fail_at_start_up(monkeypatch):

@@ -45,7 +45,7 @@ def _rank_main(fn: Callable, rank: int, tp_size: int, init_method: str, out_dir:
     except BaseException:
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     os._exit(0)  # done: skip the interpreter's teardown, where a gloo group a peer has left may abort
 

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from radixserve.mem_cache.allocator import TokenToKVPoolAllocator, page_aligned
+from radixserve.mem_cache.allocator import TokenToKVPoolAllocator, page_aligned, page_floor
 from radixserve.mem_cache.hiradix_cache import HiRadixCache
 from radixserve.mem_cache.host_pool import HostKVPool
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool
@@ -50,7 +50,7 @@ def insert_all(cache: RadixCache, alloc: TokenToKVPoolAllocator, seqs: list[list
     present = [cache.insert(s, v) for s, v in zip(seqs, values)]
     elapsed = time.perf_counter() - t0
     for s, v, n in zip(seqs, values, present):  # what the tree did not take: duplicates, a partial last page
-        alloc.free(torch.cat([v[:n], v[len(s) // page_size * page_size :]]))
+        alloc.free(torch.cat([v[:n], v[page_floor(len(s), page_size) :]]))
     return elapsed
 
 

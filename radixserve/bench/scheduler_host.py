@@ -1,4 +1,4 @@
-"""The scheduler's host time per step: how long ``Scheduler._next_batch``
+"""The scheduler's host time per step: how long ``Scheduler.get_next_batch_to_run``
 (admission, KV allocation, request rows, sampling state) takes for decode,
 extend and mixed steps, through the ``Engine`` under a steady batch.
 
@@ -8,7 +8,7 @@ extend and mixed steps, through the ``Engine`` under a steady batch.
         --num-prompts 600 --input-len 1024 --output-len 256 --enable-mixed-chunk   # W5's shapes, all at once
 
 On a GPU a small step can be bound by the host (docs/benchmarks.md), and
-``_next_batch`` is the part of a step's host time the overlap scheduler
+``get_next_batch_to_run`` is the part of a step's host time the overlap scheduler
 cannot hide behind a forward that finished early. The model only sets the
 pace; the figures are host time. Prints one JSON line: per kind of step, the
 count and the mean, median and p99 milliseconds (a mixed step is an extend
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
         chunked_prefill_size=args.chunked_prefill_size, enable_mixed_chunk=args.enable_mixed_chunk, disable_tqdm=True,
     )
     scheduler, by_kind = engine.scheduler, {"decode": [], "extend": [], "mixed": []}
-    next_batch = scheduler._next_batch
+    next_batch = scheduler.get_next_batch_to_run
 
     def timed():
         start = time.perf_counter()
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
     vocab = scheduler.vocab_size
     prompts = [torch.randint(0, vocab, (args.input_len,), generator=gen).tolist() for _ in range(args.num_prompts)]
-    scheduler._next_batch = timed
+    scheduler.get_next_batch_to_run = timed
     try:
         start = time.perf_counter()
         engine.generate(input_ids=prompts, sampling_params={
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
             "repetition_penalty": args.repetition_penalty})
         wall = time.perf_counter() - start
     finally:
-        del scheduler._next_batch  # no cycle keeps the engine's pools alive
+        del scheduler.get_next_batch_to_run  # no cycle keeps the engine's pools alive
         engine.shutdown()
     result = {
         "bench": "scheduler_host", "model": args.model_path, "device": args.device,

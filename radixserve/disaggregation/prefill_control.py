@@ -4,7 +4,8 @@
 listening there only (the store every pair group of this rank rendezvouses
 on, and the queues of the protocol), registers that address with the
 bootstrap server under its dp group (its server's replica) and TP rank, and
-runs a thread that pops the control queue, where decode ranks push:
+runs a thread that pops the control queue (``control_plane.py``), where
+decode ranks push:
 
 - ``{"t": "pair", "pair": n, "rank"}``: form pair group ``n`` with decode
   rank ``rank``, as rank 0 of the group (in a thread of its own, since
@@ -18,7 +19,8 @@ runs a thread that pops the control queue, where decode ranks push:
 
 The senders of this rank (in torch_dist.py) read it from the caller's thread
 through :meth:`claim_room` and :meth:`pair`, and push their announcements
-through :meth:`push_announcement` / :meth:`announce_abort`.
+through :meth:`push_announcement` / :meth:`announce_abort` (and
+:meth:`abort_sent_room` for a room already sent).
 """
 
 from __future__ import annotations
@@ -27,20 +29,16 @@ import logging
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import msgpack
 
 from radixserve.disaggregation.base import KVArgs, KVTransferConfig
 from radixserve.disaggregation.bootstrap import register_prefill_rank
-from radixserve.disaggregation.decode_link import (
-    CONTROL_QUEUE, LISTEN_TIMEOUT_S, STOP, announcement_queue, open_store, pop_message,
+from radixserve.disaggregation.control_plane import (
+    CONTROL_QUEUE, LISTEN_TIMEOUT_S, STOP, announcement_queue, open_store, pop_message, sent_abort_key,
 )
 from radixserve.disaggregation.pair_group import PREFILL_RANK, PairGroup, short_error
 from radixserve.distributed.tcp_store import listening_store
-
-if TYPE_CHECKING:
-    from radixserve.disaggregation.torch_dist import TorchDistKVSender
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +52,7 @@ class PrefillControl:
         self._closed = False
         self._pairs: dict[int, PairGroup | str] = {}  # a formed pair, or why it did not form
         self._rooms: dict[int, tuple[list[dict], float]] = {}  # registrations no sender claimed yet, since when
-        self._senders: dict[int, TorchDistKVSender] = {}
+        self._claimed: set[int] = set()  # rooms a sender of this rank took
         self._gone: dict[int, tuple[str, float]] = {}  # rooms given up on either side: why, when
         self._store = listening_store(args.transfer_host, args.transfer_port, timedelta(seconds=config.connect_timeout_s))
         self.port = self._store.port
@@ -146,7 +144,7 @@ class PrefillControl:
             return
         self._last_expiry = now
         with self._lock:
-            stale = [(r, regs) for r, (regs, t) in self._rooms.items() if now - t > limit and r not in self._senders]
+            stale = [(r, regs) for r, (regs, t) in self._rooms.items() if now - t > limit and r not in self._claimed]
             for room, _ in stale:
                 del self._rooms[room]
             for room in [r for r, (_, t) in self._gone.items() if now - t > limit]:
@@ -162,14 +160,25 @@ class PrefillControl:
         except Exception as e:  # noqa: BLE001  our own store; the decode side then times out instead
             logger.warning("could not announce the abort of room %d: %s", room, short_error(e))
 
-    def claim_room(self, sender: TorchDistKVSender) -> tuple[list[dict], str | None]:
-        """The room's registrations that decode ranks sent since the last
-        claim, and why the room was given up, if it was."""
+    def abort_sent_room(self, pair_id: int, room: int, reason: str) -> None:
+        """Tell the decode side on pair ``pair_id`` that ``room``, whose sends
+        are posted, is given up: a flag that its listener reads before it
+        posts the receives, and an abort announced after the room's own,
+        for a listener that posted them already (which also clears the flag)."""
+        try:
+            self._store.set(sent_abort_key(pair_id, room), reason)
+        except Exception as e:  # noqa: BLE001  the announcement below still tells it
+            logger.warning("could not flag the abort of room %d: %s", room, short_error(e))
+        self.announce_abort(pair_id, room, reason)
+
+    def claim_room(self, room: int) -> tuple[list[dict], str | None]:
+        """For the sender of ``room``: its registrations that decode ranks
+        sent since the last claim, and why it was given up, if it was."""
         self._expire_rooms()
         with self._lock:
-            self._senders[sender.room] = sender
-            gone = self._gone.get(sender.room)
-            entry = self._rooms.pop(sender.room, None)
+            self._claimed.add(room)
+            gone = self._gone.get(room)
+            entry = self._rooms.pop(room, None)
         return (entry[0] if entry else []), (gone[0] if gone else None)
 
     def give_up_room(self, room: int, reason: str) -> None:
@@ -185,7 +194,7 @@ class PrefillControl:
 
     def forget_sender(self, room: int) -> None:
         with self._lock:
-            self._senders.pop(room, None)
+            self._claimed.discard(room)
 
     def push_announcement(self, pair_id: int, message: dict) -> None:
         self._store.queue_push(announcement_queue(pair_id), msgpack.packb(message))

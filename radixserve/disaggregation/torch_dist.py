@@ -7,8 +7,8 @@ Protocol (docs/disaggregation.md has the whole picture):
   transfer address, registers it with the bootstrap server under its dp
   group and TP rank, and pops the store's control queue (pair requests,
   rooms' pages, aborts).
-- A decode rank keeps one :class:`DecodeLink` per bootstrap address and dp
-  group (room ``r`` lies on group ``r % dp_size``; :class:`DecodeLinks`): the
+- A decode rank keeps one :class:`GroupLink` per bootstrap address and dp
+  group (room ``r`` lies on group ``r % dp_size``; :class:`LinkTable`): the
   handshake, a pair group with each of the group's ranks it takes KV heads from (or
   only tells of its rooms, ``head_map.decode_sources``), their listeners.
   With the same tp size on both servers that is prefill rank r for decode
@@ -39,9 +39,9 @@ from radixserve.disaggregation.base import (
     BaseKVManager, BaseKVReceiver, BaseKVSender, DisaggregationMode, KVArgs, KVPoll, KVTransferConfig,
     KVTransferError, check_room,
 )
-from radixserve.disaggregation.decode_link import DecodeLink
-from radixserve.disaggregation.decode_links import DecodeLinks
+from radixserve.disaggregation.group_link import GroupLink
 from radixserve.disaggregation.kv_messages import KVMessageLayout
+from radixserve.disaggregation.link_table import LinkTable
 from radixserve.disaggregation.pair_group import PairGroup
 from radixserve.disaggregation.prefill_control import PrefillControl
 
@@ -61,7 +61,7 @@ class TorchDistKVManager(BaseKVManager):
         self.config = config or KVTransferConfig()
         self.layout = KVMessageLayout(args, self.config.max_message_bytes)
         if self.mode == DisaggregationMode.DECODE:
-            self.links = DecodeLinks(self)
+            self.links = LinkTable(self)
             return
         if self.mode != DisaggregationMode.PREFILL or bootstrap_addr is None:
             raise ValueError("a KV manager is for the prefill side (with a bootstrap_addr) or the decode side")
@@ -77,7 +77,7 @@ class TorchDistKVManager(BaseKVManager):
         else:
             self.links.close()
 
-    def forget_link(self, link: DecodeLink) -> None:
+    def forget_link(self, link: GroupLink) -> None:
         """Decode side: a failed link is never used again."""
         self.links.forget(link)
 
@@ -109,7 +109,7 @@ class TorchDistKVSender(BaseKVSender):
             return self._state
         if self._sent_at is not None:
             return self._poll_transfer()
-        new, gone = self.mgr.control.claim_room(self)
+        new, gone = self.mgr.control.claim_room(self.room)
         self._registrations += new
         if gone is not None:
             return self._fail(gone)
@@ -222,10 +222,15 @@ class TorchDistKVSender(BaseKVSender):
         raise self._failure or KVTransferError("the transfer has not failed", self.room)
 
     def abort(self, reason: str | None = None) -> None:
-        """Give the room up. Before ``send()`` the decode side is told; after
-        it, the room fails here only and what was sent is still delivered
-        (the pages were copied out, so the caller may free them at once)."""
-        self._fail(reason or "the prefill side aborted the request")
+        """Give the room up and tell the decode side, whose half ends at once
+        too. After ``send()`` what was posted still goes, into buffers the
+        decode side drops (the pairs stay in step); the pages were copied
+        out, so the caller may free them at once."""
+        reason = reason or "the prefill side aborted the request"
+        if self._sent_at is not None and self._state not in _TERMINAL:
+            for reg in self._registrations:
+                self.mgr.control.abort_sent_room(reg["pair"], self.room, reason)
+        self._fail(reason)
 
     def clear(self) -> None:
         self.mgr.control.forget_sender(self.room)
@@ -235,7 +240,7 @@ class TorchDistKVReceiver(BaseKVReceiver):
     """The decode half of room ``bootstrap_room`` (see the module docstring):
     it takes its heads from each source of its link (a prefill rank each of
     the room's dp group), and succeeds once every one of them has delivered.
-    Until the prefill server's dp size is known (``decode_links.py``) it has
+    Until the prefill server's dp size is known (``link_table.py``) it has
     no link yet; an abort given before then is sent once it has one."""
 
     def __init__(self, mgr: TorchDistKVManager, bootstrap_addr: str, bootstrap_room: int):
@@ -249,13 +254,13 @@ class TorchDistKVReceiver(BaseKVReceiver):
         self._failure: KVTransferError | None = None
         self._state = KVPoll.Bootstrapping
         self._bind_lock = threading.Lock()
-        self.link: DecodeLink | None = None
+        self.link: GroupLink | None = None
         self._unbound_failure: str | None = None  # why no link could be bound
         self._unsent: dict | None = None  # an abort given before the link was bound
         self._cleared = False
         mgr.links.bind(self, bootstrap_addr)  # last: it may call bind() back at once, or from another thread
 
-    def bind(self, link: DecodeLink | None, failure: str | None = None) -> None:
+    def bind(self, link: GroupLink | None, failure: str | None = None) -> None:
         """The manager: the link of this room's dp group, or why there is none."""
         with self._bind_lock:
             self.link, self._unbound_failure = link, failure

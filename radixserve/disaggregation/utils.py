@@ -10,6 +10,7 @@ import socket
 import torch
 
 from radixserve.disaggregation.base import KVArgs, KVTransferConfig, KVTransferError, MetadataBuffers
+from radixserve.mem_cache.allocator import page_floor
 
 # SGLang's environment variables for the same limits (seconds).
 _TIMEOUT_ENV = {"bootstrap_timeout_s": "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
@@ -47,7 +48,7 @@ def pool_kv_args(token_to_kv_pool, page_size: int, metadata: MetadataBuffers, tr
     """``KVArgs`` over the ``MHATokenToKVPool`` of TP rank ``tp_rank`` of
     replica ``dp_rank`` (its share of the model's ``num_kv_heads``). The
     pool's buffers have ``size + page_size`` rows; only whole pages are exposed."""
-    rows = token_to_kv_pool.k_buffer[0].shape[0] // page_size * page_size
+    rows = page_floor(token_to_kv_pool.k_buffer[0].shape[0], page_size)
     return KVArgs([b[:rows] for b in token_to_kv_pool.k_buffer], [b[:rows] for b in token_to_kv_pool.v_buffer],
                   page_size=page_size, aux_buffers=metadata.buffers, tp_rank=tp_rank, tp_size=tp_size,
                   transfer_host=transfer_host, num_kv_heads=num_kv_heads, dp_rank=dp_rank, dp_size=dp_size)

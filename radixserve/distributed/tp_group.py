@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -34,8 +36,14 @@ from radixserve.distributed.tcp_store import listening_store
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0  # a collective (or the start-up rendezvous) fails after this long
+_JOINED = "radixserve/joined"  # in the rendezvous store: how many ranks but rank 0 reached it
+_JOIN_POLL_S = 0.05  # how often rank 0 looks at that count, and asks why a rank may never come
 # Newer torch renamed all_gather_into_tensor to all_gather_single; the GPU hosts may have either.
 _all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+
+
+class RankStartFailed(RuntimeError):
+    """Another rank will never join: its process ended while it started (``init_tp_group``'s ``rank_failure``)."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,7 @@ def init_tp_group(
     init_method: str | None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     nnodes: int = 1,
+    rank_failure: Callable[[], str | None] | None = None,
 ) -> TPGroup:
     """Join the ``tp_size`` ranks rendezvousing at ``init_method`` (e.g.
     ``tcp://127.0.0.1:29500``) as rank ``tp_rank`` and build the groups.
@@ -142,6 +151,9 @@ def init_tp_group(
     about ``timeout_s`` (a RuntimeError naming the address) instead of
     waiting forever; later collectives fail after ``timeout_s`` as well. At
     ``tp_size == 1`` nothing is initialised and the trivial group is returned.
+    Rank 0, while it waits at a ``tcp://`` rendezvous for the others to reach
+    it, asks ``rank_failure`` (if given) why one of them never will; an
+    answer ends the wait at once with :class:`RankStartFailed` saying it.
     """
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
@@ -162,7 +174,7 @@ def init_tp_group(
     try:
         # The ranks meet in a store made first: if that fails, init_process_group
         # has not run, and a later group in this process is named as in a fresh one.
-        store = _rendezvous_store(init_method, tp_rank, tp_size, timeout)
+        store = _rendezvous_store(init_method, tp_rank, tp_size, timeout, rank_failure)
         gloo_host = _gloo_host(init_method, nnodes)
         backend, pg_options = ("nccl", None) if cuda else _gloo_backend(gloo_host)
         dist.init_process_group(
@@ -171,6 +183,8 @@ def init_tp_group(
         )
         backend, pg_options = _gloo_backend(gloo_host)
         cpu_group = dist.new_group(backend=backend, pg_options=pg_options, timeout=timeout)
+    except RankStartFailed:  # the address is not to blame
+        raise
     except (RuntimeError, OSError) as e:  # torch's DistError family, or rank 0 unable to listen at the address
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -190,15 +204,28 @@ def _tcp_address(init_method: str) -> tuple[str, int] | None:
     return host, int(port)
 
 
-def _rendezvous_store(init_method: str, tp_rank: int, tp_size: int, timeout: timedelta) -> dist.Store | None:
+def _rendezvous_store(init_method: str, tp_rank: int, tp_size: int, timeout: timedelta,
+                      rank_failure: Callable[[], str | None] | None = None) -> dist.Store | None:
     """A TCP store at ``tcp://HOST:PORT`` that every rank has joined (rank 0
     hosts it, listening at HOST only); None for another kind of init method."""
     address = _tcp_address(init_method)
     if address is None:
         return None
-    if tp_rank == 0:
-        return listening_store(*address, timeout, tp_size, wait_for_workers=True)
-    return dist.TCPStore(*address, tp_size, is_master=False, timeout=timeout, wait_for_workers=True)
+    if tp_rank != 0:
+        store = dist.TCPStore(*address, tp_size, is_master=False, timeout=timeout, wait_for_workers=True)
+        store.add(_JOINED, 1)
+        return store
+    # Not torch's wait_for_workers: it blocks in C++ for the whole timeout, whatever became of the ranks.
+    store = listening_store(*address, timeout, tp_size)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while (joined := store.add(_JOINED, 0)) < tp_size - 1:
+        failure = rank_failure() if rank_failure is not None else None
+        if failure is not None:
+            raise RankStartFailed(failure)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{joined} of the other {tp_size - 1} ranks reached it")
+        time.sleep(_JOIN_POLL_S)
+    return store
 
 
 def _gloo_host(init_method: str, nnodes: int) -> str | None:

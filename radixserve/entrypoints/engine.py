@@ -61,18 +61,25 @@ class Engine:
         top_logprobs_num: int = 0,
         stream: bool = False,
         rid: str | None = None,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one request (returns a dict) or a batch (a list).
         With ``stream=True`` (one request) returns an iterator of cumulative
-        outputs, the last one with ``meta_info.finish_reason`` set."""
+        outputs, the last one with ``meta_info.finish_reason`` set.
+        ``token_ids_logprob`` (with ``return_logprob``; one list of ids, or one
+        per prompt) adds those ids' logprobs at every position scored, as
+        ``input_token_ids_logprobs`` and ``output_token_ids_logprobs``."""
+        self._check_resident()
         single, token_lists = self._inputs(prompt, input_ids)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(token_lists)
         if len(params) != len(token_lists):
             raise ValueError(f"sampling_params: {len(params)} given for {len(token_lists)} prompts")
+        by_ids = _per_prompt_token_ids(token_ids_logprob if return_logprob else None, len(token_lists))
         reqs = [
             r
             for i, (ids, p) in enumerate(zip(token_lists, params))
-            for r in self._make_reqs(ids, p, return_logprob, logprob_start_len, top_logprobs_num, rid if single else None)
+            for r in self._make_reqs(ids, p, return_logprob, logprob_start_len, top_logprobs_num,
+                                     rid if single else None, by_ids[i])
         ]
         if stream:
             if len(reqs) != 1:
@@ -101,10 +108,18 @@ class Engine:
         return self._kv_limit(True, limit_bytes)
 
     def _kv_limit(self, apply: bool, limit_bytes: int | None) -> dict:
-        ok, message, state = self.scheduler.kv_limit(apply, limit_bytes)
-        if not ok:
-            raise ValueError(message)
-        return state
+        return _state(self.scheduler.kv_limit(apply, limit_bytes))
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        """SGLang's: give back the memory of ``tags`` (``"kv_cache"``,
+        ``"weights"``; None: both) until :meth:`resume_memory_occupation`;
+        needs ``enable_memory_saver`` and no request running. Returns what is
+        released; ValueError says why not (docs/elastic_kv.md)."""
+        return _state(self.scheduler.release_memory_occupation(tags))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        """Take the memory of ``tags`` (None: all) back; outputs are then as before the release."""
+        return _state(self.scheduler.resume_memory_occupation(tags))
 
     def get_stats(self) -> dict:
         return self.scheduler.get_stats()
@@ -141,7 +156,8 @@ class Engine:
         single = bool(input_ids) and isinstance(input_ids[0], int)
         return single, [list(input_ids)] if single else [list(x) for x in input_ids]
 
-    def _make_reqs(self, ids, params, return_logprob, logprob_start_len, top_logprobs_num, rid) -> list[Req]:
+    def _make_reqs(self, ids, params, return_logprob, logprob_start_len, top_logprobs_num, rid,
+                   token_ids_logprob=None) -> list[Req]:
         sp = SamplingParams.from_dict(dict(params or {}))
         sp.verify(self.scheduler.vocab_size)
         spec = grammar_spec(sp)
@@ -152,7 +168,7 @@ class Engine:
         reqs = []
         for i in range(sp.n):
             req = self.scheduler.new_req(rid if sp.n == 1 else f"{rid}-{i}", ids, sp if sp.n == 1 else _nth_sample(sp, i),
-                                         return_logprob, logprob_start_len, top_logprobs_num)
+                                         return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob)
             self.scheduler.validate(req)
             reqs.append(req)
         return reqs
@@ -189,6 +205,12 @@ class Engine:
                 self.scheduler.abort_request(req.rid)
             self._drain()
 
+    def _check_resident(self) -> None:
+        """Nothing runs while memory is released, and nothing here would resume it: refuse at once."""
+        if self.scheduler.held():
+            raise RuntimeError(f"memory released ({', '.join(sorted(self.scheduler.offload_tags))}): "
+                               "call resume_memory_occupation first")
+
     def _drain(self) -> None:
         """Run until requests that only wait for their abort to land are gone."""
         while any(r.to_abort for r in self.scheduler.live_reqs()):
@@ -218,7 +240,27 @@ class Engine:
             if req.top_logprobs_num:
                 meta["input_top_logprobs"] = list(req.input_top_logprobs)
                 meta["output_top_logprobs"] = list(req.output_top_logprobs)
+            if req.token_ids_logprob is not None:
+                meta["input_token_ids_logprobs"] = list(req.input_token_ids_logprobs)
+                meta["output_token_ids_logprobs"] = list(req.output_token_ids_logprobs)
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+
+def _per_prompt_token_ids(token_ids: list | None, n: int) -> list[list[int] | None]:
+    """``token_ids_logprob`` for each of ``n`` prompts: one list for all, or one each."""
+    if token_ids is None or not token_ids or not isinstance(token_ids[0], list):
+        return [token_ids] * n
+    if len(token_ids) != n:
+        raise ValueError(f"token_ids_logprob: {len(token_ids)} given for {n} prompts")
+    return token_ids
+
+
+def _state(result: tuple[bool, str, dict]) -> dict:
+    """A scheduler control call's figures, or its message as a ValueError."""
+    ok, message, state = result
+    if not ok:
+        raise ValueError(message)
+    return state
 
 
 def _nth_sample(sp: SamplingParams, i: int) -> SamplingParams:

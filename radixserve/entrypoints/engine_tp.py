@@ -24,6 +24,8 @@ from radixserve.managers.io_struct import (
     CloseReq,
     FlushCacheReq,
     KVLimitReq,
+    ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
     TokenizedGenerateReqInput,
     encode,
 )
@@ -40,7 +42,7 @@ class TpLeader:
     """Rank 0's Scheduler, with its decisions broadcast to the other ranks."""
 
     def __init__(self, args: ServerArgs):
-        from radixserve.entrypoints.launcher import _wait_ready, dist_init_method
+        from radixserve.entrypoints.launcher import _wait_ready, dist_init_method, start_failure
         from radixserve.managers.scheduler_factory import build_scheduler
 
         init = dist_init_method(args)
@@ -54,7 +56,8 @@ class TpLeader:
             children.append((proc, reader))
         self.processes = [p for p, _ in children]
         try:
-            self.scheduler = build_scheduler(args, 0, init)
+            # a rank that ends before joining (a script without a main guard) fails this at once, not at --dist-timeout
+            self.scheduler = build_scheduler(args, 0, init, tp_rank_failure=lambda: start_failure(children))
             _wait_ready(children)
         except BaseException:
             self._stop_followers()
@@ -72,7 +75,8 @@ class TpLeader:
     # -- what changes the schedulers: applied here, broadcast with the next step --
     def add_request(self, req: Req) -> None:
         msg = TokenizedGenerateReqInput(req.rid, req.origin_input_ids, req.sampling_params.to_dict(),
-                                        req.return_logprob, req.logprob_start_len, req.top_logprobs_num)
+                                        req.return_logprob, req.logprob_start_len, req.top_logprobs_num,
+                                        token_ids_logprob=req.token_ids_logprob)
         self.scheduler.add_request(req)
         self._outbox.append(encode(msg))
 
@@ -81,19 +85,26 @@ class TpLeader:
         return self.scheduler.abort_request(rid)
 
     def flush_cache(self) -> bool:
-        with self._lock:
-            self._broadcast([encode(FlushCacheReq())])
-            flushed = self.scheduler.flush_cache()
-            self.tp_group.barrier()  # the followers' reply barrier (SchedulerProcess.send_replies)
-            return flushed
+        return self._everywhere(FlushCacheReq(), self.scheduler.flush_cache)
 
     def kv_limit(self, apply: bool, limit_bytes: int | None) -> tuple[bool, str, dict]:
         if not apply:
             return self.scheduler.kv_limit(apply, limit_bytes)
+        return self._everywhere(KVLimitReq(apply, limit_bytes), self.scheduler.kv_limit, apply, limit_bytes)
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str, dict]:
+        return self._everywhere(ReleaseMemoryOccupationReqInput(tags), self.scheduler.release_memory_occupation, tags)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str, dict]:
+        return self._everywhere(ResumeMemoryOccupationReqInput(tags), self.scheduler.resume_memory_occupation, tags)
+
+    def _everywhere(self, msg, apply, *args):
+        """``apply(*args)`` here while the followers handle ``msg``, at once
+        (not with the next step), and answer alike."""
         with self._lock:
-            self._broadcast([encode(KVLimitReq(apply, limit_bytes))])
-            result = self.scheduler.kv_limit(apply, limit_bytes)
-            self.tp_group.barrier()  # the followers' reply barrier
+            self._broadcast([encode(msg)])
+            result = apply(*args)
+            self.tp_group.barrier()  # the followers' reply barrier (SchedulerProcess.send_replies)
             return result
 
     def step(self) -> list[Req]:

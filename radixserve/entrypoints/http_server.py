@@ -20,7 +20,7 @@ import threading
 from typing import Any, AsyncIterator
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -103,6 +103,22 @@ def kv_limit_bytes(body: Any) -> int | None | tuple[str, str]:
         kind = "a positive integer" if whole else "a positive number"
         return name, f"{name}: {kind} or null, got {json.dumps(value)[:40]}"
     return int(value) if whole else int(value * 2**30)
+
+
+def memory_tags(body: Any) -> list[str] | None | tuple[str, str]:
+    """The ``tags`` of a ``/release_memory_occupation`` or
+    ``/resume_memory_occupation`` body (None: all), or ``(field, message)``
+    when the body is not ``{"tags": [str, ...] | null}`` (or empty). Which
+    tags exist and can be released, the scheduler says."""
+    if not isinstance(body, dict):
+        return "body", 'body: a JSON object, e.g. {"tags": ["kv_cache", "weights"]}'
+    extra = sorted(body.keys() - {"tags"})
+    if extra:
+        return extra[0], f"{extra[0]}: unknown field (only tags)"
+    tags = body.get("tags")
+    if tags is not None and (not isinstance(tags, list) or not all(isinstance(t, str) for t in tags)):
+        return "tags", f"tags: a list of tags (kv_cache, weights) or null, got {json.dumps(tags)[:40]}"
+    return tags
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -205,11 +221,13 @@ def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
                           "num_tokens": st.get("kv_used", 0) + st.get("waiting_tokens", 0)})
         return loads
 
-    @app.post("/flush_cache")
-    async def flush_cache():
-        if tm.num_running_requests() or not await tm.flush_cache():
-            return error_response("cannot flush the cache while requests are running", 400)
-        return Response("Cache flushed.\n", status_code=200)
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(timeout: float = Query(0.0, ge=0, allow_inf_nan=False)):
+        """SGLang's: empty the prefix cache (every tier but the files) and the
+        grammar cache; refused (400) while requests run or wait, unless they
+        end within ``timeout`` seconds."""
+        ok, message = await tm.flush_cache(timeout)
+        return Response("Cache flushed.\n", status_code=200) if ok else error_response(message, 400)
 
     @app.get("/get_kv_limit")
     async def get_kv_limit():
@@ -229,6 +247,27 @@ def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
             return error_response(parsed[1], 400, parsed[0])
         ok, message, states = await tm.kv_limit(True, parsed)
         return states if ok else error_response(message, 400)
+
+    async def memory_occupation(request: Request, release: bool):
+        body = await read_json(request) if await request.body() else {}
+        tags = memory_tags(body)
+        if isinstance(tags, tuple):
+            return error_response(tags[1], 400, tags[0])
+        ok, message, states = await tm.memory_occupation(release, tags)
+        match = FIELD_PREFIX.match(message)
+        return states if ok else error_response(message, 400, match.group(1) if match else None)
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request):
+        """SGLang's: give back the device memory of ``tags`` (kv_cache,
+        weights; absent or null: both) on every replica, until
+        ``/resume_memory_occupation``; requests sent meanwhile wait (docs/elastic_kv.md)."""
+        return await memory_occupation(request, True)
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request):
+        """SGLang's: take the memory of ``tags`` back; the waiting requests run."""
+        return await memory_occupation(request, False)
 
     @app.api_route("/start_profile", methods=["GET", "POST"])
     async def start_profile(request: Request):
@@ -298,7 +337,7 @@ async def _warm_up(app: FastAPI, server) -> None:
     try:
         async def run():
             nonlocal out
-            async for out in tm.generate_request(obj):
+            async for out in tm.generate_request(obj):  # noqa: B007 (the last one is read below)
                 pass
         await asyncio.wait_for(run(), WARMUP_TIMEOUT_S)
         reason = (out or {}).get("meta_info", {}).get("finish_reason") or {}

@@ -74,10 +74,35 @@ def _wait_ready(procs_pipes: list[tuple[mp.Process, object]]) -> dict:
                 info.update({k: v for k, v in msg.items() if k != "status"})
                 waiting.remove((proc, pipe))
             elif not proc.is_alive():
-                raise RuntimeError(f"{proc.name} exited during start-up (exit code {proc.exitcode})")
+                raise RuntimeError(exited_silently(proc))
         if time.monotonic() > deadline:
             raise RuntimeError(f"{', '.join(p.name for p, _ in waiting)} did not start within {START_TIMEOUT_S}s")
     return info
+
+
+def start_failure(procs_pipes: list[tuple[mp.Process, object]]) -> str | None:
+    """Why one of the children will never report ready, once its process
+    has ended (the error it reported, if any), else None. Reads only the
+    pipes of ended children: a live one's ``ready`` stays for ``_wait_ready``."""
+    for proc, pipe in procs_pipes:
+        if proc.exitcode is None:
+            continue
+        msg = pipe.recv() if pipe.poll() else {}
+        return f"{proc.name} failed to start: {msg['error']}" if "error" in msg else exited_silently(proc)
+    return None
+
+
+def exited_silently(proc: mp.Process) -> str:
+    """What a child that ended during start-up without reporting an error
+    says: killed, or else most likely failed while Python's spawn start
+    method bootstrapped it, before it ran any of radixserve."""
+    if proc.exitcode is not None and proc.exitcode < 0:
+        return f"{proc.name} was killed by signal {-proc.exitcode} during start-up"
+    return (f"{proc.name} exited during start-up (exit code {proc.exitcode}) without reporting an error (its "
+            "traceback, if any, is above). A spawned process first imports the main script again, so a script "
+            "that creates an Engine with tp_size > 1, or starts a server, must do it under "
+            "`if __name__ == \"__main__\":` (as SGLang's engine examples say too); without it, the new process "
+            "tries to start the engine again while it is still starting, and Python stops it")
 
 
 def free_local_port() -> int:

@@ -39,10 +39,10 @@ async def incremental(outputs: AsyncIterator[dict]) -> AsyncIterator[dict]:
         index = out.get("index")
         chars, ids = sent.get(index, (0, 0))
         meta = dict(out["meta_info"])
-        for key in ("output_token_logprobs", "output_top_logprobs"):
+        for key in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs"):
             if key in meta:
                 meta[key] = meta[key][ids:]
-        for key in ("input_token_logprobs", "input_top_logprobs"):
+        for key in ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs"):
             if key in meta and index in sent:
                 meta[key] = []
         sent[index] = (len(out["text"]), len(out["output_ids"]))

@@ -120,6 +120,16 @@ def prepack_linears_for_cpu(model: nn.Module) -> int:
     return packed
 
 
+def quantize_linears(model: nn.Module) -> int:
+    """Quantize every linear layer of ``model`` to fp8 (after
+    ``quantization.check_quantization``); returns how many. Call once, after
+    loading."""
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    for layer in layers:
+        layer.quantize_fp8()
+    return len(layers)
+
+
 class LinearBase(nn.Module):
     """A linear layer's weight ``[out, in]`` and bias (this rank's part of them),
     the plain, CPU-prepacked or fp8 GEMM, and the rank's TP group. After

@@ -7,6 +7,7 @@ anything reads them, so every rank holds the same, full logits.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,10 @@ class LogitsProcessorOutput:
       ``top_logprobs_nums[i] > 0``; per request, per entry above, the
       ``top_logprobs_nums[i]`` largest logprobs and their token ids (an empty
       list for requests that asked for none).
+    - ``input_token_ids_logprobs_val``: only when some request names
+      ``token_ids_logprobs[i]`` (SGLang's ``token_ids_logprob``); per request,
+      per entry above, the logprobs of those ids in their order (None for
+      requests that named none).
     """
 
     next_token_logits: torch.Tensor
@@ -50,6 +55,7 @@ class LogitsProcessorOutput:
     input_logprob_lens: list[int] | None = None
     input_top_logprobs_val: list[list[list[float]]] | None = None
     input_top_logprobs_idx: list[list[list[int]]] | None = None
+    input_token_ids_logprobs_val: list[list[list[float]] | None] | None = None
 
 
 class LogitsProcessor(nn.Module):
@@ -86,15 +92,18 @@ class LogitsProcessor(nn.Module):
         nums = fb.top_logprobs_nums or [0] * fb.batch_size
         k = max((n for n, length in zip(nums, lens) if length > 0), default=0)
         token_logprobs, top_val, top_idx = [], [], []
+        by_ids = _TokenIdsLogprobs(fb.token_ids_logprobs, lens, hidden_states.device)
         # In chunks, so a long prompt never holds [prompt_len, vocab] logits at once.
         for chunk in rows.split(LOGPROB_CHUNK_ROWS):
             logprobs = torch.log_softmax(self._logits(hidden_states[chunk], lm_head), dim=-1)
             token_logprobs.append(logprobs.gather(1, input_ids[chunk + 1].unsqueeze(1)).squeeze(1))
+            by_ids.add(logprobs)
             if k > 0:
                 val, idx = logprobs.topk(k, dim=-1)
                 top_val.append(val)
                 top_idx.append(idx)
         out.input_token_logprobs = torch.cat(token_logprobs)
+        out.input_token_ids_logprobs_val = by_ids.values()
         out.input_logprob_lens = lens
         if k > 0:
             out.input_top_logprobs_val = _split_top(torch.cat(top_val).tolist(), lens, nums)
@@ -108,6 +117,29 @@ def _input_logprob_rows(fb: ForwardBatch) -> tuple[torch.Tensor, list[int]]:
     device = fb.input_ids.device
     first = fb.extend_start_loc + torch.tensor(starts, dtype=torch.int64, device=device)
     return ragged_arange(first, torch.tensor(lens, dtype=torch.int64, device=device)), lens
+
+
+class _TokenIdsLogprobs:
+    """Each request's logprobs of its ``token_ids_logprobs`` at its rows,
+    gathered chunk by chunk (a request's rows may span chunks)."""
+
+    def __init__(self, token_ids: list[list[int] | None] | None, lens: list[int], device: torch.device):
+        self.wanted = [(i, torch.tensor(ids, dtype=torch.int64, device=device))
+                       for i, ids in enumerate(token_ids or []) if ids is not None]
+        self.bounds = list(itertools.accumulate(lens, initial=0))  # request i's rows: bounds[i] .. bounds[i+1]
+        self.vals: list[list | None] = [None if ids is None else [] for ids in token_ids or [None] * len(lens)]
+        self.start = 0  # the first row of the next chunk
+
+    def add(self, logprobs: torch.Tensor) -> None:
+        end = self.start + logprobs.shape[0]
+        for i, ids in self.wanted:
+            lo, hi = max(self.bounds[i], self.start), min(self.bounds[i + 1], end)
+            if lo < hi:
+                self.vals[i] += logprobs[lo - self.start : hi - self.start, ids].tolist()
+        self.start = end
+
+    def values(self) -> list[list | None] | None:
+        return self.vals if self.wanted else None
 
 
 def _split_top(rows: list[list], lens: list[int], nums: list[int]) -> list[list[list]]:

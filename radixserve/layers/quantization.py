@@ -23,7 +23,6 @@ loader with a clear error.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from radixserve.layers.triton_ops import use_triton
 from radixserve.server_args import QUANTIZATIONS
@@ -82,14 +81,3 @@ def check_quantization(name: str | None, device: torch.device) -> None:
         cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
         raise ValueError(f"quantization fp8 needs fp8 tensor cores (compute capability 8.9 or higher); "
                          f"{torch.cuda.get_device_name(device)} has {cap}")
-
-
-def quantize_linears(model: nn.Module) -> int:
-    """Quantize every linear layer of ``model`` to fp8 (after
-    :func:`check_quantization`); returns how many. Call once, after loading."""
-    from radixserve.layers.linear import LinearBase
-
-    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
-    for layer in layers:
-        layer.quantize_fp8()
-    return len(layers)

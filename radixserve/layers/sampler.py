@@ -42,6 +42,7 @@ class SampleOutput:
     next_token_logprobs: torch.Tensor | None = None  # [bs] float32
     top_logprobs_val: list[list[float]] | None = None  # per row, top_logprobs_nums[i] long
     top_logprobs_idx: list[list[int]] | None = None
+    token_ids_logprobs_val: list[list[float] | None] | None = None  # per row, of token_ids_logprobs[i] (or None)
 
 
 class Sampler(nn.Module):
@@ -54,8 +55,12 @@ class Sampler(nn.Module):
         return_logprob: bool = False,
         top_logprobs_nums: list[int] | None = None,
         step_positions: torch.Tensor | None = None,
+        token_ids_logprobs: list[list[int] | None] | None = None,
     ) -> SampleOutput:
         """Sample one token per row. ``logits`` (float32) is modified in place.
+        With ``return_logprob``, row ``i`` also gets the logprobs of its
+        ``top_logprobs_nums[i]`` likeliest tokens and of the ids
+        ``token_ids_logprobs[i]`` names (SGLang's ``token_ids_logprob``).
 
         ``step_positions`` [bs] int64 is how many tokens each request has
         generated so far (``len(output_ids)``); it keys seeded noise. When
@@ -72,7 +77,7 @@ class Sampler(nn.Module):
             next_ids = sample_from_logits(logits, sampling_info, steps)
         if raw_logprobs is None:
             return SampleOutput(next_ids)
-        return _with_logprobs(next_ids, raw_logprobs, top_logprobs_nums)
+        return _with_logprobs(next_ids, raw_logprobs, top_logprobs_nums, token_ids_logprobs)
 
 
 def sample_from_logits(logits: torch.Tensor, info: SamplingBatchInfo, steps: torch.Tensor) -> torch.Tensor:
@@ -192,16 +197,30 @@ def seeded_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) ->
 
 
 def _with_logprobs(
-    next_ids: torch.Tensor, raw_logprobs: torch.Tensor, top_nums: list[int] | None
+    next_ids: torch.Tensor, raw_logprobs: torch.Tensor, top_nums: list[int] | None,
+    token_ids: list[list[int] | None] | None = None,
 ) -> SampleOutput:
-    """Attach the chosen tokens' raw logprobs and, if asked, the top ones
-    (the only host transfer the sampler makes)."""
-    chosen = raw_logprobs.gather(1, next_ids.view(-1, 1)).view(-1)
-    if top_nums is None:
-        return SampleOutput(next_ids, chosen)
-    k = min(max(top_nums, default=0), raw_logprobs.shape[-1])
-    values, indices = raw_logprobs.topk(k, dim=-1)
-    values, indices = values.tolist(), indices.tolist()
-    top_val = [row[:n] for row, n in zip(values, top_nums)]
-    top_idx = [row[:n] for row, n in zip(indices, top_nums)]
-    return SampleOutput(next_ids, chosen, top_val, top_idx)
+    """Attach the chosen tokens' raw logprobs and, if asked, the top ones and
+    those of the ids named (the only host transfers the sampler makes)."""
+    out = SampleOutput(next_ids, raw_logprobs.gather(1, next_ids.view(-1, 1)).view(-1))
+    if top_nums is not None:
+        k = min(max(top_nums, default=0), raw_logprobs.shape[-1])
+        values, indices = raw_logprobs.topk(k, dim=-1)
+        values, indices = values.tolist(), indices.tolist()
+        out.top_logprobs_val = [row[:n] for row, n in zip(values, top_nums)]
+        out.top_logprobs_idx = [row[:n] for row, n in zip(indices, top_nums)]
+    if token_ids is not None and any(ids is not None for ids in token_ids):
+        out.token_ids_logprobs_val = _logprobs_of(raw_logprobs, token_ids)
+    return out
+
+
+def _logprobs_of(logprobs: torch.Tensor, token_ids: list[list[int] | None]) -> list[list[float] | None]:
+    """Row ``i``'s logprobs of the ids ``token_ids[i]`` names (None: none), in one gather and one transfer."""
+    rows = torch.tensor([i for i, ids in enumerate(token_ids) for _ in ids or ()], dtype=torch.int64)
+    cols = torch.tensor([t for ids in token_ids for t in ids or ()], dtype=torch.int64)
+    flat = logprobs[rows.to(logprobs.device), cols.to(logprobs.device)].tolist()
+    out, start = [], 0
+    for ids in token_ids:
+        out.append(None if ids is None else flat[start : start + len(ids)])
+        start += len(ids or ())
+    return out

@@ -4,8 +4,8 @@
 
 A request that names a bootstrap room is not prefilled here. It goes through:
 
-1. the prealloc queue: it gets a ``TorchDistKVReceiver`` at once (which
-   looks the prefill rank up and pairs with it in the backend's threads).
+1. the prealloc queue: it gets a KV receiver (the transfer backend's) at once
+   (which looks the prefill rank up and pairs with it in the backend's threads).
    Once paired, and in arrival order, it is given a request row and KV
    slots for its prompt; when the pool cannot hold them beside the expected
    output of the running requests and its own (``PrefillAdder``'s estimate)
@@ -31,7 +31,7 @@ ends in the same step on every rank.
 
 Under ``--dp-size`` on either server, each rank's KV manager links to the
 prefill server's replica (dp group) each room lives on
-(``disaggregation/decode_links.py``); this server's own replicas take
+(``disaggregation/link_table.py``); this server's own replicas take
 requests as a plain server's do.
 """
 
@@ -42,7 +42,6 @@ import logging
 import torch
 
 from radixserve.disaggregation.base import DisaggregationMode, KVPoll
-from radixserve.disaggregation.torch_dist import TorchDistKVReceiver
 from radixserve.disaggregation.utils import slots_to_pages
 from radixserve.managers.disagg_queues import DisaggregationQueues, agree_polls
 from radixserve.managers.schedule_batch import FinishReason, Req
@@ -70,7 +69,7 @@ class DecodeDisaggregation(DisaggregationQueues):
         return self.transfer_queue
 
     def add(self, req: Req) -> None:
-        req.kv_receiver = TorchDistKVReceiver(self.kv_manager, req.bootstrap_addr, req.bootstrap_room)
+        req.kv_receiver = self.kv_classes["receiver"](self.kv_manager, req.bootstrap_addr, req.bootstrap_room)
         self.prealloc_queue.append(req)
 
     def poll(self) -> list[Req]:
@@ -120,8 +119,7 @@ class DecodeDisaggregation(DisaggregationQueues):
         ``budget`` beside its own estimated output (``PrefillAdder.reserve``)."""
         s = self.s
         n, page = len(req.origin_input_ids), s.page_size
-        holders = len(s.running_batch) + len(s._deferred) + len(self.transfer_queue)
-        if holders >= s.max_running or s.req_to_token_pool.available_size() < 1:
+        if s.rows_held() >= s.max_running or s.req_to_token_pool.available_size() < 1:
             return False
         if not budget.reserve(req, n):
             return False
@@ -142,13 +140,7 @@ class DecodeDisaggregation(DisaggregationQueues):
         tok, logprob, top = self.metadata.get(req.aux_index)
         self._release_receiver(req)
         s.worker.last_token[req.req_pool_idx] = tok  # a decode reads its input id there
-        req.output_ids.append(tok)
-        s.stats.generated += 1
-        if req.return_logprob:
-            req.output_token_logprobs.append((logprob, tok))
-            if req.top_logprobs_num:
-                req.output_top_logprobs.append(top)
-        req.check_finished(s.tokenizer, s.context_len)
+        s.append_token(req, tok, logprob, top)
         if req.finished():
             s.tree_cache.cache_finished_req(req)
         else:
@@ -183,6 +175,6 @@ class DecodeDisaggregation(DisaggregationQueues):
                     queue.pop(i)
                     req.kv_receiver.abort()
                     ended = self._end_decode_transfer(req, FinishReason.aborted("aborted by request"))
-                    self.s._finished_outside_batch.append(ended)
+                    self.s.finish_outside_batch(ended)
                     return True
         return False

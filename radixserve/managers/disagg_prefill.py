@@ -4,7 +4,7 @@
 
 A request that names a bootstrap room goes through:
 
-1. the bootstrap queue: it gets a ``TorchDistKVSender``, polled each step
+1. the bootstrap queue: it gets a KV sender (the transfer backend's), polled each step
    until the decode server has registered the room's pages and the two ranks
    are paired (WaitingForInput); then it joins the waiting queue;
 2. admission and prefill, as any request, with the radix cache;
@@ -37,7 +37,6 @@ import logging
 
 from radixserve.disaggregation.base import DisaggregationMode, KVPoll
 from radixserve.disaggregation.bootstrap import join_address, split_address
-from radixserve.disaggregation.torch_dist import TorchDistKVSender
 from radixserve.disaggregation.utils import local_address, slots_to_pages
 from radixserve.managers.disagg_queues import DisaggregationQueues, agree_polls
 from radixserve.managers.schedule_batch import FinishReason, Req
@@ -70,11 +69,10 @@ class PrefillDisaggregation(DisaggregationQueues):
         """Requests with a room whose prompt's last chunk is in flight under
         overlap scheduling: their first token comes back next step, and
         until then they are in no queue but hold their KV."""
-        launched = self.s._in_flight
-        return [r for r in launched.reqs if r.kv_sender is not None and not r.is_chunked] if launched else []
+        return [r for r in self.s.in_flight_reqs() if r.kv_sender is not None and not r.is_chunked]
 
     def add(self, req: Req) -> None:
-        req.kv_sender = TorchDistKVSender(self.kv_manager, req.bootstrap_addr, req.bootstrap_room)
+        req.kv_sender = self.kv_classes["sender"](self.kv_manager, req.bootstrap_addr, req.bootstrap_room)
         self.bootstrap_queue.append(req)
 
     def poll(self) -> list[Req]:
@@ -156,12 +154,11 @@ class PrefillDisaggregation(DisaggregationQueues):
         self.s.tree_cache.cache_finished_req(req)
 
     def abort(self, rid: str) -> bool:
-        """Abort a request still bootstrapping (the decode side is told), one
-        whose prefill is in flight (marked, as a running request is) or
-        one whose KV is being sent. The latter ends at once too: ``send()``
-        copied its pages out, so its KV goes to the cache now, and what was
-        sent still reaches the decode server, which serves the request
-        unless its own client aborts it there."""
+        """Abort a request still bootstrapping, one whose prefill is in
+        flight (marked, as a running request is) or one whose KV is being
+        sent. The latter ends at once too: ``send()`` copied its pages out,
+        so its KV goes to the cache now. In both queues the decode side is
+        told, and its half ends at once (``TorchDistKVSender.abort``)."""
         for req in self._prefilling():
             if req.rid == rid:  # ends when its batch's results are processed: nothing is sent
                 req.to_abort = True
@@ -171,8 +168,8 @@ class PrefillDisaggregation(DisaggregationQueues):
             for i, req in enumerate(queue):
                 if req.rid == rid:
                     queue.pop(i)
-                    req.kv_sender.abort()  # once sent, it fails here only: the data still goes
+                    req.kv_sender.abort()  # once sent, the data still goes, into buffers the decode side drops
                     end(req, FinishReason.aborted("aborted by request"))
-                    self.s._finished_outside_batch.append(req)
+                    self.s.finish_outside_batch(req)
                     return True
         return False

@@ -1,5 +1,6 @@
 """What the prefill and decode servers' parts of a Scheduler share
-(``disagg_prefill.py``, ``disagg_decode.py``; docs/disaggregation.md):
+(``disagg_prefill.py``, ``disagg_decode.py``; docs/disaggregation.md): the
+hooks the Scheduler calls (``DisaggregationRole``, a plain server's no-ops),
 the KV manager and aux rows, and how the TP ranks agree on where each
 transfer stands (``agree_polls``)."""
 
@@ -9,8 +10,8 @@ from abc import ABC, abstractmethod
 
 import msgpack
 
+from radixserve.disaggregation import get_kv_classes
 from radixserve.disaggregation.base import DisaggregationMode, KVPoll, KVTransferError, MetadataBuffers
-from radixserve.disaggregation.torch_dist import TorchDistKVManager
 from radixserve.disaggregation.utils import (
     AuxRows, advertised_host, failure_reason, pool_kv_args, transfer_config_from_env,
 )
@@ -19,14 +20,51 @@ from radixserve.managers.io_struct import MAX_TOP_LOGPROBS
 from radixserve.managers.schedule_batch import Req
 
 
-class DisaggregationQueues(ABC):
+class DisaggregationRole:
+    """What a Scheduler asks of its disaggregation part (``Scheduler.disagg``)
+    wherever a prefill or a decode server does something of its own. This
+    base is a plain server's: no request is ever in transfer, and every hook
+    does nothing."""
+
+    mode = DisaggregationMode.NULL
+
+    def take(self, req: Req) -> bool:
+        """Start ``req``'s transfer; False: it is served here, as on a plain server."""
+        return False
+
+    def queued(self) -> list[Req]:
+        """The requests in any transfer queue."""
+        return []
+
+    def holding(self) -> list[Req]:
+        """Those of them that hold KV and a request row."""
+        return []
+
+    def poll(self) -> list[Req]:
+        """Move transfers on (at the start of a step); returns the requests that ended or got a token."""
+        return []
+
+    def hand_off_prefilled(self, updated: list[Req], prefilled: list[Req]) -> list[Req]:
+        """``updated`` (a batch's results) less the prompts, just prefilled, whose KV leaves to be decoded elsewhere."""
+        return updated
+
+    def abort(self, rid: str) -> bool:
+        """Abort a request in transfer; False if none is ``rid``."""
+        return False
+
+    def close(self) -> None:
+        """The engine stops: transfers in progress fail."""
+
+
+class DisaggregationQueues(DisaggregationRole, ABC):
     """A Scheduler's (``s``) requests in transfer, the rows of their first
     tokens' metadata, and the rank's KV manager (over the scheduler's KV
     pool, its KV heads; under TP a decode rank pairs with the prefill ranks
     that hold its heads, whatever the two servers' tp sizes). Under
     ``--dp-size`` a prefill rank registers under its scheduler's replica
     (``Scheduler.dp_rank``) as its dp group. Subclasses hold the queues and say which of their requests
-    hold KV (``holding``) and which are in any queue (``queued``)."""
+    hold KV (``holding``) and which are in any queue (``queued``). The senders, receivers and the manager
+    are the classes of ``--disaggregation-transfer-backend`` (``kv_classes``)."""
 
     mode: DisaggregationMode
 
@@ -40,7 +78,19 @@ class DisaggregationQueues(ABC):
         kv_args = pool_kv_args(runner.token_to_kv_pool, s.page_size, self.metadata, advertised_host(s.args.host),
                                runner.model_config.num_key_value_heads, s.tp_group.rank, s.tp_group.size,
                                dp_rank, dp_size)
-        self.kv_manager = TorchDistKVManager(kv_args, self.mode, transfer_config_from_env(), bootstrap_addr=bootstrap_addr)
+        self.kv_classes = get_kv_classes(s.args.disaggregation_transfer_backend)
+        self.kv_manager = self.kv_classes["manager"](kv_args, self.mode, transfer_config_from_env(),
+                                                     bootstrap_addr=bootstrap_addr)
+
+    def take(self, req: Req) -> bool:
+        if req.bootstrap_room is None:  # no decode server waits for it
+            return False
+        self.add(req)
+        return True
+
+    @abstractmethod
+    def add(self, req: Req) -> None:
+        """Give ``req``, which names a bootstrap room, its sender or receiver and queue it."""
 
     @abstractmethod
     def queued(self) -> list[Req]: ...

@@ -17,40 +17,17 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationInfo, field_valid
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from radixserve.sampling.sampling_params import MAX_INT32
-from radixserve.validation import no_op_validator, shown
+from radixserve.validation import NoOpOnly, shown
 
 # -- front door (in-process only: never sent) ----------------------------------
 MAX_TOP_LOGPROBS = 20  # alternatives per position (OpenAI's limit for chat)
+MAX_TOKEN_IDS_LOGPROB = 1024  # token_ids_logprob's ids per prompt: every scored position returns each one's logprob
 MAX_RID_CHARS = 512
 
 _StartLen = Annotated[int, Field(ge=-1, le=MAX_INT32)]
 _TopNum = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 _Port = Annotated[int, Field(ge=1, le=65535)]
 _Room = Annotated[int, Field(ge=0, lt=2**63)]  # a 63-bit room, as SGLang's router picks
-
-# SGLang's GenerateReqInput fields (v0.5) that this engine does not implement,
-# with the values that ask for nothing: those are accepted and ignored, any
-# other value is refused by name. A list of such values counts as one (a
-# batch's per-prompt `lora_path: [null, null]`). (docs/api.md)
-UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "input_embeds": (None,), "image_data": (None, []), "video_data": (None, []), "audio_data": (None, []),
-    "mm_hashes": (None,), "mm_content_hashes": (None,), "use_audio_in_video": (False,), "video_config": (None,),
-    "watermark": (None,), "token_ids_logprob": (None, []), "return_sampling_mask": (None, False),
-    "sampling_logprobs_mode": (None,), "return_flat_raw_top_logprobs": (False,),
-    "return_flat_raw_output_top_logprobs": (False,), "return_flat_raw_top_logprobs_b64": (False,),
-    "return_hidden_states": (False,), "return_routed_experts": (False,), "routed_experts_start_len": (0,),
-    "return_indexer_topk": (False,), "modalities": (None, []), "session_params": (None,), "lora_path": (None,),
-    "lora_id": (None,), "custom_logit_processor": (None,), "positional_embed_overrides": (None,),
-    "bootstrap_pair_key": (None,),
-    "decode_tp_size": (None,), "routed_dp_rank": (None, 0), "data_parallel_rank": (None, 0),
-    "disagg_prefill_dp_rank": (None,), "http_worker_ipc": (None,), "background": (False,),
-    "require_reasoning": (False,), "max_thinking_tokens": (None,), "extra_key": (None, ""), "return_bytes": (False,),
-    "return_entropy": (False,), "return_prompt_token_ids": (False,), "need_wait_for_mm_inputs": (None, False),
-    "num_items_assigned": (None,), "encoder_urls": (None, []), "max_dynamic_patch": (None,),
-    "min_dynamic_patch": (None,), "image_max_dynamic_patch": (None,), "video_max_dynamic_patch": (None,),
-    "images_config": (None,), "mm_processor_kwargs": (None,), "multi_item_delimiter_indices": (None,),
-    "token_indices_to_pool": (None,), "cache_salt": (None, ""),
-}
 
 
 @pydantic_dataclass(config=ConfigDict(strict=True, extra="forbid", allow_inf_nan=False))
@@ -65,10 +42,12 @@ class GenerateReqInput:
     TokenizerManager.
 
     ``return_logprob``, ``logprob_start_len`` and ``top_logprobs_num`` take
-    one value or one per prompt; null means the default. Hints that cannot
+    one value or one per prompt; null means the default. ``token_ids_logprob``
+    (with ``return_logprob``: the logprobs of these ids at every position
+    scored) is one list of ids, or for a batch one per prompt. Hints that cannot
     change the output (``session_id``, ``routing_key``, ``priority``, ...) are
     accepted and ignored, as SGLang ignores ``priority`` without priority
-    scheduling; the fields of ``UNSUPPORTED_FIELDS`` only at their no-op value.
+    scheduling; the fields it does not implement only at their no-op value.
     """
 
     text: str | list[str] | None = None
@@ -78,6 +57,7 @@ class GenerateReqInput:
     return_logprob: bool | list[bool] | None = None
     logprob_start_len: _StartLen | list[_StartLen] | None = None
     top_logprobs_num: _TopNum | list[_TopNum] | None = None
+    token_ids_logprob: list[int] | list[list[int]] | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False
     log_metrics: bool = True
@@ -97,59 +77,56 @@ class GenerateReqInput:
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: _Port | list[_Port] | None = None
     bootstrap_room: _Room | list[_Room] | None = None
-    # not implemented (see UNSUPPORTED_FIELDS)
-    input_embeds: Any = None
-    image_data: Any = None
-    video_data: Any = None
-    audio_data: Any = None
-    mm_hashes: Any = None
-    mm_content_hashes: Any = None
-    use_audio_in_video: Any = False
-    video_config: Any = None
-    watermark: Any = None
-    token_ids_logprob: Any = None
-    return_sampling_mask: Any = None
-    sampling_logprobs_mode: Any = None
-    return_flat_raw_top_logprobs: Any = False
-    return_flat_raw_output_top_logprobs: Any = False
-    return_flat_raw_top_logprobs_b64: Any = False
-    return_hidden_states: Any = False
-    return_routed_experts: Any = False
-    routed_experts_start_len: Any = 0
-    return_indexer_topk: Any = False
-    modalities: Any = None
-    session_params: Any = None
-    lora_path: Any = None
-    lora_id: Any = None
-    custom_logit_processor: Any = None
-    positional_embed_overrides: Any = None
-    bootstrap_pair_key: Any = None
-    decode_tp_size: Any = None
-    routed_dp_rank: Any = None
-    data_parallel_rank: Any = None
-    disagg_prefill_dp_rank: Any = None
-    http_worker_ipc: Any = None
-    background: Any = False
-    require_reasoning: Any = False
-    max_thinking_tokens: Any = None
-    extra_key: Any = None
-    return_bytes: Any = False
-    return_entropy: Any = False
-    return_prompt_token_ids: Any = False
-    need_wait_for_mm_inputs: Any = None
-    num_items_assigned: Any = None
-    encoder_urls: Any = None
-    max_dynamic_patch: Any = None
-    min_dynamic_patch: Any = None
-    image_max_dynamic_patch: Any = None
-    video_max_dynamic_patch: Any = None
-    images_config: Any = None
-    mm_processor_kwargs: Any = None
-    multi_item_delimiter_indices: Any = None
-    token_indices_to_pool: Any = None
-    cache_salt: Any = None
-
-    _only_no_op = no_op_validator(UNSUPPORTED_FIELDS)
+    # not implemented: accepted only at their no-op values (validation.NO_OP_VALUES)
+    input_embeds: NoOpOnly = None
+    image_data: NoOpOnly = None
+    video_data: NoOpOnly = None
+    audio_data: NoOpOnly = None
+    mm_hashes: NoOpOnly = None
+    mm_content_hashes: NoOpOnly = None
+    use_audio_in_video: NoOpOnly = False
+    video_config: NoOpOnly = None
+    watermark: NoOpOnly = None
+    return_sampling_mask: NoOpOnly = None
+    sampling_logprobs_mode: NoOpOnly = None
+    return_flat_raw_top_logprobs: NoOpOnly = False
+    return_flat_raw_output_top_logprobs: NoOpOnly = False
+    return_flat_raw_top_logprobs_b64: NoOpOnly = False
+    return_hidden_states: NoOpOnly = False
+    return_routed_experts: NoOpOnly = False
+    routed_experts_start_len: NoOpOnly = 0
+    return_indexer_topk: NoOpOnly = False
+    modalities: NoOpOnly = None
+    session_params: NoOpOnly = None
+    lora_path: NoOpOnly = None
+    lora_id: NoOpOnly = None
+    custom_logit_processor: NoOpOnly = None
+    positional_embed_overrides: NoOpOnly = None
+    bootstrap_pair_key: NoOpOnly = None
+    decode_tp_size: NoOpOnly = None
+    routed_dp_rank: NoOpOnly = None
+    data_parallel_rank: NoOpOnly = None
+    disagg_prefill_dp_rank: NoOpOnly = None
+    http_worker_ipc: NoOpOnly = None
+    background: NoOpOnly = False
+    require_reasoning: NoOpOnly = False
+    max_thinking_tokens: NoOpOnly = None
+    extra_key: NoOpOnly = None
+    return_bytes: NoOpOnly = False
+    return_entropy: NoOpOnly = False
+    return_prompt_token_ids: NoOpOnly = False
+    need_wait_for_mm_inputs: NoOpOnly = None
+    num_items_assigned: NoOpOnly = None
+    encoder_urls: NoOpOnly = None
+    max_dynamic_patch: NoOpOnly = None
+    min_dynamic_patch: NoOpOnly = None
+    image_max_dynamic_patch: NoOpOnly = None
+    video_max_dynamic_patch: NoOpOnly = None
+    images_config: NoOpOnly = None
+    mm_processor_kwargs: NoOpOnly = None
+    multi_item_delimiter_indices: NoOpOnly = None
+    token_indices_to_pool: NoOpOnly = None
+    cache_salt: NoOpOnly = None
 
     # Shapes are checked by hand, in one pass with one message, before pydantic
     # would report each bad element of a million-token list on its own.
@@ -170,6 +147,16 @@ class GenerateReqInput:
             return v
         raise ValueError("must be a non-empty list of token ids or a non-empty list of such lists")
 
+    @field_validator("token_ids_logprob", mode="before")
+    @classmethod
+    def _token_ids(cls, v: Any) -> Any:
+        lists = [v] if v is None or _is_id_list(v) else v if _non_empty_list_of(v, list) else None
+        if lists is None or not all(ids is None or _is_id_list(ids) for ids in lists):
+            raise ValueError("must be a list of token ids, or for a batch one such list per prompt")
+        if any(ids is not None and len(ids) > MAX_TOKEN_IDS_LOGPROB for ids in lists):
+            raise ValueError(f"at most {MAX_TOKEN_IDS_LOGPROB} token ids per prompt")
+        return v
+
     @field_validator("rid", mode="before")
     @classmethod
     def _rid(cls, v: Any) -> Any:
@@ -185,8 +172,10 @@ class GenerateReqInput:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("text: give exactly one of text and input_ids")
         n = self.batch_size
-        for name in ("sampling_params", "rid", *_PER_PROMPT):
+        for name in ("sampling_params", "rid", *_PER_PROMPT, "token_ids_logprob"):
             value = getattr(self, name)
+            if name == "token_ids_logprob" and (value is None or _is_id_list(value)):
+                continue  # one list of ids, for every prompt
             if isinstance(value, list) and len(value) != n:
                 raise ValueError(f"{name}: {len(value)} given for {n} prompts")
             if self.is_single and isinstance(value, list):
@@ -209,6 +198,8 @@ class GenerateReqInput:
     def per_prompt(self, name: str) -> list:
         """A per-prompt field as one value per prompt, defaults for nulls."""
         value = getattr(self, name)
+        if name == "token_ids_logprob":  # a list of ids is one value
+            return [value] * self.batch_size if value is None or _is_id_list(value) else value
         values = value if isinstance(value, list) else [value] * self.batch_size
         return [_PER_PROMPT[name] if v is None else v for v in values]
 
@@ -216,6 +207,11 @@ class GenerateReqInput:
 _PER_PROMPT = {"return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0,  # and their defaults
                "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None}
 _ONE_OR_A_LIST = {"text": (str, "a string"), "sampling_params": (dict, "an object")}
+
+
+def _is_id_list(v: Any) -> bool:
+    """A list of token ids, maybe empty (bools are not ids)."""
+    return isinstance(v, list) and all(type(x) is int for x in v)
 
 
 def _non_empty_list_of(v: Any, kind: type) -> bool:
@@ -240,6 +236,7 @@ class TokenizedGenerateReqInput:
     # disaggregation: the prefill server's bootstrap address (host:port) and the room pairing the two halves
     bootstrap_addr: str | None = None
     bootstrap_room: int | None = None
+    token_ids_logprob: list[int] | None = None
 
 
 @dataclass
@@ -310,6 +307,39 @@ class KVLimitReqOutput:
     state: dict
 
 
+# SGLang's GPU_MEMORY_TYPE_KV_CACHE and GPU_MEMORY_TYPE_WEIGHTS, in the order they are released
+MEMORY_TAGS = ("kv_cache", "weights")
+
+
+@dataclass
+class ReleaseMemoryOccupationReqInput:
+    """Give back the device memory of ``tags`` (``MEMORY_TAGS``; None: all)
+    on every rank (``/release_memory_occupation``, docs/elastic_kv.md)."""
+
+    tags: list[str] | None = None
+
+
+@dataclass
+class ReleaseMemoryOccupationReqOutput:
+    success: bool
+    message: str
+    state: dict  # Scheduler.memory_occupation()
+
+
+@dataclass
+class ResumeMemoryOccupationReqInput:
+    """Take the memory of ``tags`` (None: all) back on every rank (``/resume_memory_occupation``)."""
+
+    tags: list[str] | None = None
+
+
+@dataclass
+class ResumeMemoryOccupationReqOutput:
+    success: bool
+    message: str
+    state: dict
+
+
 @dataclass
 class GiveKVReq:
     """Rank 0 saw other servers on its device ask for memory: every rank
@@ -356,6 +386,8 @@ _TYPES = {
     for cls in (
         TokenizedGenerateReqInput, AbortReq, FlushCacheReq, FlushCacheReqOutput, CloseReq, GetInternalStateReq,
         GetInternalStateReqOutput, ProfileReq, ProfileReqOutput, KVLimitReq, KVLimitReqOutput, GiveKVReq, SchedulerStats,
+        ReleaseMemoryOccupationReqInput, ReleaseMemoryOccupationReqOutput, ResumeMemoryOccupationReqInput,
+        ResumeMemoryOccupationReqOutput,
         BatchTokenIDOut, BatchStrOut,
     )
 }

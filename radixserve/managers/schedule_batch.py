@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 from radixserve.mem_cache.allocator import page_aligned
+from radixserve.mem_cache.base_prefix_cache import EMPTY_SLOTS
 from radixserve.model_executor.forward_batch_info import ForwardMode, ragged_arange
 from radixserve.sampling import stop_regex
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
@@ -33,6 +34,7 @@ class ModelWorkerBatch:
     return_logprob: bool = False
     extend_logprob_start_lens: list[int] | None = None
     top_logprobs_nums: list[int] | None = None
+    token_ids_logprobs: list[list[int] | None] | None = None  # per request: the ids whose input logprobs it wants
     sampling_info: SamplingBatchInfo | None = None
     vocab_mask: torch.Tensor | None = None  # [bs, ceil(vocab / 32)] int32 bitmask of allowed tokens (structured output)
     num_decoding: int = 0  # extend: the last n requests decode one token each, their input ids read on the device
@@ -42,7 +44,6 @@ class ModelWorkerBatch:
         return len(self.seq_lens_cpu)
 
 
-_EMPTY = torch.empty(0, dtype=torch.int64)
 PREFIX_GROUP_TOKENS = 64  # see Req.prefix_group
 
 
@@ -97,6 +98,7 @@ class Req:
         return_logprob: bool = False,
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
+        token_ids_logprob: list[int] | None = None,
     ):
         self.rid = rid
         self.origin_input_ids = list(origin_input_ids)
@@ -108,7 +110,7 @@ class Req:
         self.req_pool_idx: int | None = None
         self.kv_len = 0
         self.kv_inflight = 0  # tokens after kv_len whose KV a queued forward is writing
-        self.prefix_indices: torch.Tensor = _EMPTY
+        self.prefix_indices: torch.Tensor = EMPTY_SLOTS
         self.cache_protected_len = 0
         self.last_node = None
         # this round's extend
@@ -129,10 +131,13 @@ class Req:
         self.return_logprob = return_logprob
         self.logprob_start_len = logprob_start_len
         self.top_logprobs_num = top_logprobs_num
+        self.token_ids_logprob = token_ids_logprob  # SGLang's: these ids' logprobs at every position scored
         self.input_token_logprobs: list[tuple[float | None, int]] = []
         self.input_top_logprobs: list[list[tuple[float, int]] | None] = []
+        self.input_token_ids_logprobs: list[list[tuple[float, int]] | None] = []
         self.output_token_logprobs: list[tuple[float, int]] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        self.output_token_ids_logprobs: list[list[tuple[float, int]]] = []
         # prefill/decode disaggregation (disagg_prefill.py, disagg_decode.py): the prefill server's
         # bootstrap address and the room naming this request's transfer, its half of it
         self.bootstrap_addr: str | None = None
@@ -211,7 +216,7 @@ class Req:
     def reset_for_retract(self) -> None:
         """Back to the waiting queue; output so far is kept and re-prefilled."""
         self.req_pool_idx, self.kv_len, self.last_node = None, 0, None
-        self.prefix_indices, self.cache_protected_len = _EMPTY, 0
+        self.prefix_indices, self.cache_protected_len = EMPTY_SLOTS, 0
         self.is_chunked = False
         self.retractions += 1
 
@@ -254,6 +259,18 @@ class KVPools:
         whose last page is full."""
         p = self.page_size
         return sum(p for r in reqs if r.kv_end % p == 0)
+
+    def extend_slots_needed(self, reqs: list[Req], riders: int = 0) -> int:
+        """Slots an extend of ``reqs`` may allocate, with ``riders`` running
+        requests decoding one token each inside it: each request's new tokens
+        in whole pages, and a page more where they straddle one."""
+        p = self.page_size
+        return sum(page_aligned(r.extend_input_len, p) + p for r in reqs) + riders * (page_aligned(1, p) + p)
+
+    def can_hold(self, need: int) -> bool:
+        """Whether ``need`` slots fit now beside the running requests' KV:
+        free or held by evictable cached KV, and backed (``can_back``)."""
+        return need <= self.allocator.available_size() + self.tree_cache.evictable_size() and self.can_back(need)
 
 
 class ScheduleBatch:
@@ -310,7 +327,7 @@ class ScheduleBatch:
         # a run-time limit never cuts a request short: the last one waits too, for the limit to rise
         while short() > 0 and (len(self.reqs) > 1 or (self.reqs and pools.allocator.limit_binds())):
             victim = min(self.reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
-            self.filter_batch(lambda r: r is not victim)
+            self.filter_batch(lambda r: r is not victim)  # noqa: B023 (called here, in this iteration)
             pools.tree_cache.cache_finished_req(victim)
             victim.reset_for_retract()
             retracted.append(victim)
@@ -326,15 +343,14 @@ class ScheduleBatch:
     def prepare_for_extend(self) -> torch.Tensor:
         """Give new requests a row (holding their cached prefix) and allocate
         the slots of every request's new tokens; returns the slots."""
-        pools, page = self.pools, self.pools.page_size
+        pools = self.pools
         for req in self.reqs:
             if req.req_pool_idx is None:
                 req.req_pool_idx = pools.req_to_token_pool.alloc(1)[0]
                 pools.req_to_token_pool.write(req.req_pool_idx, 0, req.prefix_indices)
         prefix = torch.tensor([r.kv_end for r in self.reqs], dtype=torch.int64)
         seq = prefix + torch.tensor([r.extend_input_len for r in self.reqs], dtype=torch.int64)
-        need = sum(page_aligned(r.extend_input_len, page) for r in self.reqs) + page * len(self.reqs)
-        last = pools.last_locs(self.reqs)
+        need, last = pools.extend_slots_needed(self.reqs), pools.last_locs(self.reqs)
         slots = pools.alloc_with_evict(need, lambda: pools.allocator.alloc_extend(prefix, seq, last))
         if slots is None:
             raise RuntimeError(f"KV allocation failed for an admitted prefill of {int((seq - prefix).sum())} tokens")
@@ -402,6 +418,7 @@ class ScheduleBatch:
                 max(r.logprob_start_len - 1 - p, 0) if w else e for r, w, e, p in zip(reqs, want, ext, prefix)
             ],
             top_logprobs_nums=[r.top_logprobs_num if w else 0 for r, w in zip(reqs, want)],
+            token_ids_logprobs=[r.token_ids_logprob if w else None for r, w in zip(reqs, want)],
             sampling_info=sampling_info or SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.pools.device),
             num_decoding=decoding,
         )

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from radixserve.managers.schedule_batch import Req
-from radixserve.mem_cache.allocator import page_aligned
+from radixserve.mem_cache.allocator import page_aligned, page_floor
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
 from radixserve.mem_cache.radix_cache import RadixCache
 
@@ -269,7 +269,7 @@ class PrefillAdder:
     def _take(self, req: Req, extend: int, first: bool) -> None:
         n = min(extend, self.rem_chunk)
         if n < extend:  # cut the prompt: whole pages, at least one
-            n = min(max(n // self.page_size * self.page_size, self.page_size), extend)
+            n = min(max(page_floor(n, self.page_size), self.page_size), extend)
         if n < extend:
             self.new_chunked_req = req
         req.extend_input_len = n

@@ -18,14 +18,16 @@ import msgpack
 from radixserve.managers.decode_sampling import DecodeSamplingState
 from radixserve.managers.disagg_decode import DecodeDisaggregation
 from radixserve.managers.disagg_prefill import PrefillDisaggregation
+from radixserve.managers.disagg_queues import DisaggregationRole
 from radixserve.managers.grammar_queue import GrammarQueue
 from radixserve.managers.profiler import phase
 from radixserve.managers.schedule_batch import KVPools, Req, ScheduleBatch
 from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy, mixed_step_budget
 from radixserve.managers.scheduler_input_mixin import SchedulerInputMixin
+from radixserve.managers.scheduler_memory_mixin import SchedulerMemoryMixin
 from radixserve.managers.scheduler_output_processor_mixin import Launched, SchedulerOutputProcessorMixin
 from radixserve.managers.tp_worker import TpModelWorker
-from radixserve.mem_cache import check_memory_invariant, page_aligned
+from radixserve.mem_cache import check_memory_invariant
 from radixserve.mem_cache.factory import build_tree_cache
 from radixserve.mem_cache.kv_events import ZmqEventPublisher
 from radixserve.model_executor.forward_batch_info import ForwardMode
@@ -53,7 +55,7 @@ class SchedulerStats:
     generated: int = 0  # output tokens
 
 
-class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
+class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMemoryMixin):
     """Continuous batching over one ModelRunner.
 
     Each :meth:`step` runs one batch, an extend (new requests and the next
@@ -109,7 +111,9 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
         self._in_flight: Launched | None = None
         self._deferred: list[Req] = []
         self.stats = SchedulerStats()
-        self.disagg = None  # the prefill or decode server's queues and KV manager
+        self.offload_tags: set[str] = set()  # memory released (scheduler_memory_mixin.py): nothing runs until resumed
+        # the prefill or decode server's queues and KV manager; a plain server's does nothing
+        self.disagg: DisaggregationRole = DisaggregationRole()
         if server_args.disaggregation_mode == "prefill":
             self.disagg = PrefillDisaggregation(self)
         elif server_args.disaggregation_mode == "decode":
@@ -119,13 +123,29 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
         # a request aborted while waiting is only handed back by the next step
         return not (self.waiting or self.grammar_queue or self.running_batch.reqs or self.chunked_req
                     or self._in_flight or self._finished_outside_batch or self.tree_cache.busy()
-                    or (self.disagg is not None and self.disagg.queued()))
+                    or self.disagg.queued())
 
     def live_reqs(self) -> list[Req]:
         """Requests holding KV: running, chunked, finished ones waiting for
         their last forward, and those whose KV is being sent or received."""
         return (self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else []) + self._deferred
-                + (self.disagg.holding() if self.disagg is not None else []))
+                + self.disagg.holding())
+
+    def rows_held(self) -> int:
+        """Requests that count against ``--max-running-requests``: running,
+        finished ones waiting for their last forward, and those whose KV is
+        being sent or received (a chunked prompt is counted by admission)."""
+        return len(self.running_batch) + len(self._deferred) + len(self.disagg.holding())
+
+    def in_flight_reqs(self) -> list[Req]:
+        """The requests of the batch queued on the device, whose results the
+        next step takes (none without overlap)."""
+        return self._in_flight.reqs if self._in_flight is not None else []
+
+    def finish_outside_batch(self, req: Req) -> None:
+        """Hand ``req``, finished outside any batch (an abort, a transfer's
+        end), back with the next step's results."""
+        self._finished_outside_batch.append(req)
 
     def check_memory(self) -> None:
         check_memory_invariant(self.allocator, self.tree_cache, self.live_reqs())
@@ -134,21 +154,21 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
     def step(self) -> list[Req]:
         """Run one batch; returns the requests updated in it (finished ones too).
         With overlap, a batch's results come back in the next step."""
-        self.allocator.rebalance(self.tree_cache.evict)  # an elastic pool gives back empty pages, keeps its reserve
+        if "kv_cache" not in self.offload_tags:  # a released pool maps nothing
+            self.allocator.rebalance(self.tree_cache.evict)  # an elastic pool gives back empty pages, keeps its reserve
         out = self._drain() if self._in_flight and self._must_drain() else []
         self.tree_cache.poll()  # copies between cache tiers that have finished
         out += self._process_aborts()
-        if self.disagg is not None:
-            out += self.disagg.poll()
+        out += self.disagg.poll()
         if self.grammar_queue:
             ready, failed = self.grammar_queue.pop_compiled(self._agree_on_rids)
             self.waiting += ready
             out += failed
-        batch = self._next_batch()
+        batch = self.get_next_batch_to_run()
         if batch is None and not self._in_flight:  # only compilations, cache copies or transfers to wait for
             if self.grammar_queue:
                 self.grammar_queue.wait()
-            elif self.disagg is not None and self.disagg.queued():
+            elif self.disagg.queued():
                 time.sleep(DISAGG_POLL_S)
             else:
                 self.tree_cache.wait()
@@ -156,7 +176,7 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
         self._finished_outside_batch = []
         previous, self._in_flight = self._in_flight, None
         if batch is not None:
-            launched = self._launch_forward(batch)
+            launched = self.launch_batch(batch)
             if previous is not None and self.grammar_queue.constrained(batch.reqs):
                 # The token masks need the tokens of the batch in flight: take
                 # them while this batch's forward runs, then queue its sampling.
@@ -202,9 +222,9 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
         return self.allocator.available_size() < self.pools.decode_pages_needed(self.running_batch.reqs)
 
     @phase("scheduler.next_batch")
-    def _next_batch(self) -> ScheduleBatch | None:
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
         """A prefill if one can be admitted, else a decode of the running requests."""
-        batch = self._get_new_batch_prefill()
+        batch = self.get_new_batch_prefill()
         running = self.running_batch
         if running.is_empty():  # no row is needed (and none piles up on a prefill server)
             self.decode_sampling.invalidate()
@@ -217,15 +237,12 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
         running.prepare_for_decode()
         return running
 
-    def _get_new_batch_prefill(self) -> ScheduleBatch | None:
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
         if not self.waiting and self.chunked_req is None:
             return None
-        if self.allocator.over_limit():  # a run-time KV limit lowered below use: admit once back under it
+        if self.allocator.over_limit() or self.offload_tags:  # a KV limit lowered below use, or memory released
             return None
-        # The chunked request, if any, is in can_run; finished requests whose
-        # last decode is in flight still hold their rows.
-        free_rows = (self.max_running - len(self.running_batch) - len(self._deferred)
-                     - len(self.disagg.holding() if self.disagg is not None else []))
+        free_rows = self.max_running - self.rows_held()  # the chunked request, if any, is in can_run
         riders = len(self.running_batch) if self.args.enable_mixed_chunk else 0  # see PrefillAdder
         chunk = self.chunk_size if not (riders and self.args.mixed_chunk_min_size) else mixed_step_budget(
             riders, self.waiting, self.chunked_req, self.args.mixed_chunk_min_size, self.chunk_size)
@@ -257,7 +274,7 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
         if not adder.can_run:
             return None
         batch = ScheduleBatch(adder.can_run, ForwardMode.EXTEND, self.pools, self.vocab_size)
-        if self._can_mix(batch):  # riders in the decode state's row order (see ``_launch_forward``)
+        if self._can_mix(batch):  # riders in the decode state's row order (see ``launch_batch``)
             batch.mix_with_running(self.decode_sampling.sync(self.running_batch.reqs, self.worker.last_token))
         batch.prepare_for_extend()
         return batch
@@ -273,9 +290,7 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
             return False
         if any(r.return_logprob for r in running + batch.reqs):
             return False
-        page = self.page_size
-        need = sum(page_aligned(r.extend_input_len, page) + page for r in batch.reqs) + 2 * page * len(running)
-        return need <= self.allocator.available_size() + self.tree_cache.evictable_size() and self.pools.can_back(need)
+        return self.pools.can_hold(self.pools.extend_slots_needed(batch.reqs, riders=len(running)))
 
     # -- memory for a batch ------------------------------------------------------
     def _ensure_decode_memory(self) -> None:
@@ -292,7 +307,7 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
 
     # -- running a batch ----------------------------------------------------------
     @phase("scheduler.launch_forward")
-    def _launch_forward(self, schedule_batch: ScheduleBatch) -> Launched:
+    def launch_batch(self, schedule_batch: ScheduleBatch) -> Launched:
         """Queue the forward of a prepared batch (``_launch_sample`` follows).
         A decode's sampling state is the running batch's; a mixed batch's is
         its new requests' followed by the riders' rows of that state, merged
@@ -331,15 +346,17 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
         reqs, batch = launched.reqs, launched.forward.batch
         batch.vocab_mask = self.grammar_queue.vocab_mask(reqs)
         tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
+        by_ids = [r.token_ids_logprob if r.return_logprob else None for r in reqs]
         launched.sampled = self.worker.launch_sample(launched.forward, any(r.return_logprob for r in reqs), tops,
-                                                     self.grammar_queue.apply)
+                                                     self.grammar_queue.apply, by_ids)
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; refused (False) while requests run."""
         if not self.is_idle():
             return False
         self.tree_cache.reset()
-        self.allocator.clear()
+        if "kv_cache" not in self.offload_tags:  # a released pool is empty already, and maps nothing
+            self.allocator.clear()
         self.grammar_queue.clear_cache()
         self._publish_kv_events()
         return True
@@ -351,7 +368,8 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
             return False, "a KV limit needs the elastic KV pool (--enable-elastic-kv)", {}
         if apply:
             self.allocator.set_limit_bytes(limit_bytes)
-            self.allocator.rebalance(self.tree_cache.evict)
+            if "kv_cache" not in self.offload_tags:  # else applied when the KV is resumed
+                self.allocator.apply_limit(self.tree_cache.evict)
         return True, "", self.allocator.limit_state()
 
     def close(self) -> None:
@@ -361,8 +379,7 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
         the elastic KV registry."""
         self.tree_cache.close()
         self.allocator.close()
-        if self.disagg is not None:
-            self.disagg.close()
+        self.disagg.close()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
 
@@ -370,4 +387,5 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin):
         return dict(dataclasses.asdict(self.stats), running=len(self.running_batch), waiting=len(self.waiting) + len(self.grammar_queue),
                     kv_free=self.allocator.available_size(), kv_cached=self.tree_cache.total_size(),
                     **self.tree_cache.tier_stats(), **self.grammar_queue.cache_stats(),
-                    **self.allocator.pool_stats())
+                    **self.allocator.pool_stats(),
+                    **(self.kv_event_publisher.drop_stats() if self.kv_event_publisher is not None else {}))

@@ -46,6 +46,7 @@ def build_model_runner(args: ServerArgs, model_config, tp_rank: int = 0, dist_in
         dist_timeout_s=args.dist_timeout or DEFAULT_TIMEOUT_S,
         nnodes=args.nnodes,
         elastic_kv=args.elastic_kv_config(),
+        enable_memory_saver=args.enable_memory_saver,
     )
     return ModelRunner(model_config, **{**options, **overrides})
 
@@ -80,10 +81,10 @@ def eos_token_ids(model_config, tokenizer) -> frozenset[int]:
 
 
 def build_scheduler(args: ServerArgs, tp_rank: int = 0, dist_init_method: str | None = None,
-                    dp_rank: int = 0) -> Scheduler:
+                    dp_rank: int = 0, **runner_options: Any) -> Scheduler:
     """Resolve the model, load weights and tokenizer, build the scheduler
     (of TP rank ``tp_rank`` of replica ``dp_rank``, whose ranks meet at
-    ``dist_init_method``)."""
+    ``dist_init_method``); ``runner_options`` go to ``build_model_runner``."""
     from radixserve.model_loader import resolve_model
 
     device = args.resolved_device()
@@ -95,7 +96,7 @@ def build_scheduler(args: ServerArgs, tp_rank: int = 0, dist_init_method: str | 
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.processes_per_host()))
     model_config = resolve_model(args.model_path, args.load_format, args.dtype, device, args.tokenizer_path,
                                  args.model_overrides())
-    runner = build_model_runner(args, model_config, tp_rank, dist_init_method, dp_rank)
+    runner = build_model_runner(args, model_config, tp_rank, dist_init_method, dp_rank, **runner_options)
     tokenizer = load_tokenizer(model_config)
     publisher = kv_event_publisher(args, tp_rank, dp_rank)
     return Scheduler(args, runner, tokenizer, eos_token_ids(model_config, tokenizer), publisher, dp_rank)

@@ -13,14 +13,15 @@ class SchedulerInputMixin:
     """Request intake of :class:`Scheduler` (whose state it uses)."""
 
     def new_req(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, return_logprob: bool = False,
-                logprob_start_len: int = -1, top_logprobs_num: int = 0) -> Req:
+                logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                token_ids_logprob: list[int] | None = None) -> Req:
         """The one way a request becomes a ``Req``: its params checked against
         the vocabulary and normalized, the model's EOS ids attached. Raises
         ``ValueError`` naming the field."""
         sampling_params.verify(self.vocab_size)
         sampling_params.normalize(self.vocab_size)
         return Req(rid, input_ids, sampling_params, self.eos_token_ids, return_logprob, logprob_start_len,
-                   top_logprobs_num)
+                   top_logprobs_num, token_ids_logprob)
 
     def validate(self, req: Req) -> None:
         """Raise ValueError (naming the field) for a request that cannot run."""
@@ -37,6 +38,9 @@ class SchedulerInputMixin:
             )
         if n + 1 > self.allocator.size:
             raise ValueError(f"input_ids: the prompt has {n} tokens, the KV pool only {self.allocator.size}")
+        bad = [t for t in req.token_ids_logprob or () if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token_ids_logprob: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         req.sampling_params.verify(self.vocab_size)
 
     def add_request(self, req: Req) -> None:
@@ -45,9 +49,7 @@ class SchedulerInputMixin:
         sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - len(req.origin_input_ids))
         req.init_stop_matching(self.tokenizer)
         self.stats.prompt_tokens += len(req.origin_input_ids)
-        if req.bootstrap_room is not None and self.disagg is not None:
-            self.disagg.add(req)
-        else:
+        if not self.disagg.take(req):  # a request with a bootstrap room goes through its transfer first
             self.tree_cache.prefetch(prefix_key(req))
             self.enqueue(req)
 
@@ -75,4 +77,4 @@ class SchedulerInputMixin:
             if req.rid == rid:
                 req.to_abort = True
                 return True
-        return self.disagg is not None and self.disagg.abort(rid)
+        return self.disagg.abort(rid)

@@ -8,7 +8,6 @@ import logging
 from dataclasses import dataclass
 
 from radixserve.layers.sampler import SampleOutput
-from radixserve.managers.disagg_prefill import PrefillDisaggregation
 from radixserve.managers.input_logprobs import record_input_logprobs
 from radixserve.managers.profiler import phase
 from radixserve.managers.schedule_batch import FinishReason, Req
@@ -65,7 +64,7 @@ class SchedulerOutputProcessorMixin:
                 updated.append(req)
             else:
                 try:
-                    self._append_token(req, tok, sample, i)
+                    self._append_sampled(req, tok, sample, i)
                     if req.grammar is not None:
                         constrained.append(req)
                 except Exception as exc:  # e.g. a stop-string check that cannot decode this output
@@ -76,8 +75,7 @@ class SchedulerOutputProcessorMixin:
             self.grammar_queue.advance(constrained)
         self._agree_on_stop_regex(updated)
         prefilled = [r for r, p in zip(reqs, partial) if not p and id(r) not in launched.decoding]
-        if isinstance(self.disagg, PrefillDisaggregation):  # prompts with a room leave for their decode server
-            updated = self.disagg.hand_off_prefilled(updated, prefilled)
+        updated = self.disagg.hand_off_prefilled(updated, prefilled)  # on a prefill server: prompts with a room
         self._update_running(mode, updated, prefilled)
         return updated
 
@@ -105,13 +103,32 @@ class SchedulerOutputProcessorMixin:
             self._deferred.remove(req)
             self.tree_cache.cache_finished_req(req)
 
-    def _append_token(self, req: Req, tok: int, sample: SampleOutput, i: int) -> None:
+    def _append_sampled(self, req: Req, tok: int, sample: SampleOutput, i: int) -> None:
+        """``append_token`` with row ``i`` of a batch's sampled logprobs."""
+        logprob = top = by_ids = None
+        if req.return_logprob and sample.next_token_logprobs is not None:
+            logprob = float(sample.next_token_logprobs[i])
+            if sample.top_logprobs_val is not None:
+                top = list(zip(sample.top_logprobs_val[i], sample.top_logprobs_idx[i]))
+            if sample.token_ids_logprobs_val is not None and req.token_ids_logprob is not None:
+                by_ids = list(zip(sample.token_ids_logprobs_val[i], req.token_ids_logprob))
+        self.append_token(req, tok, logprob, top, by_ids)
+
+    def append_token(self, req: Req, tok: int, logprob: float | None = None, top: list | None = None,
+                     by_ids: list | None = None) -> None:
+        """Append ``tok`` to ``req``'s output with the logprobs it asked for
+        (``logprob``; ``top``, its top logprobs as (logprob, id); ``by_ids``,
+        those of its ``token_ids_logprob``: each None where not known), count
+        it and check its stop conditions. Every output token goes through
+        here, a sampled one or one a prefill server sent."""
         req.output_ids.append(tok)
         self.stats.generated += 1
-        if req.return_logprob and sample.next_token_logprobs is not None:
-            req.output_token_logprobs.append((float(sample.next_token_logprobs[i]), tok))
-            if req.top_logprobs_num and sample.top_logprobs_val is not None:
-                req.output_top_logprobs.append(list(zip(sample.top_logprobs_val[i], sample.top_logprobs_idx[i])))
+        if req.return_logprob and logprob is not None:
+            req.output_token_logprobs.append((logprob, tok))
+            if req.top_logprobs_num and top is not None:
+                req.output_top_logprobs.append(top)
+            if req.token_ids_logprob is not None and by_ids is not None:
+                req.output_token_ids_logprobs.append(by_ids)
         req.check_finished(self.tokenizer, self.context_len)
 
     def _update_running(self, mode: ForwardMode, updated: list[Req], prefilled: list[Req]) -> None:

@@ -31,6 +31,10 @@ from radixserve.managers.io_struct import (
     KVLimitReq,
     KVLimitReqOutput,
     ProfileReq,
+    ReleaseMemoryOccupationReqInput,
+    ReleaseMemoryOccupationReqOutput,
+    ResumeMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqOutput,
     SchedulerStats,
     TokenizedGenerateReqInput,
     decode,
@@ -73,9 +77,13 @@ def req_meta(req: Req, sent_logprobs: int, first: bool) -> dict:
     if req.return_logprob:
         meta["output_token_logprobs"] = req.output_token_logprobs[sent_logprobs:]
         meta["output_top_logprobs"] = req.output_top_logprobs[sent_logprobs:]
+        if req.token_ids_logprob is not None:
+            meta["output_token_ids_logprobs"] = req.output_token_ids_logprobs[sent_logprobs:]
         if sent_logprobs == 0:
             meta["input_token_logprobs"] = req.input_token_logprobs
             meta["input_top_logprobs"] = req.input_top_logprobs
+            if req.token_ids_logprob is not None:
+                meta["input_token_ids_logprobs"] = req.input_token_ids_logprobs
     return meta
 
 
@@ -111,7 +119,7 @@ class SchedulerProcess:
         while True:
             if self.watch is not None and not self.watch.alive():
                 self.watch.exit_orphaned()
-            idle = self.scheduler.is_idle()
+            idle = self.scheduler.is_idle() or self.scheduler.held()
             received = self.receive_all(wait=idle) + self.memory_asked() if self.leader else None
             if self.tp.size > 1:  # a follower waits here, at most IDLE_POLL_MS while the leader is idle
                 received = msgpack.unpackb(self.tp.broadcast_bytes(msgpack.packb(received) if self.leader else None))
@@ -152,7 +160,7 @@ class SchedulerProcess:
     def memory_asked(self) -> list[bytes]:
         """A ``GiveKVReq`` when other servers on this device asked for KV memory since the last look."""
         sched = self.scheduler
-        keep = sched.allocator.pages_to_keep(sched.tree_cache.evictable_size()) if self.shared_kv else None
+        keep = sched.allocator.pages_to_keep(sched.tree_cache.evictable_size(), sched.is_idle()) if self.shared_kv else None
         return [] if keep is None else [encode(GiveKVReq(keep))]
 
     def handle_bytes(self, data: bytes) -> None:
@@ -175,6 +183,12 @@ class SchedulerProcess:
         elif isinstance(msg, KVLimitReq):  # every rank: their pools stay the same
             ok, message, state = self.scheduler.kv_limit(msg.apply, msg.limit_bytes)
             self.send_replies([KVLimitReqOutput(ok, message, {**state, "dp_rank": self.dp_rank})])
+        elif isinstance(msg, (ReleaseMemoryOccupationReqInput, ResumeMemoryOccupationReqInput)):  # every rank, alike
+            release = isinstance(msg, ReleaseMemoryOccupationReqInput)
+            call = self.scheduler.release_memory_occupation if release else self.scheduler.resume_memory_occupation
+            ok, message, state = call(msg.tags)
+            reply = ReleaseMemoryOccupationReqOutput if release else ResumeMemoryOccupationReqOutput
+            self.send_replies([reply(ok, message, {**state, "dp_rank": self.dp_rank})])
         elif isinstance(msg, GiveKVReq):  # every rank: their pools stay the same
             given = self.scheduler.allocator.give(msg.epages, self.scheduler.tree_cache.evict)
             if self.leader and given:
@@ -202,7 +216,8 @@ class SchedulerProcess:
     def add(self, msg: TokenizedGenerateReqInput) -> None:
         try:
             req = self.scheduler.new_req(msg.rid, msg.input_ids, SamplingParams.from_dict(msg.sampling_params),
-                                         msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num)
+                                         msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num,
+                                         msg.token_ids_logprob)
             req.bootstrap_addr, req.bootstrap_room = msg.bootstrap_addr, msg.bootstrap_room
             req.output_interval = ((req.sampling_params.stream_interval or self.scheduler.args.stream_interval)
                                    if msg.stream else UNSTREAMED_OUTPUT_INTERVAL)
@@ -264,6 +279,7 @@ class SchedulerProcess:
         resident memory and malloc heap (``cpu_malloc.heap_figures``)."""
         state = self.load_stats()
         state["overlap"] = self.scheduler.overlap  # overlap scheduling, on by default on CUDA
+        state.update(self.scheduler.memory_occupation())  # what /release_memory_occupation gave back
         state["process_memory"] = {**heap_figures(), "trimmed_bytes": self.heap.returned_bytes}
         state["memory_check"] = "busy"
         if self.scheduler.is_idle():

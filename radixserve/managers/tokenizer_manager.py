@@ -29,6 +29,10 @@ from radixserve.managers.io_struct import (
     KVLimitReqOutput,
     ProfileReq,
     ProfileReqOutput,
+    ReleaseMemoryOccupationReqInput,
+    ReleaseMemoryOccupationReqOutput,
+    ResumeMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqOutput,
     GenerateReqInput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
@@ -74,6 +78,7 @@ class RequestLimits:
 
 
 _ENGINE_DEAD = object()  # put on a request's queue when the engine dies
+FLUSH_RETRY_S = 0.05  # how often a /flush_cache with a timeout asks again whether the server is idle
 
 
 @dataclass
@@ -112,7 +117,7 @@ class TokenizerManager:
         self.served_model_name = served_model_name
         self.disaggregation_mode = disaggregation_mode  # "null", "prefill" or "decode"
         self.default_bootstrap_port = default_bootstrap_port  # for a request that names no bootstrap_port
-        self.model_names = {served_model_name, *model_names}  # every name the OpenAI routes accept
+        self.model_names = {served_model_name, *model_names}  # the names it goes by: never read as base:adapter
         self.limits = limits
         self.ctx = zmq.asyncio.Context(2)
         self.ctx.setsockopt(zmq.LINGER, 0)
@@ -207,6 +212,7 @@ class TokenizerManager:
         key = "input_ids" if obj.input_ids is not None else "text"
         logprobs = zip(*(obj.per_prompt(name) for name in ("return_logprob", "logprob_start_len", "top_logprobs_num")))
         bootstraps = self._bootstraps(obj, sps)
+        token_ids = self._token_ids_logprob(obj, bootstraps)
         out = []
         for i, (ids, sp, rid, (want, start, top)) in enumerate(zip(prompts, sps, rids, logprobs)):
             self._validate_ids(ids, key if obj.is_single else f"{key}[{i}]")
@@ -217,7 +223,28 @@ class TokenizerManager:
                 if sp.sampling_seed is not None:
                     d["sampling_seed"] = sp.sampling_seed + j
                 rid_j = base if sp.n == 1 else f"{base}-{j}"
-                out.append(TokenizedGenerateReqInput(rid_j, ids, d, want, start, top, obj.stream, *bootstraps[i]))
+                out.append(TokenizedGenerateReqInput(rid_j, ids, d, want, start, top, obj.stream, *bootstraps[i],
+                                                     token_ids_logprob=token_ids[i]))
+        return out
+
+    def _token_ids_logprob(self, obj: GenerateReqInput, bootstraps: list[tuple]) -> list[list[int] | None]:
+        """Each prompt's ``token_ids_logprob`` where it asks for logprobs (SGLang
+        ignores it otherwise); ValueError naming the field."""
+        per_prompt = bool(obj.token_ids_logprob) and isinstance(obj.token_ids_logprob[0], list)
+        out = []
+        for i, (ids, want, (_, room)) in enumerate(zip(obj.per_prompt("token_ids_logprob"),
+                                                       obj.per_prompt("return_logprob"), bootstraps)):
+            where = f"token_ids_logprob[{i}]" if per_prompt else "token_ids_logprob"
+            if ids is None or not want:
+                out.append(None)
+                continue
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{where}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            if room is not None:
+                raise ValueError(f"{where}: not with a bootstrap room: the first token crosses from the prefill "
+                                 "server to the decode server without these logprobs")
+            out.append(ids)
         return out
 
     def _bootstraps(self, obj: GenerateReqInput, sps: list[SamplingParams]) -> list[tuple[str | None, int | None]]:
@@ -293,6 +320,9 @@ class TokenizerManager:
         now = time.perf_counter()
         states = [ReqState(r.rid, i, queue, now, return_logprob=r.return_logprob, log_metrics=obj.log_metrics)
                   for i, r in enumerate(reqs)]
+        for st, r in zip(states, reqs):
+            if r.token_ids_logprob is not None:  # in meta_info only when asked for, as in SGLang
+                st.logprobs.update(input_token_ids_logprobs=[], output_token_ids_logprobs=[])
         single = len(states) == 1 and obj.is_single
         watcher = None
         try:
@@ -348,7 +378,8 @@ class TokenizerManager:
         }
         if st.return_logprob:
             for key, entries in st.logprobs.items():
-                meta[key] = self._logprob_entries(entries, key.endswith("top_logprobs"), obj.return_text_in_logprobs)
+                per_position = key.endswith(("top_logprobs", "token_ids_logprobs"))  # a list of entries at each
+                meta[key] = self._logprob_entries(entries, per_position, obj.return_text_in_logprobs)
         out = {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
         if index is not None:
             out["index"] = index
@@ -468,11 +499,23 @@ class TokenizerManager:
             finally:
                 self.control.pop(key, None)
 
-    async def flush_cache(self) -> bool:
-        replies: list[FlushCacheReqOutput] = await self._control(FlushCacheReq(), FlushCacheReqOutput)
-        if all(r.success for r in replies):
-            self.dp.cache_flushed()
-        return all(r.success for r in replies)
+    async def flush_cache(self, timeout_s: float = 0.0) -> tuple[bool, str]:
+        """Empty every replica's cache: ``(ok, message)``. As SGLang's
+        ``/flush_cache``, refused while requests run or wait (every replica
+        must be idle), unless they end within ``timeout_s`` (``?timeout=``)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.states:
+                replies: list[FlushCacheReqOutput] = await self._control(FlushCacheReq(), FlushCacheReqOutput)
+                if all(r.success for r in replies):
+                    self.dp.cache_flushed()
+                    return True, ""
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(FLUSH_RETRY_S)
+        waited = f"within {timeout_s:g} s" if timeout_s else "(pass ?timeout=SECONDS to wait for them)"
+        return False, (f"the cache was not flushed: {len(self.states)} requests are running or queued, or the "
+                       f"schedulers are finishing some; the server did not go idle {waited}")
 
     async def profile(self, action: str, options: dict) -> tuple[bool, str]:
         """Start or stop the profiler on every replica: ``(ok, message)``,
@@ -487,10 +530,20 @@ class TokenizerManager:
     async def kv_limit(self, apply: bool, limit_bytes: int | None) -> tuple[bool, str, list[dict]]:
         """Read or set each replica's elastic KV limit: ``(ok, message,
         per-replica figures in dp-rank order)``."""
-        replies: list[KVLimitReqOutput] = await self._control(KVLimitReq(apply, limit_bytes), KVLimitReqOutput)
-        failed = [r for r in replies if not r.success]
-        states = sorted((r.state for r in replies), key=lambda state: state.get("dp_rank", 0))
-        return not failed, (failed[0].message if failed else ""), states
+        return _per_replica(await self._control(KVLimitReq(apply, limit_bytes), KVLimitReqOutput))
+
+    async def memory_occupation(self, release: bool, tags: list[str] | None) -> tuple[bool, str, list[dict]]:
+        """Release or resume the memory of ``tags`` on every replica:
+        ``(ok, message, per-replica state in dp-rank order)``. No time limit:
+        copying weights to or from the host takes what it takes."""
+        if release:
+            request, reply = ReleaseMemoryOccupationReqInput(tags), ReleaseMemoryOccupationReqOutput
+        else:
+            request, reply = ResumeMemoryOccupationReqInput(tags), ResumeMemoryOccupationReqOutput
+        ok, message, states = _per_replica(await self._control(request, reply, timeout=None))
+        if release and any("kv_cache" in s.get("memory_released", ()) for s in states):
+            self.dp.cache_flushed()  # the replicas' caches were flushed
+        return ok, message, states
 
     async def get_internal_states(self) -> list[dict]:
         """Each replica's internal state, in dp-rank order."""
@@ -506,6 +559,14 @@ class TokenizerManager:
         if self.grammar_sandbox is not None:
             self.grammar_sandbox.close()
         self.ctx.destroy(linger=0)
+
+
+def _per_replica(replies: list) -> tuple[bool, str, list[dict]]:
+    """Replies with ``success``, ``message`` and ``state`` from every replica:
+    ``(all ok, the first failure's message, the states in dp-rank order)``."""
+    failed = [r for r in replies if not r.success]
+    states = sorted((r.state for r in replies), key=lambda state: state.get("dp_rank", 0))
+    return not failed, (failed[0].message if failed else ""), states
 
 
 def _control_key(msg, reply_type: type | None = None):
@@ -524,8 +585,9 @@ def sum_replica_stats(states: list[dict]) -> dict:
     rate over the sums)."""
     if len(states) <= 1:
         return dict(states[0]) if states else {}
-    # the cache tiers' figures (docs/hicache.md), the grammar caches' and the elastic KV pools'
-    per_cache = {key for s in states for key in s if key.startswith(("hicache_", "grammar_", "elastic_kv_"))}
+    # the cache tiers' figures (docs/hicache.md), the grammar caches', the elastic KV pools' and the KV events'
+    per_cache = {key for s in states for key in s
+                 if key.startswith(("hicache_", "grammar_", "elastic_kv_", "kv_events_"))}
     total = {key: sum(s.get(key, 0) for s in states) for key in (*_SUMMED, *sorted(per_cache))}
     total["kv_usage"] = total["kv_used"] / max(total["max_total_tokens"], 1)
     total["cache_hit_rate"] = total["cached_tokens"] / max(total["prompt_tokens"], 1)

@@ -75,10 +75,11 @@ class TpModelWorker:
         return QueuedForward(batch, fb, logits)
 
     def launch_sample(self, fwd: QueuedForward, return_logprob: bool, top_logprobs_nums: list[int],
-                      apply_mask: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> QueuedSample:
+                      apply_mask: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                      token_ids_logprobs: list[list[int] | None] | None = None) -> QueuedSample:
         """Queue the sampling of a queued forward, behind it on the same
         stream; ``apply_mask(logits, mask)`` applies ``batch.vocab_mask`` if
-        set (structured output)."""
+        set (structured output). The logprob arguments are the Sampler's."""
         batch, fb = fwd.batch, fwd.forward_batch
         want_lp, tops = return_logprob, top_logprobs_nums
         with self._on_forward_stream(), torch.inference_mode():
@@ -88,7 +89,8 @@ class TpModelWorker:
             if batch.vocab_mask is not None:
                 apply_mask(logits, batch.vocab_mask)
             # The sampler penalizes and scales ``logits`` in place.
-            sample = self.sampler(logits, batch.sampling_info, return_logprob=want_lp, top_logprobs_nums=tops)
+            sample = self.sampler(logits, batch.sampling_info, return_logprob=want_lp, top_logprobs_nums=tops,
+                                  token_ids_logprobs=token_ids_logprobs)
             self.last_token[fb.req_pool_indices] = sample.next_token_ids
             batch.sampling_info.cumulate_output_tokens(sample.next_token_ids)
             next_ids = sample.next_token_ids.to("cpu", non_blocking=True)

@@ -2,7 +2,7 @@
 the prefix caches (radix tree, or none), and the KV events the radix tree
 publishes for routers (``kv_events``)."""
 
-from radixserve.mem_cache.allocator import TokenToKVPoolAllocator, page_aligned, pages_for
+from radixserve.mem_cache.allocator import TokenToKVPoolAllocator, page_aligned, page_floor, pages_for
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.invariants import check_memory_invariant, held_by_request
@@ -24,5 +24,6 @@ __all__ = [
     "check_memory_invariant",
     "held_by_request",
     "page_aligned",
+    "page_floor",
     "pages_for",
 ]

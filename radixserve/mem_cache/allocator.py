@@ -12,11 +12,8 @@ from __future__ import annotations
 import torch
 
 
-
-def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
-    return (a + b - 1) // b
-
-
+# The engine's only page rounding (docs/architecture.md), for ints and int
+# tensors alike (floor division rounds down for both).
 def pages_for(tokens: int, page_size: int) -> int:
     """Pages that hold ``tokens`` tokens (the last one possibly part full)."""
     return -(-tokens // page_size)
@@ -25,6 +22,11 @@ def pages_for(tokens: int, page_size: int) -> int:
 def page_aligned(tokens: int, page_size: int) -> int:
     """``tokens`` rounded up to whole pages, in tokens."""
     return pages_for(tokens, page_size) * page_size
+
+
+def page_floor(tokens: int, page_size: int) -> int:
+    """``tokens`` rounded down to whole pages, in tokens (the full pages only)."""
+    return tokens // page_size * page_size
 
 
 class TokenToKVPoolAllocator:
@@ -43,10 +45,10 @@ class TokenToKVPoolAllocator:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
-        self.num_pages = size // page_size
+        self.size = page_floor(size, page_size)
+        self.num_pages = self.size // page_size
         if self.num_pages < 1:
             raise ValueError(f"KV pool of {size} slots holds no whole page of {page_size}")
-        self.size = self.num_pages * page_size
         self.device = torch.device(device)
         num_slots = (self.num_pages + 1) * page_size
         self.slot_in_use = torch.zeros(num_slots, dtype=torch.bool, device=self.device)
@@ -136,8 +138,8 @@ class TokenToKVPoolAllocator:
         """
         p = self.page_size
         prefix_lens, seq_lens, last_loc = (t.to(self.device, torch.int64) for t in (prefix_lens, seq_lens, last_loc))
-        pages_before = _ceil_div(prefix_lens, p)
-        new_pages = _ceil_div(seq_lens, p) - pages_before
+        pages_before = pages_for(prefix_lens, p)
+        new_pages = pages_for(seq_lens, p) - pages_before
         pages = self._take_pages(int(new_pages.sum()))
         if pages is None:
             return None

@@ -18,6 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
+EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)  # the slots of a match of nothing
+
 
 class CachedReq(Protocol):
     """What the caches read and update on a request."""

@@ -7,10 +7,8 @@ from __future__ import annotations
 import torch
 
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
-from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, CachedReq, MatchResult
+from radixserve.mem_cache.base_prefix_cache import EMPTY_SLOTS, BasePrefixCache, CachedReq, MatchResult
 from radixserve.mem_cache.memory_pool import ReqToTokenPool
-
-_EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class ChunkCache(BasePrefixCache):
@@ -28,7 +26,7 @@ class ChunkCache(BasePrefixCache):
         pass
 
     def match_prefix(self, key: list[int]) -> MatchResult:
-        return MatchResult(device_indices=_EMPTY, last_node=None)
+        return MatchResult(device_indices=EMPTY_SLOTS, last_node=None)
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         return 0
@@ -52,7 +50,7 @@ class ChunkCache(BasePrefixCache):
         slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].to(torch.int64)
         self.allocator.free(slots)
         self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx, req.prefix_indices = None, _EMPTY
+        req.req_pool_idx, req.prefix_indices = None, EMPTY_SLOTS
 
     def cache_unfinished_req(self, req: CachedReq) -> None:
         # The request keeps owning everything; record it as its "prefix" so the

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from radixserve.mem_cache.allocator import page_aligned
 from radixserve.mem_cache.host_pool import HostKVPool
 from radixserve.mem_cache.kv_events.events import chain_digests
 from radixserve.mem_cache.storage import HiCacheFile
@@ -59,7 +60,7 @@ STORAGE_BLOCK_TOKENS = 64  # rounded up to whole pages
 
 
 def storage_block_tokens(page_size: int) -> int:
-    return -(-STORAGE_BLOCK_TOKENS // page_size) * page_size
+    return page_aligned(STORAGE_BLOCK_TOKENS, page_size)
 
 
 @dataclass(eq=False)

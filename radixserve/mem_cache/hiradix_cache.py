@@ -44,30 +44,36 @@ tree, in any tier.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from radixserve.mem_cache.base_prefix_cache import MatchResult
+from radixserve.mem_cache.base_prefix_cache import EMPTY_SLOTS, MatchResult
 from radixserve.mem_cache.host_pool import HostKVPool
-from radixserve.mem_cache.radix_cache import _EMPTY, RadixCache, TreeNode, _common_len, _EvictionHeap
+from radixserve.mem_cache.radix_cache import EvictionHeap, RadixCache, TreeNode, common_page_len
+from radixserve.server_args import HICACHE_WRITE_POLICIES
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 SELECTIVE_HITS = 2  # write_through_selective backs a node up at its second hit
 LOAD_BACK_THRESHOLD = 16  # host tokens worth a load-back (fewer are recomputed)
 WAIT_S = 0.002  # an idle scheduler's wait for the file tier's thread
 
 
+class TransferKind(enum.Enum):
+    WRITE = "write"  # a backup, device -> host
+    LOAD = "load"  # a load-back, host -> device
+
+
 class _Transfer:
-    """A copy between tiers in flight: a backup (``write``) or a load-back (``load``) of ``nodes`` (top-down;
+    """A copy between tiers in flight: a backup (``WRITE``) or a load-back (``LOAD``) of ``nodes`` (top-down;
     ``tokens`` each, with the parts a split puts above it), done once ``event`` has passed."""
 
     __slots__ = ("kind", "nodes", "tokens", "event", "keep", "finished", "deadline", "held")
 
-    def __init__(self, kind: str, nodes: list[TreeNode], keep: tuple):
+    def __init__(self, kind: TransferKind, nodes: list[TreeNode], keep: tuple):
         self.kind, self.nodes, self.keep = kind, nodes, keep  # keep: its index tensors, alive until done
         self.tokens = [len(n.key) for n in nodes]
         self.held: list[_HostPin] = []  # file-tier backups below, waiting for this copy to land
@@ -91,6 +97,21 @@ class _HostPin:
         self.node, self.tokens = node, tokens
 
 
+class _Walk(NamedTuple):
+    """Where a walk down the tree along a key ends, in each tier."""
+
+    device_node: TreeNode  # the deepest node on the device (the root when none)
+    device_values: list[torch.Tensor]  # the slots of the device nodes, top-down
+    device_len: int  # the tokens they hold
+    host_node: TreeNode | None  # the deepest node of the lower tiers' continuation, if any
+    host_len: int  # the tokens of that continuation
+
+    @property
+    def deepest(self) -> TreeNode:
+        """The last node the walk reached, in any tier."""
+        return self.host_node or self.device_node
+
+
 @dataclass
 class HiCacheStats:
     """Token counters of the tiers since start (``/metrics``, ``/get_server_info``)."""
@@ -106,8 +127,9 @@ class HiRadixCache(RadixCache):
     def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, page_size: int, host_pool: HostKVPool,
                  write_policy: str = "write_through", eviction_policy: str = "lru", kv_events=None,
                  storage=None, forward_stream=None, tp_group=None):
-        if write_policy not in WRITE_POLICIES:
-            raise ValueError(f"hicache_write_policy must be one of {list(WRITE_POLICIES)}, got {write_policy!r}")
+        if write_policy not in HICACHE_WRITE_POLICIES:
+            raise ValueError(f"hicache_write_policy must be one of {list(HICACHE_WRITE_POLICIES)}, "
+                             f"got {write_policy!r}")
         self.host = host_pool
         self.write_policy = write_policy
         self.storage = storage  # hicache_storage.FileTier, or None
@@ -136,18 +158,16 @@ class HiRadixCache(RadixCache):
         super().reset()
         # The device eviction candidates: the nodes on the device without a child there. A node whose
         # children are all host-only is one though it is no leaf of the tree, so these are kept apart.
-        self._device_leaves = _EvictionHeap(self._priority)
+        self._device_leaves = EvictionHeap(self._priority)
         self.host.allocator.clear()
         self._arrivals = []
         if self.storage is not None:
             self.storage.reset()
 
     # -- match / insert ------------------------------------------------------------
-    def _walk(self, key: list[int]):
+    def _walk(self, key: list[int]) -> _Walk:
         """Walk down along ``key`` in whole pages, splitting the node the match
-        ends inside. Returns the deepest device node, the device nodes' slot
-        tensors, the device match length, and the deepest node of the lower
-        tiers' continuation with its length (or None, 0)."""
+        ends inside."""
         p = self.page_size
         node, pos, end = self.root, 0, self._aligned(len(key))
         device_node, device_len, values = self.root, 0, []
@@ -158,42 +178,42 @@ class HiRadixCache(RadixCache):
             self._touch(child)
             klen = len(child.key)
             segment = key[pos : pos + klen]
-            n = klen if segment == child.key else _common_len(child.key, segment, p)
+            n = klen if segment == child.key else common_page_len(child.key, segment, p)
             if n < klen:
                 child = self._split(child, n)
-            ready = child.value is not None and (child.transfer is None or child.transfer.kind == "write")
+            ready = child.value is not None and (child.transfer is None or child.transfer.kind is TransferKind.WRITE)
             if ready and node is device_node:
                 device_node, device_len = child, pos + n
                 values.append(child.value)
             node, pos = child, pos + n
         host_node = node if node is not device_node else None
-        return device_node, values, device_len, host_node, pos - device_len
+        return _Walk(device_node, values, device_len, host_node, pos - device_len)
 
     def match_prefix(self, key: list[int]) -> MatchResult:
-        node, values, _, host_node, host_len = self._walk(key)
+        walk = self._walk(key)
         if self.write_policy == "write_through_selective":
-            self._backup(self._chain(node, self.root, lambda n: n.hit_count >= SELECTIVE_HITS))
-        indices = torch.cat(values) if values else _EMPTY
-        return MatchResult(indices, node, host_len, host_node)
+            self._backup(self._chain(walk.device_node, self.root, lambda n: n.hit_count >= SELECTIVE_HITS))
+        indices = torch.cat(walk.device_values) if walk.device_values else EMPTY_SLOTS
+        return MatchResult(indices, walk.device_node, walk.host_len, walk.host_node)
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         """As ``RadixCache.insert``; host-only nodes on the way take the
         caller's slots for their tokens (they come back to the device)."""
-        node, _, present, host_node, host_len = self._walk(key)
-        if host_node is not None and any(n.transfer is not None and n.transfer.kind == "load"
-                                         for n in self._chain(host_node, node)):
+        walk = self._walk(key)
+        host_chain = self._chain(walk.host_node, walk.device_node) if walk.host_node is not None else []
+        if any(n.transfer is not None and n.transfer.kind is TransferKind.LOAD for n in host_chain):
             self._settle()  # a load-back of these tokens is in flight: let it finish, then look again
             return self.insert(key, value)
-        pos = present
-        for n in self._chain(host_node, node) if host_node is not None else []:
+        pos = walk.device_len
+        for n in host_chain:
             self._to_device(n, value[pos : pos + len(n.key)].to(torch.int64).clone())
             pos += len(n.key)
         end = self._aligned(len(key))
         if pos < end:
-            leaf = self._add_leaf(host_node or node, key[pos:end], value[pos:end], pos)
+            leaf = self._add_leaf(walk.deepest, key[pos:end], value[pos:end], pos)
             if self.write_policy == "write_through":
                 self._backup([leaf])
-        return present
+        return walk.device_len
 
     def _add_leaf(self, parent: TreeNode, key: list[int], value: torch.Tensor | None, start: int) -> TreeNode:
         leaf = super()._add_leaf(parent, key, value, start)
@@ -253,7 +273,7 @@ class HiRadixCache(RadixCache):
             self.stats.hicache_backup_skipped += n_tokens
             return False
         device_slots = torch.cat([n.value for n in nodes])
-        t = _Transfer("write", nodes, (device_slots, host_slots))
+        t = _Transfer(TransferKind.WRITE, nodes, (device_slots, host_slots))
         t.event = self._copy(self._write_stream, lambda: self.host.backup_from_device(device_slots, host_slots), [])
         pos = 0
         for n in nodes:
@@ -363,7 +383,8 @@ class HiRadixCache(RadixCache):
         tier of the blocks after the match (see ``BasePrefixCache.fetch``)."""
         if match.last_host_node is not None:
             chain = self._chain(match.last_host_node, match.last_node)
-            loading = next((n.transfer for n in chain if n.transfer is not None and n.transfer.kind == "load"), None)
+            loading = next((n.transfer for n in chain
+                            if n.transfer is not None and n.transfer.kind is TransferKind.LOAD), None)
             if loading is not None:
                 return loading, 0
             # Locking the load also locks the unlocked device nodes above it: they leave the budget too.
@@ -405,7 +426,7 @@ class HiRadixCache(RadixCache):
         if slots is None:
             return None
         host_slots = torch.cat([n.host_value for n in chain])
-        t = _Transfer("load", chain, (slots, host_slots))
+        t = _Transfer(TransferKind.LOAD, chain, (slots, host_slots))
         t.event = self._copy(self._load_stream, lambda: self.host.load_to_device(host_slots, slots),
                              [self._forward_stream, self._write_stream])
         pos = 0
@@ -434,8 +455,8 @@ class HiRadixCache(RadixCache):
             self.storage.poll(self)
             arrivals, self._arrivals = self._arrivals, []
             for key in arrivals:
-                _, _, device_len, _, host_len = self._walk(key)
-                self.storage.prefetch(self, key, device_len + host_len)
+                walk = self._walk(key)
+                self.storage.prefetch(self, key, walk.device_len + walk.host_len)
 
     def _finish(self, t: _Transfer) -> None:
         for bottom, n_tokens in zip(t.nodes, t.tokens):
@@ -445,11 +466,11 @@ class HiRadixCache(RadixCache):
                     node.transfer = None
                 covered += len(node.key)
                 node = node.parent
-        if t.kind == "load":
+        if t.kind is TransferKind.LOAD:
             self.dec_lock_ref(t.nodes[-1])
         t.finished = True
         if self.storage is not None:
-            for bottom, n_tokens in zip(t.nodes, t.tokens) if t.kind == "write" else ():
+            for bottom, n_tokens in zip(t.nodes, t.tokens) if t.kind is TransferKind.WRITE else ():
                 self._to_file(bottom, n_tokens)
             for pin in t.held:
                 self.unpin_host(pin)
@@ -515,7 +536,7 @@ class HiRadixCache(RadixCache):
             keys.append(node.key)
             slots.append(node.host_value)
             node = node.parent
-        return [t for k in reversed(keys) for t in k], torch.cat(slots[::-1]) if slots else _EMPTY
+        return [t for k in reversed(keys) for t in k], torch.cat(slots[::-1]) if slots else EMPTY_SLOTS
 
     def pin_host(self, node: TreeNode, n_tokens: int) -> _HostPin:
         """Keep the host copies of the last ``n_tokens`` up to the end of
@@ -544,13 +565,13 @@ class HiRadixCache(RadixCache):
         """Put prefetched KV (host slots of ``tokens[start:]``) into the tree
         as a host-only leaf after what is cached; frees the slots it does not
         need. Returns the tokens attached."""
-        node, _, device_len, host_node, host_len = self._walk(tokens)
-        have = device_len + host_len
+        walk = self._walk(tokens)
+        have = walk.device_len + walk.host_len
         if have < start or have >= len(tokens):
             self.host.allocator.free(host_slots)
             return 0
         self.host.allocator.free(host_slots[: have - start])
-        leaf = self._add_leaf(host_node or node, tokens[have:], None, have)
+        leaf = self._add_leaf(walk.deepest, tokens[have:], None, have)
         leaf.host_value = host_slots[have - start :]
         return len(leaf.key)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
+from radixserve.mem_cache.allocator import TokenToKVPoolAllocator, page_floor
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, copy_view
 
 # A transfer is staged on the device in pieces of at most this many bytes.
@@ -35,7 +35,7 @@ def host_pool_tokens(device_tokens: int, page_size: int, bytes_per_token: int, r
             f"hicache: the host pool ({tokens} tokens) must be at least as large as the device pool "
             f"({device_tokens} tokens): raise --hicache-ratio above 1 or --hicache-size"
         )
-    return tokens // page_size * page_size
+    return page_floor(tokens, page_size)
 
 
 class HostKVPool:

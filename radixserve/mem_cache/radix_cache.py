@@ -14,14 +14,12 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
-from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, CachedReq, MatchResult
+from radixserve.mem_cache.allocator import TokenToKVPoolAllocator, page_floor
+from radixserve.mem_cache.base_prefix_cache import EMPTY_SLOTS, BasePrefixCache, CachedReq, MatchResult
 from radixserve.mem_cache.memory_pool import ReqToTokenPool
 
 if TYPE_CHECKING:
     from radixserve.mem_cache.kv_events import KVEventRecorder
-
-_EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class TreeNode:
@@ -49,13 +47,13 @@ class TreeNode:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock={self.lock_ref})"
 
 
-def _common_len(a: list[int], b: list[int], page: int) -> int:
+def common_page_len(a: list[int], b: list[int], page: int) -> int:
     """Length of the common prefix of ``a`` and ``b`` in whole pages.
 
     Slice comparison runs in C; a binary search over page counts keeps a
     mismatch near the end of a 4k-token key cheap.
     """
-    n = min(len(a), len(b)) // page * page
+    n = page_floor(min(len(a), len(b)), page)
     if a[:n] == b[:n]:
         return n
     lo, hi = 0, n // page  # lo pages match, hi pages do not
@@ -74,7 +72,7 @@ _EVICTION_PRIORITY: dict[str, Callable[[TreeNode], tuple]] = {
 }
 
 
-class _EvictionHeap:
+class EvictionHeap:
     """A set of eviction candidates (``nodes``) and a lazy min-heap of their
     priorities, so that taking the next victim costs a few heap operations,
     not a walk of the tree. Every unlocked member has an entry at its current
@@ -167,9 +165,9 @@ class RadixCache(BasePrefixCache):
         """Forget every cached sequence (the caller clears the allocator)."""
         self._next_id = 0
         self._clock = 0
-        self.root = self._new_node([], _EMPTY, None)
+        self.root = self._new_node([], EMPTY_SLOTS, None)
         self.root.lock_ref = 1  # the root is never evicted
-        self._leaves = _EvictionHeap(self._priority)  # every node but the root without children
+        self._leaves = EvictionHeap(self._priority)  # every node but the root without children
         self._evictable = 0
         self._protected = 0
         if self.kv_events is not None:
@@ -195,7 +193,7 @@ class RadixCache(BasePrefixCache):
         self._leaves.offer(node)
 
     def _aligned(self, n: int) -> int:
-        return n // self.page_size * self.page_size
+        return page_floor(n, self.page_size)
 
     def evictable_size(self) -> int:
         return self._evictable
@@ -222,7 +220,7 @@ class RadixCache(BasePrefixCache):
             touched = child  # only the last one touched can be a leaf (the lower half after a split)
             klen = len(child.key)
             segment = key[pos : pos + klen]
-            n = klen if segment == child.key else _common_len(child.key, segment, p)
+            n = klen if segment == child.key else common_page_len(child.key, segment, p)
             if n < klen:
                 child = self._split(child, n)
             values.append(child.value)
@@ -235,7 +233,7 @@ class RadixCache(BasePrefixCache):
         """Longest cached prefix of ``key`` in whole pages; splits a node the
         match ends inside, so the returned node covers exactly the match."""
         node, _, values = self._descend(key)
-        indices = torch.cat(values) if values else _EMPTY
+        indices = torch.cat(values) if values else EMPTY_SLOTS
         return MatchResult(device_indices=indices, last_node=node)
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
@@ -378,7 +376,7 @@ class RadixCache(BasePrefixCache):
         self.req_to_token_pool.free(req.req_pool_idx)
         self.dec_lock_ref(req.last_node)
         req.req_pool_idx, req.last_node = None, None
-        req.prefix_indices, req.cache_protected_len = _EMPTY, 0
+        req.prefix_indices, req.cache_protected_len = EMPTY_SLOTS, 0
 
     def cache_unfinished_req(self, req: CachedReq) -> None:
         """Insert a chunked or running request's KV so far and move its lock to
@@ -429,7 +427,7 @@ class RadixCache(BasePrefixCache):
 
     def all_values(self) -> torch.Tensor:
         values = [n.value for n in self._nodes() if n is not self.root and n.value is not None]
-        return torch.cat(values) if values else _EMPTY
+        return torch.cat(values) if values else EMPTY_SLOTS
 
     def pretty_print(self) -> str:
         lines = []

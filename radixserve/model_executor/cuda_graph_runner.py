@@ -25,17 +25,32 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+from torch import nn
 
 from radixserve.layers.logits_processor import LogitsProcessorOutput
-from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from radixserve.model_executor.forward_batch_info import AttentionBackendProtocol, ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
-    from radixserve.model_executor.model_runner import ModelRunner
+    from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
 logger = logging.getLogger(__name__)
+
+
+class ModelRunnerView(Protocol):
+    """What the graph runners read of the ModelRunner that builds them, which
+    imports them: declared here, so that they need not import it."""
+
+    model: nn.Module
+    device: torch.device
+    dtype: torch.dtype
+    tp_size: int
+    padding_req_row: int  # the req_to_token row of padded batches (all dummy slots)
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: MHATokenToKVPool
+    attn_backend: AttentionBackendProtocol
 
 
 def default_batch_sizes(max_bs: int) -> list[int]:
@@ -75,7 +90,7 @@ class GraphCapturer:
 
 
 class CudaGraphRunner:
-    def __init__(self, model_runner: "ModelRunner", batch_sizes: list[int]):
+    def __init__(self, model_runner: ModelRunnerView, batch_sizes: list[int]):
         self.runner = model_runner
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_bs = self.batch_sizes[-1]

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from radixserve.layers.attention.base import AttentionBackend
     from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
 
@@ -33,6 +32,16 @@ class ForwardMode(enum.IntEnum):
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE
+
+
+class AttentionBackendProtocol(Protocol):
+    """What a forward calls on its attention backend (``layers/attention/base.py``'s
+    ``AttentionBackend`` is one), declared here because the layers import this module."""
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None: ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.nn.Module,
+                forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor: ...
 
 
 @dataclass
@@ -49,7 +58,7 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     req_to_token_pool: "ReqToTokenPool"
     token_to_kv_pool: "MHATokenToKVPool"
-    attn_backend: "AttentionBackend"
+    attn_backend: AttentionBackendProtocol
 
     # EXTEND only (None for DECODE)
     extend_prefix_lens: torch.Tensor | None = None  # [bs]
@@ -67,6 +76,7 @@ class ForwardBatch:
     return_logprob: bool = False
     extend_logprob_start_lens_cpu: list[int] | None = None
     top_logprobs_nums: list[int] | None = None
+    token_ids_logprobs: list[list[int] | None] | None = None
 
     # Backend-private metadata, filled by attn_backend.init_forward_metadata().
     attn_metadata: Any = None

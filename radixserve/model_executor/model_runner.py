@@ -24,7 +24,7 @@ from __future__ import annotations
 import gc
 import os
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -32,12 +32,15 @@ from torch import nn
 from radixserve.configs.model_config import ModelConfig
 from radixserve.distributed import DEFAULT_TIMEOUT_S, TPGroup, check_tp_devices, init_tp_group
 from radixserve.layers.attention import create_attention_backend
-from radixserve.layers.linear import prepack_linears_for_cpu
+from radixserve.layers.linear import prepack_linears_for_cpu, quantize_linears
 from radixserve.layers.logits_processor import LogitsProcessorOutput
-from radixserve.layers.quantization import check_quantization, quantize_linears
+from radixserve.layers.quantization import check_quantization
+from radixserve.mem_cache.allocator import TokenToKVPoolAllocator, page_floor
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixserve.mem_cache.virtual_memory import available_ram
+from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner, default_batch_sizes
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ragged_arange
+from radixserve.model_executor.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner, supports_pieces
 from radixserve.server_args import ElasticKVConfig
 
 if TYPE_CHECKING:
@@ -64,7 +67,9 @@ class ModelRunner:
     token counts replay graphs of the pieces between attentions
     (``piecewise_cuda_graph_runner.py``). ``quantization`` ``"fp8"`` quantizes
     the linear layers once loaded (``layers/quantization.py``), before the
-    pool is sized, so the memory it frees goes to KV.
+    pool is sized, so the memory it frees goes to KV. ``enable_memory_saver``
+    moves the weights into a virtual arena whose memory can be released and
+    resumed (``weight_arena.py``; on a CPU they are then not prepacked).
     ``model`` may be passed ready-made (tests); otherwise it is loaded with
     ``radixserve.model_loader.get_model``.
 
@@ -76,7 +81,9 @@ class ModelRunner:
     ``"cuda"`` means device ``tp_rank`` of this host). The pool size
     is agreed (the smallest rank's), so all ranks hold as many KV slots. A
     model that cannot be split, or more CUDA ranks than devices, is a
-    ValueError before any rank waits for another. ``shutdown`` leaves the group.
+    ValueError before any rank waits for another. Rank 0 asks
+    ``tp_rank_failure`` while it waits for the others (``init_tp_group``'s
+    ``rank_failure``). ``shutdown`` leaves the group.
     """
 
     def __init__(
@@ -102,14 +109,17 @@ class ModelRunner:
         dist_init_method: str | None = None,
         dist_timeout_s: float = DEFAULT_TIMEOUT_S,
         nnodes: int = 1,
+        tp_rank_failure: Callable[[], str | None] | None = None,
         elastic_kv: ElasticKVConfig | None = None,
+        enable_memory_saver: bool = False,
     ):
         if page_size < 1 or max_running_requests < 1:
             raise ValueError(f"page_size and max_running_requests must be >= 1, got {page_size}, {max_running_requests}")
         self.model_config = model_config
         self.device = torch.device(device)
         self.owns_tp_group = tp_group is None
-        self.tp_group = self._join_tp_group(tp_rank, tp_size, tp_group, dist_init_method, dist_timeout_s, nnodes)
+        self.tp_group = self._join_tp_group(tp_rank, tp_size, tp_group, dist_init_method, dist_timeout_s, nnodes,
+                                            tp_rank_failure)
         self.tp_rank, self.tp_size = self.tp_group.rank, self.tp_group.size
         self.head_layout = model_config.head_layout(self.tp_size, self.tp_rank)
         torch.manual_seed(seed)
@@ -123,17 +133,21 @@ class ModelRunner:
         self.model = (model if model is not None else self._load_model()).eval()
         if quantization:
             logger.info("%s: %d linear layers quantized", quantization, quantize_linears(self.model))
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and not enable_memory_saver:  # oneDNN's packed weights cannot live in an arena
             packed = prepack_linears_for_cpu(self.model)
             logger.info("CPU: %d weights prepacked for oneDNN GEMMs", packed)
+        self.weight_arena = None  # --enable-memory-saver: the weights, releasable (weight_arena.py)
+        if enable_memory_saver:
+            from radixserve.model_executor.weight_arena import WeightArena
+
+            self.weight_arena = WeightArena(self.model, self.device, self.tp_group.agree_min)
         self.max_total_tokens = self._kv_pool_tokens(max_total_tokens, mem_fraction_static)
+        self.mem_fraction_static = mem_fraction_static
         self.max_context_len = min(max_context_len or model_config.context_len, self.max_total_tokens)
         self._init_memory_pools()
         self.attn_backend = create_attention_backend(attention_backend, self)
         self.cuda_graph_runner = None
         if cuda_graph_max_bs > 0 and self.device.type == "cuda":
-            from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner, default_batch_sizes
-
             max_bs = min(cuda_graph_max_bs, max_running_requests)
             self.cuda_graph_runner = CudaGraphRunner(self, default_batch_sizes(max_bs))
         self.piecewise_runner = None
@@ -141,7 +155,7 @@ class ModelRunner:
             self.piecewise_runner = self._piecewise_runner(piecewise_cuda_graph_tokens)
 
     # -- set-up ------------------------------------------------------------
-    def _join_tp_group(self, tp_rank, tp_size, tp_group, init_method, timeout_s, nnodes) -> TPGroup:
+    def _join_tp_group(self, tp_rank, tp_size, tp_group, init_method, timeout_s, nnodes, rank_failure) -> TPGroup:
         """Check that the model splits over the ranks first, so a bad
         configuration fails at once on every rank; then join the group."""
         if tp_group is not None:
@@ -157,11 +171,9 @@ class ModelRunner:
             self.device = torch.device("cuda", tp_rank % (tp_size // nnodes))  # one device per rank of this host
         if tp_group is not None:
             return tp_group
-        return init_tp_group(tp_rank, tp_size, self.device, init_method, timeout_s, nnodes)
+        return init_tp_group(tp_rank, tp_size, self.device, init_method, timeout_s, nnodes, rank_failure)
 
-    def _piecewise_runner(self, token_sizes: list[int]):
-        from radixserve.model_executor.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner, supports_pieces
-
+    def _piecewise_runner(self, token_sizes: list[int]) -> PiecewiseCudaGraphRunner | None:
         if not supports_pieces(self.model):
             logger.warning("%s cannot be cut into pieces: extends run eagerly", type(self.model).__name__)
             return None
@@ -187,7 +199,7 @@ class ModelRunner:
             tokens = min(int(available_ram() * CPU_KV_RAM_FRACTION) // self.kv_bytes_per_token(), CPU_MAX_KV_TOKENS)
         if self.elastic_kv is not None and self.elastic_kv.max_gb is not None:  # only address space until used
             tokens = int(self.elastic_kv.max_gb * 2**30) // self.kv_bytes_per_token()
-        tokens = self.tp_group.agree_min(tokens) // self.page_size * self.page_size
+        tokens = page_floor(self.tp_group.agree_min(tokens), self.page_size)
         if tokens < self.page_size:
             raise ValueError(f"no room for a KV cache: {tokens} tokens fit (page_size {self.page_size})")
         return tokens
@@ -202,9 +214,15 @@ class ModelRunner:
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         return int(free + cached - total * (1 - mem_fraction_static))
 
-    def _init_memory_pools(self) -> None:
-        from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
+    def _elastic_keep_free(self) -> int:
+        """Device memory an elastic pool never maps: the ``1 - mem_fraction_static``
+        share a static pool leaves for activations, so that neither this
+        server's activations nor another process's on the device find it taken."""
+        if self.device.type != "cuda":
+            return 0
+        return int(torch.cuda.mem_get_info(self.device)[1] * (1 - self.mem_fraction_static))
 
+    def _init_memory_pools(self) -> None:
         c = self.model_config
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.max_context_len, self.device)
         self.padding_req_row = self.req_to_token_pool.alloc(1)[0]
@@ -214,7 +232,7 @@ class ModelRunner:
             from radixserve.mem_cache.elastic_allocator import build_elastic_pool
 
             self.token_to_kv_pool, self.token_to_kv_pool_allocator = build_elastic_pool(
-                *shape, config=self.elastic_kv, agree_min=self.tp_group.agree_min,
+                *shape, config=self.elastic_kv, agree_min=self.tp_group.agree_min, keep_free=self._elastic_keep_free(),
                 tenant=self.tp_group.agree_min(os.getpid() if self.tp_rank == 0 else 2**62))  # the server: rank 0's pid
         else:
             self.token_to_kv_pool = MHATokenToKVPool(*shape)
@@ -248,6 +266,7 @@ class ModelRunner:
             return_logprob=batch.return_logprob,
             extend_logprob_start_lens_cpu=batch.extend_logprob_start_lens,
             top_logprobs_nums=batch.top_logprobs_nums,
+            token_ids_logprobs=batch.token_ids_logprobs,
             num_decoding=batch.num_decoding,
             **extend,
         )

@@ -10,7 +10,8 @@ row-wise (projections, norms, rotary, the MLP, the TP all-reduces) and
 depends only on the token count.
 
 So the runner cuts the forward at each layer's attention and captures the
-pieces between, once per token count in ``token_sizes``:
+pieces between, once per token count in ``token_sizes`` (by default
+``server_args.piecewise_token_sizes``):
 
 - piece 0: embedding, layer 0 up to its q/k/v;
 - piece i (1..L-1): layer i-1 after its attention (o_proj, norm, MLP), then
@@ -38,30 +39,15 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from radixserve.layers.logits_processor import LogitsProcessorOutput
+from radixserve.model_executor.cuda_graph_runner import GraphCapturer, ModelRunnerView
 from radixserve.model_executor.forward_batch_info import ForwardBatch
 
-if TYPE_CHECKING:
-    from radixserve.model_executor.model_runner import ModelRunner
-
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_TOKENS = 4096  # past this an 8B extend keeps the GPU busier than its launches keep the host
-
-
-def default_token_sizes(max_tokens: int) -> list[int]:
-    """Token counts to capture up to ``max_tokens`` (and ``max_tokens`` itself):
-    steps of 4 to 32, 16 to 256, 32 to 512, 64 to 1,024, 128 to 2,048, then
-    256: past 128 tokens padding adds at most an eighth of a batch; below,
-    a step is bound by its launches anyway."""
-    steps = ((4, 32, 4), (48, 256, 16), (288, 512, 32), (576, 1024, 64), (1152, 2048, 128), (2304, max_tokens, 256))
-    sizes = [t for start, stop, step in steps for t in range(start, stop + 1, step) if t <= max_tokens]
-    return sorted(set(sizes + [max_tokens]))
-
 
 def supports_pieces(model: torch.nn.Module) -> bool:
     """Whether ``model`` has the Llama-family layout the runner cuts: a body
@@ -77,7 +63,7 @@ def supports_pieces(model: torch.nn.Module) -> bool:
 
 
 class PiecewiseCudaGraphRunner:
-    def __init__(self, model_runner: "ModelRunner", token_sizes: list[int], use_graphs: bool = True):
+    def __init__(self, model_runner: ModelRunnerView, token_sizes: list[int], use_graphs: bool = True):
         if not token_sizes or min(token_sizes) < 1:
             raise ValueError(f"piecewise CUDA graph token sizes must be positive, got {token_sizes}")
         self.runner = model_runner
@@ -90,8 +76,6 @@ class PiecewiseCudaGraphRunner:
         self.pieces: dict[int, list[Callable[[], None]]] = {}
         start = time.perf_counter()
         if use_graphs:
-            from radixserve.model_executor.cuda_graph_runner import GraphCapturer
-
             capturer = GraphCapturer(model_runner.device, model_runner.tp_size)
             with torch.inference_mode():
                 for t in reversed(self.token_sizes):  # largest first: the pool is sized once

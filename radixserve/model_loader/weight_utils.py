@@ -89,7 +89,7 @@ def fill_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02)
         # as the parameter stacks them at tp 1: one draw gives the same values.
         full_shape = (sum(shape[0] for _, shape in shards), *shards[0][1][1:])
         full = _fill(torch.empty(full_shape, dtype=param.dtype, device=param.device), name, std, gen)
-        for (shard_id, shape), part in zip(shards, full.split([shape[0] for _, shape in shards])):
+        for (shard_id, _), part in zip(shards, full.split([shape[0] for _, shape in shards])):
             param.weight_loader(param, part, shard_id)
 
 

@@ -16,7 +16,7 @@ import regex
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
 
-from radixserve.validation import first_error, no_op_validator
+from radixserve.validation import NoOpOnly, first_error
 
 # A temperature below this is treated as greedy decoding.
 GREEDY_EPS = 1e-6
@@ -32,13 +32,6 @@ MAX_STOP_REGEX = 32  # patterns per request, as SGLang
 MAX_STOP_REGEX_BYTES = 256  # per pattern, as SGLang
 MAX_LOGIT_BIAS = 1e6  # |bias|: still finite in float32 once divided by a tiny temperature
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a 64-bit seed (and msgpack) holds
-
-
-# SGLang's sampling params that this engine does not implement, with the
-# values that ask for nothing (accepted and ignored); any other value is refused.
-UNSUPPORTED_SAMPLING: dict[str, tuple] = {
-    "custom_params": (None,), "watermark": (None,), "beam_width": (None, 1), "ebnf_full_assistant": (False,),
-}
 
 
 @dataclass(config=ConfigDict(strict=True, extra="forbid", allow_inf_nan=False))
@@ -77,13 +70,11 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
-    # not implemented (see UNSUPPORTED_SAMPLING)
-    custom_params: Any = None
-    watermark: Any = None
-    beam_width: Any = None
-    ebnf_full_assistant: Any = False
-
-    _only_no_op = no_op_validator(UNSUPPORTED_SAMPLING)
+    # not implemented: accepted only at their no-op values (validation.NO_OP_VALUES)
+    custom_params: NoOpOnly = None
+    watermark: NoOpOnly = None
+    beam_width: NoOpOnly = None
+    ebnf_full_assistant: NoOpOnly = False
 
     @field_validator("stop")
     @classmethod

@@ -145,9 +145,9 @@ def _rid(req: CompletionRequest | ChatCompletionRequest) -> dict:
 def render_chat(req: ChatCompletionRequest, tokenizer: Any) -> str:
     """The prompt text of a chat request: the generation prompt appended, or
     with ``continue_final_message`` the last (assistant) message left open;
-    ``chat_template_kwargs`` go to the template (``enable_thinking`` ...), and
-    so do the offered tools (a template that does not use them leaves them
-    out of the prompt, as in SGLang)."""
+    ``req.template_kwargs()`` go to the template (``enable_thinking``,
+    ``reasoning_effort`` ...), and so do the offered tools (a template that
+    does not use them leaves them out of the prompt, as in SGLang)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: this model has no chat template; use /v1/completions")
     messages = [_template_message(m) for m in req.messages]
@@ -155,7 +155,7 @@ def render_chat(req: ChatCompletionRequest, tokenizer: Any) -> str:
     try:
         return tokenizer.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=not req.continue_final_message,
-            continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+            continue_final_message=req.continue_final_message, **req.template_kwargs())
     except TemplateError as e:
         raise ValueError(f"messages: the chat template rejected them: {e}") from e
 
@@ -531,7 +531,7 @@ def value_error_to_openai(exc: ValueError) -> dict:
 
 
 def _describe(err: dict) -> tuple[str | None, str]:
-    loc = [part for part in err.get("loc", ()) if part != "body"]
+    loc = [part for part in err.get("loc", ()) if part not in ("body", "query")]  # FastAPI's: where the field was
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")
     param = error_path(loc) or None
     if param is None:

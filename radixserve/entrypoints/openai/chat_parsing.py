@@ -68,7 +68,7 @@ def chat_parsing(req: Any, tool_call_parser: str | None = None, reasoning_parser
         parser = TOOL_CALL_PARSERS[tool_call_parser]
     return ChatParsing(
         reasoning=reasoning,
-        force_reasoning=reasoning is not None and thinking_forced(reasoning, req.chat_template_kwargs),
+        force_reasoning=reasoning is not None and thinking_forced(reasoning, req.template_kwargs()),
         stream_reasoning=req.stream_reasoning,
         tool_parser=parser,
         tool_names=tuple(t.function.name for t in tools),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer, model_validator
 
@@ -29,35 +29,13 @@ from radixserve.entrypoints.openai.tool_protocol import (
 )
 from radixserve.managers.io_struct import MAX_RID_CHARS, MAX_TOP_LOGPROBS
 from radixserve.sampling.sampling_params import MAX_N, check_stop_regex
-from radixserve.validation import no_op_validator
+from radixserve.validation import NoOpOnly
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's bound on one bias
+# reasoning_effort's levels, as SGLang takes them (OpenAI's, and SGLang's "max"), or a fraction of the most
+ReasoningEffort = (Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+                   | Annotated[float, Field(ge=0, le=0.99)])
 
-# Fields of OpenAI's API and of SGLang's OpenAI extensions that this server
-# does not implement -> the values that ask for nothing, which are accepted
-# (any other value is refused by name). Hints that never change the output
-# (`user`, `metadata`, `store`, `session_id`, `priority`, ...) are plain fields.
-_UNSUPPORTED: dict[str, tuple] = {
-    # sampling, both routes
-    "custom_params": (None,), "custom_logit_processor": (None,), "watermark": (None,),
-    "lora_path": (None,), "session_params": (None,), "extra_key": (None, ""), "cache_salt": (None, ""),
-    "images_config": (None,), "mm_processor_kwargs": (None,),
-    "return_hidden_states": (False,), "return_routed_experts": (False,), "routed_experts_start_len": (0,),
-    "return_cached_tokens_details": (False,), "return_spec_tokens_details": (False,), "return_token_ids": (False,),
-    "routed_dp_rank": (None, 0), "data_parallel_rank": (None, 0), "disagg_prefill_dp_rank": (None,),
-    # completions
-    "suffix": (None, ""),
-    # chat
-    "functions": (None, []),
-    "function_call": (None, "none", "auto"), "audio": (None,), "prediction": (None,), "web_search_options": (None,),
-    "modalities": (None, ["text"]), "verbosity": (None,), "reasoning_effort": (None,), "thinking": (None,),
-    "task": (None,), "input_ids": (None,), "return_prompt_token_ids": (False,), "return_meta_info": (False,),
-    "return_input_ids_in_sglext": (False,), "return_output_ids_in_sglext": (False,),
-    "return_sampling_mask": (False,), "sampling_logprobs_mode": (None,), "return_flat_raw_output_top_logprobs": (False,),
-    "max_dynamic_patch": (None,), "min_dynamic_patch": (None,), "use_audio_in_video": (False,), "video_config": (None,),
-}
-_SHARED_UNSUPPORTED = tuple(_UNSUPPORTED)[: tuple(_UNSUPPORTED).index("suffix")]
-_CHAT_UNSUPPORTED = tuple(_UNSUPPORTED)[tuple(_UNSUPPORTED).index("functions"):]
 # chat_template_kwargs may not set what the server itself passes to the template
 _TEMPLATE_RESERVED = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
                       "return_dict", "return_tensors", "chat_template", "tools"}
@@ -143,27 +121,25 @@ class _GenerationRequest(BaseModel):
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
-    # not implemented: accepted only at their no-op values (_UNSUPPORTED)
-    custom_params: Any = None
-    custom_logit_processor: Any = None
-    watermark: Any = None
-    lora_path: Any = None
-    session_params: Any = None
-    extra_key: Any = None
-    cache_salt: Any = None
-    images_config: Any = None
-    mm_processor_kwargs: Any = None
-    return_hidden_states: Any = False
-    return_routed_experts: Any = False
-    routed_experts_start_len: Any = 0
-    return_cached_tokens_details: Any = False
-    return_spec_tokens_details: Any = False
-    return_token_ids: Any = False
-    routed_dp_rank: Any = None
-    data_parallel_rank: Any = None
-    disagg_prefill_dp_rank: Any = None
-
-    _check_unsupported = no_op_validator(_UNSUPPORTED, _SHARED_UNSUPPORTED)
+    # not implemented: accepted only at their no-op values (validation.NO_OP_VALUES)
+    custom_params: NoOpOnly = None
+    custom_logit_processor: NoOpOnly = None
+    watermark: NoOpOnly = None
+    lora_path: NoOpOnly = None
+    session_params: NoOpOnly = None
+    extra_key: NoOpOnly = None
+    cache_salt: NoOpOnly = None
+    images_config: NoOpOnly = None
+    mm_processor_kwargs: NoOpOnly = None
+    return_hidden_states: NoOpOnly = False
+    return_routed_experts: NoOpOnly = False
+    routed_experts_start_len: NoOpOnly = 0
+    return_cached_tokens_details: NoOpOnly = False
+    return_spec_tokens_details: NoOpOnly = False
+    return_token_ids: NoOpOnly = False
+    routed_dp_rank: NoOpOnly = None
+    data_parallel_rank: NoOpOnly = None
+    disagg_prefill_dp_rank: NoOpOnly = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -235,9 +211,7 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = None
-    suffix: Any = None
-
-    _check_suffix = no_op_validator(_UNSUPPORTED, ("suffix",))
+    suffix: NoOpOnly = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -320,6 +294,7 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None  # for the chat template (``template_kwargs``)
     # with --reasoning-parser: reasoning_content apart (streamed, or sent once it ends)
     separate_reasoning: bool = True
     stream_reasoning: bool = True
@@ -327,30 +302,28 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: ToolChoice | None = None  # "auto" with tools, "none" without
     parallel_tool_calls: bool = True  # false: at most one call
     return_flat_raw_top_logprobs_b64: bool = True  # meaningful with flat raw logprobs only
-    functions: Any = None
-    function_call: Any = None
-    audio: Any = None
-    prediction: Any = None
-    web_search_options: Any = None
-    modalities: Any = None
-    verbosity: Any = None
-    reasoning_effort: Any = None
-    thinking: Any = None
-    task: Any = None
-    input_ids: Any = None
-    return_prompt_token_ids: Any = False
-    return_meta_info: Any = False
-    return_input_ids_in_sglext: Any = False
-    return_output_ids_in_sglext: Any = False
-    return_sampling_mask: Any = False
-    sampling_logprobs_mode: Any = None
-    return_flat_raw_output_top_logprobs: Any = False
-    max_dynamic_patch: Any = None
-    min_dynamic_patch: Any = None
-    use_audio_in_video: Any = False
-    video_config: Any = None
-
-    _check_unsupported_chat = no_op_validator(_UNSUPPORTED, _CHAT_UNSUPPORTED)
+    # not implemented: accepted only at their no-op values (validation.NO_OP_VALUES)
+    functions: NoOpOnly = None
+    function_call: NoOpOnly = None
+    audio: NoOpOnly = None
+    prediction: NoOpOnly = None
+    web_search_options: NoOpOnly = None
+    modalities: NoOpOnly = None
+    verbosity: NoOpOnly = None
+    thinking: NoOpOnly = None
+    task: NoOpOnly = None
+    input_ids: NoOpOnly = None
+    return_prompt_token_ids: NoOpOnly = False
+    return_meta_info: NoOpOnly = False
+    return_input_ids_in_sglext: NoOpOnly = False
+    return_output_ids_in_sglext: NoOpOnly = False
+    return_sampling_mask: NoOpOnly = False
+    sampling_logprobs_mode: NoOpOnly = None
+    return_flat_raw_output_top_logprobs: NoOpOnly = False
+    max_dynamic_patch: NoOpOnly = None
+    min_dynamic_patch: NoOpOnly = None
+    use_audio_in_video: NoOpOnly = False
+    video_config: NoOpOnly = None
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -369,6 +342,17 @@ class ChatCompletionRequest(_GenerationRequest):
     def max_new_tokens(self) -> int | None:
         """The output limit asked for, if any."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template gets besides the messages and tools: as in
+        SGLang, ``reasoning_effort`` when given (a template that does not
+        read it ignores it), with ``thinking`` and ``enable_thinking``
+        defaulting to whether it is not ``"none"``; ``chat_template_kwargs`` win."""
+        kwargs: dict[str, Any] = {}
+        if self.reasoning_effort is not None:
+            thinking = self.reasoning_effort != "none"
+            kwargs = {"reasoning_effort": self.reasoning_effort, "thinking": thinking, "enable_thinking": thinking}
+        return {**kwargs, **(self.chat_template_kwargs or {})}
 
     @model_validator(mode="after")
     def _cross_checks(self) -> ChatCompletionRequest:

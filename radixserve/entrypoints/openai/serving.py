@@ -17,12 +17,30 @@ from radixserve.managers.io_struct import GenerateReqInput
 from radixserve.managers.tokenizer_manager import TokenizerManager
 
 
-def _model_error(tm: TokenizerManager, model: str | None) -> JSONResponse | None:
-    if model is not None and model not in tm.model_names:
-        body = A.openai_error(f"model: the model '{model}' does not exist; this server serves "
-                              f"'{tm.served_model_name}'", type="not_found_error", param="model", code=404)
-        return JSONResponse(body, 404)
-    return None
+def lora_adapter(model: str | None, own_names: set[str]) -> str | None:
+    """The LoRA adapter a request's ``model`` names in SGLang's
+    ``base-model:adapter-name`` form (after its first colon), or None. Any
+    other name means the loaded model, as in SGLang, where the name is not
+    checked (sglang-router fills one in when the client gives none); a name
+    this model goes by (``own_names``) is never read as base and adapter."""
+    if model is None or model in own_names or ":" not in model:
+        return None
+    return model.split(":", 1)[1].strip() or None
+
+
+def _adapter_error(tm: TokenizerManager, model: str | None) -> JSONResponse | None:
+    adapter = lora_adapter(model, tm.model_names)
+    if adapter is None:
+        return None
+    # SGLang refuses an adapter when started without --enable-lora; this server serves none yet
+    body = A.openai_error(f"model: '{model}' names the LoRA adapter '{adapter}', but this server serves no LoRA "
+                          f"adapters; use '{tm.served_model_name}'", param="model", code=400)
+    return JSONResponse(body, 400)
+
+
+def _reply_model(tm: TokenizerManager, model: str | None) -> str:
+    """The ``model`` of a reply: the request's, as SGLang echoes it, or the served name."""
+    return model or tm.served_model_name
 
 
 def _aborted(outputs: list[dict]) -> JSONResponse | None:
@@ -67,34 +85,34 @@ def add_openai_routes(app: FastAPI, tm: TokenizerManager, tool_call_parser: str 
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        if (err := _model_error(tm, req.model)) is not None:
+        if (err := _adapter_error(tm, req.model)) is not None:
             return err
         obj = GenerateReqInput(**A.completion_to_generate(req))
         gen = _naming_grammar(tm.generate_request(obj, request), req)
-        created, rid = int(time.time()), A.new_request_id("cmpl")
+        created, rid, model = int(time.time()), A.new_request_id("cmpl"), _reply_model(tm, req.model)
         prompts = A.prompt_texts(req, tm.tokenizer) if req.echo else None
         if not req.stream:
             outputs = [o async for o in gen]
             return _aborted(outputs) or A.build_completion_response(
-                req, outputs, tm.served_model_name, created, request_id=rid, prompts=prompts).model_dump()
+                req, outputs, model, created, request_id=rid, prompts=prompts).model_dump()
         outs = await peek(gen)
-        return StreamingResponse(sse_stream(_completion_events(req, tm, outs, rid, created, prompts)),
+        return StreamingResponse(sse_stream(_completion_events(req, model, outs, rid, created, prompts)),
                                  media_type="text/event-stream")
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
-        if (err := _model_error(tm, req.model)) is not None:
+        if (err := _adapter_error(tm, req.model)) is not None:
             return err
         obj = GenerateReqInput(**await tm.run_blocking(A.chat_to_generate, req, tm.tokenizer, tool_call_parser))
         gen = _naming_grammar(tm.generate_request(obj, request), req)
-        created, rid = int(time.time()), A.new_request_id("chatcmpl")
+        created, rid, model = int(time.time()), A.new_request_id("chatcmpl"), _reply_model(tm, req.model)
         parsing = chat_parsing(req, tool_call_parser, reasoning_parser)
         if not req.stream:
             outputs = [o async for o in gen]
             return _aborted(outputs) or A.build_chat_response(
-                req, outputs, tm.served_model_name, created, request_id=rid, parsing=parsing).model_dump()
+                req, outputs, model, created, request_id=rid, parsing=parsing).model_dump()
         outs = await peek(gen)
-        return StreamingResponse(sse_stream(_chat_events(req, tm, outs, rid, created, parsing)),
+        return StreamingResponse(sse_stream(_chat_events(req, model, outs, rid, created, parsing)),
                                  media_type="text/event-stream")
 
 
@@ -109,7 +127,7 @@ async def _naming_grammar(gen: AsyncIterator[dict], req) -> AsyncIterator[dict]:
         await gen.aclose()  # now, not when collected: a client that left aborts its request at once
 
 
-async def _completion_events(req, tm, outs, rid, created, prompts) -> AsyncIterator[str]:
+async def _completion_events(req, model: str, outs, rid, created, prompts) -> AsyncIterator[str]:
     deltas, finals, n = _Deltas(), [], req.n or 1
     async for out in outs:
         i, text, is_first = deltas.text_delta(out)
@@ -120,20 +138,20 @@ async def _completion_events(req, tm, outs, rid, created, prompts) -> AsyncItera
             tokens, tops = deltas.new_logprobs(out)
             logprobs = A.completion_logprobs(tokens, tops)
         reason = out["meta_info"]["finish_reason"]
-        yield A.sse_event(A.completion_stream_chunk(rid, created, tm.served_model_name, i, text,
+        yield A.sse_event(A.completion_stream_chunk(rid, created, model, i, text,
                                                     finish_reason=reason, logprobs=logprobs))
         if reason is not None:
             finals.append(out)
     if req.stream_options and req.stream_options.include_usage:
-        yield A.sse_event(A.usage_chunk(rid, created, tm.served_model_name, finals, n, chat=False))
+        yield A.sse_event(A.usage_chunk(rid, created, model, finals, n, chat=False))
 
 
-async def _chat_events(req, tm, outs, rid, created, parsing: ChatParsing) -> AsyncIterator[str]:
+async def _chat_events(req, model: str, outs, rid, created, parsing: ChatParsing) -> AsyncIterator[str]:
     deltas, finals, parsers = _Deltas(), [], {}
     async for out in outs:
         i, text, is_first = deltas.text_delta(out)
         if is_first:  # parsed output may be only calls, whose message has null content
-            yield A.sse_event(A.chat_stream_chunk(rid, created, tm.served_model_name, i, role="assistant",
+            yield A.sse_event(A.chat_stream_chunk(rid, created, model, i, role="assistant",
                                                   content=None if parsing.active else ""))
         logprobs = None
         if req.logprobs:
@@ -143,15 +161,15 @@ async def _chat_events(req, tm, outs, rid, created, parsing: ChatParsing) -> Asy
         if reason is not None:
             finals.append(out)
         if not parsing.active:
-            yield A.sse_event(A.chat_stream_chunk(rid, created, tm.served_model_name, i, content=text,
+            yield A.sse_event(A.chat_stream_chunk(rid, created, model, i, content=text,
                                                   finish_reason=reason, logprobs=logprobs))
             continue
         parser = parsers.setdefault(i, parsing.choice_parser())
         piece = parser.feed(text, final=reason is not None)
         if piece or reason is not None or (logprobs is not None and logprobs.content):
             yield A.sse_event(A.chat_stream_chunk(
-                rid, created, tm.served_model_name, i, content=piece.content or None,
+                rid, created, model, i, content=piece.content or None,
                 reasoning_content=piece.reasoning or None, tool_calls=piece.calls, logprobs=logprobs,
                 finish_reason=A.tool_calls_finish(reason, parser.made_calls)))
     if req.stream_options and req.stream_options.include_usage:
-        yield A.sse_event(A.usage_chunk(rid, created, tm.served_model_name, finals, req.n or 1))
+        yield A.sse_event(A.usage_chunk(rid, created, model, finals, req.n or 1))

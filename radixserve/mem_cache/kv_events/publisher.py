@@ -18,8 +18,12 @@ hold the same cache).
 
 ``publish`` never blocks the scheduler: it hands the batch to a background
 thread through a bounded queue, and counts a batch it finds no room for as
-dropped (leaving a gap in the sequence numbers). A slow subscriber loses
-messages at the PUB socket's high-water mark, as ZeroMQ's PUB sockets do.
+dropped (leaving a gap in the sequence numbers). The events of such batches,
+and of those the socket refuses, are counted by why (``dropped_events``,
+``radixserve:kv_events_dropped_total`` in ``/metrics``). A slow subscriber
+loses messages at the PUB socket's high-water mark, as ZeroMQ's PUB sockets
+do: silently, for that subscriber alone, which sees the gap in the sequence
+numbers and can replay it.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ logger = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the sequence number that ends a replay
 _POLL_S = 0.05  # how long the thread waits for a batch before looking at replay requests again
 DEFAULT_PORT = 5557  # SGLang's
+DROP_REASONS = ("queue_full", "send_failed")  # why events are not sent live (``ZmqEventPublisher.dropped_events``)
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,8 @@ class ZmqEventPublisher:
         self._next_seq = 0
         self.sent = 0  # batches handed to the PUB socket
         self.dropped = 0  # batches the queue had no room for
+        # events never sent live: the queue had no room for their batch, or the socket refused it (replay has it)
+        self.dropped_events = dict.fromkeys(DROP_REASONS, 0)
         self.replays = 0  # replay requests answered
         self._closing = False
         self._thread = threading.Thread(target=self._run, name=f"kv-events-dp{dp_rank}", daemon=True)
@@ -188,13 +195,18 @@ class ZmqEventPublisher:
             self._queue.put_nowait((seq, EventBatch(time.time(), events, self.dp_rank)))
         except queue.Full:
             self.dropped += 1
+            self.dropped_events["queue_full"] += len(events)
             if self.dropped == 1 or self.dropped % 1000 == 0:
                 logger.warning("KV events: the publisher queue is full; %d batches dropped", self.dropped)
         return seq
 
     def stats(self) -> dict:
         return {"published": self._next_seq, "sent": self.sent, "dropped": self.dropped, "replays": self.replays,
-                "queued": self._queue.qsize()}
+                "queued": self._queue.qsize(), **self.drop_stats()}
+
+    def drop_stats(self) -> dict[str, int]:
+        """The events dropped so far, by why, as the scheduler reports them (``/metrics``)."""
+        return {f"kv_events_dropped_{why}": n for why, n in self.dropped_events.items()}
 
     def close(self, timeout: float = 2.0) -> None:
         """Send what is queued (for up to ``timeout`` seconds), stop the thread, close the sockets."""
@@ -230,8 +242,10 @@ class ZmqEventPublisher:
         try:
             self._pub.send_multipart([self._topic, seq_bytes, payload], flags=zmq.NOBLOCK)
             self.sent += 1
-        except zmq.Again:  # a connecting PUB with no peer yet: lost, but replay still has it
-            pass
+        except zmq.ZMQError as exc:  # lost live, but replay still has it
+            self.dropped_events["send_failed"] += len(batch.events)
+            if self.dropped_events["send_failed"] == len(batch.events):
+                logger.warning("KV events: the PUB socket refused a batch (%s); counting what it refuses", exc)
         self._buffer.append((seq, payload))
 
     def _serve_replay(self) -> None:

@@ -81,7 +81,7 @@ def _attend_block(
 # one scalar per request and program, as decode_attention.PER_REQUEST_ARGS: no kernel per alignment
 @triton.jit(do_not_specialize_on_alignment=("Req_pool_indices", "Prefix_lens", "Extend_lens", "Extend_start"))
 def _extend_kernel(
-    Q, K, V, O, K_buf, V_buf, Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens, Extend_start,
+    Q, K, V, O, K_buf, V_buf, Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens, Extend_start,  # noqa: E741
     qk_scale,  # softmax scale * log2(e)
     v_scale,  # fp8 pools: V's scale (1.0: values are stored unscaled)
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,

@@ -2,11 +2,11 @@
 
 A prefill server of ``--dp-size`` D serves room ``r`` on its replica (dp
 group) ``r % D`` (its TokenizerManager dispatches by room), so that is where
-the room's KV lies. A decode rank keeps one :class:`DecodeLink` per
-(bootstrap address, dp group), made when the first room of that group comes
-and shared by the later ones; a decode rank may hold links to several groups
-of one server, and a group whose link failed gets a new one while the links
-to the other groups live on.
+the room's KV lies. A decode rank keeps one :class:`GroupLink`
+(``group_link.py``) per (bootstrap address, dp group), made when the first
+room of that group comes and shared by the later ones; a decode rank may
+hold links to several groups of one server, and a group whose link failed
+gets a new one while the links to the other groups live on.
 
 D itself is looked up once per address: the entry of rank 0 of dp group 0
 (``GET /route?engine_rank=0&target_dp_group=0``) carries it. The look-up runs
@@ -22,28 +22,24 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from radixserve.disaggregation.base import KVTransferError
 from radixserve.disaggregation.bootstrap import wait_for_prefill_rank
-from radixserve.disaggregation.decode_link import DecodeLink
-
-if TYPE_CHECKING:
-    from radixserve.disaggregation.torch_dist import TorchDistKVManager, TorchDistKVReceiver
+from radixserve.disaggregation.group_link import GroupLink, LinkOwner, RoomReceiver
 
 
-class DecodeLinks:
+class LinkTable:
     """See the module docstring. Owned by a decode ``TorchDistKVManager``."""
 
-    def __init__(self, mgr: TorchDistKVManager):
+    def __init__(self, mgr: LinkOwner):
         self.mgr = mgr
         self._lock = threading.Lock()
         self._closed = False
-        self._links: dict[tuple[str, int], DecodeLink] = {}  # by (bootstrap address, dp group)
+        self._links: dict[tuple[str, int], GroupLink] = {}  # by (bootstrap address, dp group)
         self._dp_sizes: dict[str, int] = {}  # a prefill server's dp size, by bootstrap address
-        self._unbound: dict[str, list[TorchDistKVReceiver]] = {}  # waiting for their address's dp size
+        self._unbound: dict[str, list[RoomReceiver]] = {}  # waiting for their address's dp size
 
-    def bind(self, rx: TorchDistKVReceiver, bootstrap_addr: str) -> None:
+    def bind(self, rx: RoomReceiver, bootstrap_addr: str) -> None:
         """Bind ``rx`` to the live link of its room's dp group behind
         ``bootstrap_addr`` (``rx.bind``), now when the server's dp size is
         known, else once it has been looked up."""
@@ -61,13 +57,13 @@ class DecodeLinks:
             link = self._link(rx, bootstrap_addr, dp_size)
         rx.bind(link)
 
-    def _link(self, rx: TorchDistKVReceiver, bootstrap_addr: str, dp_size: int) -> DecodeLink:
+    def _link(self, rx: RoomReceiver, bootstrap_addr: str, dp_size: int) -> GroupLink:
         """The live link of ``rx``'s group, with ``rx`` bound to it (a new one
         after the last one failed). Called with the lock held."""
         key = (bootstrap_addr, rx.room % dp_size)
         link = self._links.get(key)
         if link is None or not link.bind(rx):
-            link = self._links[key] = DecodeLink(self.mgr, bootstrap_addr, key[1], dp_size, rx)
+            link = self._links[key] = GroupLink(self.mgr, bootstrap_addr, key[1], dp_size, rx)
         return link
 
     def _look_up(self, bootstrap_addr: str) -> None:
@@ -90,7 +86,7 @@ class DecodeLinks:
         for rx, link in bound:
             rx.bind(link, failure)
 
-    def forget(self, link: DecodeLink) -> None:
+    def forget(self, link: GroupLink) -> None:
         """Drop a failed link, and what its address's dp size was."""
         with self._lock:
             if self._links.get(link.key) is link:

@@ -1,10 +1,10 @@
 """A decode rank's link to one dp group of a prefill server, for the
 torch.distributed backend.
 
-One :class:`DecodeLink` per prefill bootstrap address and dp group (the
+One :class:`GroupLink` per prefill bootstrap address and dp group (the
 prefill server's replica that serves the rooms ``room % dp_size == group``;
-``decode_links.py`` keeps them), shared by the receivers of every request
-bound there. Its thread does the handshake and then listens:
+``link_table.py`` keeps them), shared by the receivers of every request
+bound there. The store's queues and keys are in ``control_plane.py``. Its thread does the handshake and then listens:
 
 1. ``GET /route?engine_rank=0&target_dp_group=G`` on the bootstrap server:
    the group's tp size and KV layout, which must fit ours
@@ -18,7 +18,10 @@ bound there. Its thread does the handshake and then listens:
 3. one thread per source listens on its announcement queue ``pair/n/ann``:
    for each announced room, post the receives (in announcement order, which
    is that prefill rank's send order) and hand them to the pair's waiter,
-   which calls the room's receiver back with the source's rank.
+   which calls the room's receiver back with the source's rank. A room the
+   prefill side gave up once sent (``pair/n/aborted/<room>`` set, or an
+   abort announced after it) still takes its messages, but its receiver
+   fails at once.
 
 A second thread pushes the receivers' messages (a room's pages, an abort) to
 every source's control queue, a room's registration with what that source
@@ -41,48 +44,51 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgpack
 import torch
 import torch.distributed as dist
 
-from radixserve.disaggregation.base import KVTransferError, layout_mismatch
+from radixserve.disaggregation.base import KVArgs, KVTransferConfig, KVTransferError, layout_mismatch
 from radixserve.disaggregation.bootstrap import rank_name, wait_for_prefill_rank
+from radixserve.disaggregation.control_plane import (
+    CONTROL_QUEUE, LISTEN_TIMEOUT_S, STOP, announcement_queue, open_store, pop_message, sent_abort_key,
+)
 from radixserve.disaggregation.head_map import HeadSlice, decode_sources, registrations_expected
+from radixserve.disaggregation.kv_messages import KVMessageLayout
 from radixserve.disaggregation.pair_group import DECODE_RANK, PairGroup, short_error
-
-if TYPE_CHECKING:
-    from radixserve.disaggregation.torch_dist import TorchDistKVManager, TorchDistKVReceiver
 
 logger = logging.getLogger(__name__)
 
-CONTROL_QUEUE = "ctl"  # on the prefill rank's store: decode -> prefill messages
-# A listening thread blocks on its queue this long before it pops again (c10d
-# logs every pop that times out, so it is long); close() wakes it with a stop message.
-LISTEN_TIMEOUT_S = 300.0
-STOP = {"t": "stop"}
+
+# The decode manager and its receivers (torch_dist.py) as a link sees them:
+# declared here, below torch_dist.py, which builds the links.
+class LinkOwner(Protocol):
+    """The decode rank's KV manager: its pool, limits and message layout."""
+
+    args: KVArgs
+    config: KVTransferConfig
+    layout: KVMessageLayout
+
+    def forget_link(self, link: GroupLink) -> None:
+        """Drop a failed link: the next room of its group makes a new one."""
 
 
-def announcement_queue(pair_id: int) -> str:
-    """The store queue of pair ``pair_id``'s announcements (prefill -> decode)."""
-    return f"pair/{pair_id}/ann"
+class RoomReceiver(Protocol):
+    """A room's receiver, bound to the link of its room's dp group."""
 
+    room: int
 
-def open_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """A client of the prefill rank's TCPStore (connecting takes at most about ``timeout_s``)."""
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    def bind(self, link: GroupLink | None, failure: str | None = None) -> None:
+        """Its link, or why there is none."""
 
+    def on_announced(self, prefill_rank: int, message_pages: list[int], buffers: list[torch.Tensor],
+                     aux_bytes: int) -> None:
+        """The receive buffers posted for its messages from ``prefill_rank``."""
 
-def pop_message(store: dist.TCPStore, key: str) -> dict | None:
-    """The next message of queue ``key``, or None when none came within the
-    store's timeout. A lost store raises (DistNetworkError)."""
-    try:
-        return msgpack.unpackb(store.queue_pop(key, block=True))
-    except dist.DistStoreError as e:
-        if "timeout" in str(e):
-            return None
-        raise
+    def on_done(self, prefill_rank: int, reason: str | None) -> None:
+        """``prefill_rank``'s messages arrived (None), or why not."""
 
 
 @dataclass
@@ -106,11 +112,10 @@ class _Source:
         return out
 
 
-class DecodeLink:
-    """See the module docstring. Built by the decode manager; starts its thread at once."""
+class GroupLink:
+    """See the module docstring. Built by the decode manager's ``LinkTable``; starts its thread at once."""
 
-    def __init__(self, mgr: TorchDistKVManager, bootstrap_addr: str, dp_group: int, dp_size: int,
-                 first: TorchDistKVReceiver):
+    def __init__(self, mgr: LinkOwner, bootstrap_addr: str, dp_group: int, dp_size: int, first: RoomReceiver):
         self.mgr = mgr
         self.bootstrap_addr, self.dp_group, self.dp_size = bootstrap_addr, dp_group, dp_size
         self._sources: list[_Source] = []  # grows as pairs form
@@ -119,7 +124,7 @@ class DecodeLink:
         self._failure: str | None = None
         self._closed = False
         self._lock = threading.Lock()
-        self._receivers: dict[int, TorchDistKVReceiver] = {first.room: first}  # bound, by room
+        self._receivers: dict[int, RoomReceiver] = {first.room: first}  # bound, by room
         self._outbox: queue.Queue = queue.Queue()
         self._threads = [threading.Thread(target=self._run, name=f"kv-link-{bootstrap_addr}-{dp_group}", daemon=True)]
         self._threads[0].start()
@@ -146,7 +151,7 @@ class DecodeLink:
     def pair_ids(self) -> tuple[int, ...] | None:
         return tuple(s.pair.pair_id for s in self._sources) if self._paired else None
 
-    def bind(self, rx: TorchDistKVReceiver) -> bool:
+    def bind(self, rx: RoomReceiver) -> bool:
         """Route announcements and failures of ``rx``'s room to it; False,
         binding nothing, when the link has failed (the caller makes a new one)."""
         with self._lock:
@@ -268,12 +273,13 @@ class DecodeLink:
             self.fail(self.failure)  # a pair died under a transfer: fail the receivers and leave the table
 
     def _on_announcement(self, source: _Source, message: dict) -> None:
-        rank = source.heads.prefill_rank
+        rank, room = source.heads.prefill_rank, message["room"]
         with self._lock:
-            rx = self._receivers.get(message["room"])
+            rx = self._receivers.get(room)
         if not message["ok"]:
             if rx is not None:
                 rx.on_done(rank, f"the prefill side gave the transfer up: {message['reason']}")
+            self._sent_abort(source, room, clear=True)
             return
         layout = self.mgr.layout
         sizes = [layout.message_bytes(n, source.heads.count) for n in message["pages"]]
@@ -281,6 +287,8 @@ class DecodeLink:
         buffers = [torch.empty(n, dtype=torch.uint8, device=self.mgr.args.device) for n in sizes]
         if rx is not None:
             rx.on_announced(rank, message["pages"], buffers, message["aux"])
+            if (reason := self._sent_abort(source, room)) is not None:  # ends now; the messages still come
+                rx.on_done(rank, f"the prefill side gave the transfer up: {reason}")
         try:  # a room without a receiver (cleared) still takes its messages, to keep the pair in step
             works = source.pair.post(buffers, send=False, first_tag=message["tag"])
         except RuntimeError as e:
@@ -288,6 +296,20 @@ class DecodeLink:
             return
         on_done = functools.partial(rx.on_done, rank) if rx is not None else _discard
         source.pair.watch(works, self.mgr.config.transfer_timeout_s, on_done)
+
+    @staticmethod
+    def _sent_abort(source: _Source, room: int, clear: bool = False) -> str | None:
+        """Why the prefill rank gave ``room`` up once its sends were posted,
+        if it did (its flag); ``clear`` deletes the flag. Best effort: a lost
+        store fails the link at the listener's next pop."""
+        key = sent_abort_key(source.pair.pair_id, room)
+        try:
+            if clear:
+                source.ann_store.delete_key(key)
+                return None
+            return source.ann_store.get(key).decode() if source.ann_store.check([key]) else None
+        except Exception:  # noqa: BLE001
+            return None
 
     def fail(self, reason: str) -> list[int]:
         """Fail the link: its receivers fail at their next poll, and the
