@@ -107,6 +107,10 @@ class ElasticMachine(RequestRules):
         if not self.arena.full:
             assert free >= self.reserve[0] * alloc.kv_pages_per_epage or room <= 0, "the reserve was not refilled"
 
+    @rule()
+    def rebalance_while_busy(self):
+        self.h.alloc.rebalance(busy=True)  # may skip the look for empty pages; the invariants still hold
+
     @rule(pages=st.one_of(st.none(), st.integers(0, 12)))
     def limit(self, pages):
         """A run-time limit (``/set_kv_limit``): cached KV goes, in LRU order, until it is met."""
@@ -195,6 +199,25 @@ def test_the_mapper_never_hands_out_a_page_it_is_still_giving_back():
         assert mapper.pending() == 0
     finally:
         mapper.close()
+
+
+def test_a_busy_pool_looks_for_empty_pages_once_in_look_steps_calls():
+    """While a batch is in flight the look for empty pages (a device sync)
+    waits LOOK_STEPS calls; an idle call looks at once."""
+    from radixserve.mem_cache.elastic_allocator import LOOK_STEPS
+
+    alloc = ElasticTokenToKVPoolAllocator(12 * 16 - 1, 1, "cpu", CpuArena([16 * SLOT_FLOATS * 4], 12), 16, 0, 0)
+    for busy in (True, False):
+        slots = alloc.alloc(16 * 6)
+        assert slots is not None and len(alloc.mapped_epages()) == 7
+        alloc.free(slots)
+        for _ in range(LOOK_STEPS if busy else 0):
+            alloc.rebalance(busy=True)
+            assert len(alloc.mapped_epages()) == 7  # not looked yet
+        alloc.rebalance(busy=busy)
+        alloc.mapper.drain()
+        assert alloc.mapped_epages() == [0], busy  # the dummy page's, the six empty ones unmapped
+    alloc.close()
 
 
 def test_a_mapper_thread_that_fails_makes_the_next_call_fail():

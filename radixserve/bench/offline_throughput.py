@@ -15,10 +15,13 @@ requests, prefill included, after a small untimed warm-up.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import dataclasses
 import gc
 import json
 import os
+import pstats
 import time
 from dataclasses import dataclass
 
@@ -110,23 +113,44 @@ def _params(wl: Workload, max_new_tokens: int) -> dict:
     return {"max_new_tokens": max_new_tokens, "temperature": wl.temperature, "ignore_eos": True}
 
 
-def run_radixserve(engine, wl: Workload, reqs: list[Request]) -> tuple[list[list[int]], float, dict]:
+def run_radixserve(engine, wl: Workload, reqs: list[Request], profile: str | None = None,
+                   ) -> tuple[list[list[int]], float, dict]:
     """Warm up, then time one ``generate`` over all requests. Returns the
-    output ids, the wall time and the scheduler's counters for the timed run."""
+    output ids, the wall time and the scheduler's counters for the timed run.
+    With ``profile``, the timed run runs under cProfile (slower), whose top
+    functions go to that file as JSON lines (see :func:`profile_rows`)."""
     warm = [list(r.input_ids[:8]) for r in reqs[:2]]
     engine.generate(input_ids=warm, sampling_params=_params(wl, 4))
     engine.flush_cache()  # the timed run starts from an empty cache
     before = engine.get_stats()
     start = time.perf_counter()
     params = [_params(wl, r.max_new_tokens) for r in reqs]
-    outs = engine.generate(input_ids=[r.input_ids for r in reqs], sampling_params=params)
+    profiler = cProfile.Profile() if profile else None
+    with profiler or contextlib.nullcontext():
+        outs = engine.generate(input_ids=[r.input_ids for r in reqs], sampling_params=params)
     wall = time.perf_counter() - start
     after = engine.get_stats()
     elastic = ("elastic_kv_maps", "elastic_kv_unmaps", "elastic_kv_map_seconds", "elastic_kv_unmap_seconds",
                "elastic_kv_step_maps", "elastic_kv_step_map_seconds")  # the step waited for these
     counters = {k: round(after[k] - before[k], 6) for k in ("forward_ct", "retractions", "cached_tokens", *elastic)
                 if k in after}  # the elastic pool's maps during the run (--enable-elastic-kv)
+    if profiler is not None:
+        steps = max(counters.get("forward_ct", 0), 1)
+        with open(profile, "w") as f:
+            for row in profile_rows(profiler, steps):
+                f.write(json.dumps(row) + "\n")
     return [o["output_ids"] for o in outs], wall, counters
+
+
+def profile_rows(profiler: cProfile.Profile, steps: int, top: int = 40) -> list[dict]:
+    """The ``top`` functions by their own time: calls, own and cumulative
+    milliseconds per scheduler step. A host sync shows as the own time of
+    the call that waits (``tolist``, ``item``, ``synchronize``)."""
+    stats = pstats.Stats(profiler).stats
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [{"function": f"{file}:{line}({name})", "calls": calls, "own_ms_per_step": round(own * 1e3 / steps, 4),
+             "cum_ms_per_step": round(cum * 1e3 / steps, 4)}
+            for (file, line, name), (_, calls, own, cum, _) in rows]
 
 
 # -- HF transformers -----------------------------------------------------------------
@@ -192,6 +216,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--compare-hf", action="store_true", help="also run HF transformers generate on the same prompts")
     add("--hf-batch-size", type=int, default=16)
     add("--output-json", help="append the JSON lines to this file")
+    add("--profile", metavar="PATH", help="run radixserve's timed run under cProfile, its top functions to PATH")
     add("--torch-threads", type=int, help="torch.set_num_threads for both backends (default: torch's own)")
     args = parser.parse_args(argv)
     for name in ("input_len_range", "output_len_range"):
@@ -231,7 +256,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     reqs = make_requests(wl, model_config.vocab_size, _special_ids(engine), args.seed)
     common = (args.workload, wl, full_size, model, device, model_config.dtype, reqs)
 
-    ours, wall, counters = run_radixserve(engine, wl, reqs)
+    ours, wall, counters = run_radixserve(engine, wl, reqs, args.profile)
     records = [_record(
         "radixserve", *common, sum(map(len, ours)), wall, **counters,
         max_running_requests=server_args.max_running_requests, chunked_prefill_size=server_args.resolved_chunked_prefill_size(),

@@ -330,7 +330,7 @@ _ENGINE_OPTIONS = {
     "model_path": str, "load_format": str, "dtype": str, "device": str, "attention_backend": str,
     "page_size": int, "max_total_tokens": int, "mem_fraction_static": float, "random_seed": int,
     "disable_cuda_graph": bool, "disable_piecewise_cuda_graph": bool, "kv_cache_dtype": str, "tp_size": int, "dist_timeout": float,
-    "quantization": str,
+    "quantization": str, "enable_elastic_kv": bool, "elastic_kv_page_mb": float,
 }
 
 

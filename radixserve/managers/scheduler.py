@@ -155,7 +155,8 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
         """Run one batch; returns the requests updated in it (finished ones too).
         With overlap, a batch's results come back in the next step."""
         if "kv_cache" not in self.offload_tags:  # a released pool maps nothing
-            self.allocator.rebalance(self.tree_cache.evict)  # an elastic pool gives back empty pages, keeps its reserve
+            # an elastic pool gives back empty pages, keeps its reserve
+            self.allocator.rebalance(self.tree_cache.evict, busy=self._in_flight is not None)
         out = self._drain() if self._in_flight and self._must_drain() else []
         self.tree_cache.poll()  # copies between cache tiers that have finished
         out += self._process_aborts()

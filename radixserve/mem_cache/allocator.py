@@ -77,7 +77,7 @@ class TokenToKVPoolAllocator:
         for a pool allocated whole (the elastic pool maps here)."""
         return True
 
-    def rebalance(self, evict=None) -> None:
+    def rebalance(self, evict=None, busy: bool = False) -> None:
         """Once a scheduler step: nothing to do for a pool allocated whole
         (the elastic pool gives back empty pages here, and evicts cached KV
         with ``evict`` to meet its run-time limit)."""

@@ -51,7 +51,7 @@ from typing import Callable
 
 import torch
 
-from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
+from radixserve.mem_cache.allocator import TokenToKVPoolAllocator, page_floor, pages_for
 from radixserve.mem_cache.elastic_registry import ElasticRegistry, registry_path
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool
 from radixserve.mem_cache.page_mapper import PageMapper
@@ -61,6 +61,9 @@ from radixserve.server_args import ElasticKVConfig
 logger = logging.getLogger(__name__)
 
 PACE_STEPS = 16  # the reserve grows by the most elastic pages one of the last steps took
+# While a batch is in flight, look for empty pages (a device sync, which
+# would stall the overlap of the next batch's scheduling) once in so many steps.
+LOOK_STEPS = 32
 
 
 def elastic_page_slots(slot_bytes: list[int], page_size: int, granularity: int, want_bytes: int) -> int:
@@ -93,13 +96,14 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
         self.kv_pages_per_epage = epage_slots // page_size
         self.min_reserve, self.max_reserve = min_reserve, max_reserve
         self._agree_min = agree_min or (lambda value: value)
-        num_pages = size // page_size
-        self.num_epages = -(-(num_pages + 1) // self.kv_pages_per_epage)
+        num_pages = page_floor(size, page_size) // page_size  # the pool's whole pages, as the base class counts
+        self.num_epages = pages_for(num_pages + 1, self.kv_pages_per_epage)
         if self.num_epages > arena.num_pages:
             raise ValueError(f"the arena has {arena.num_pages} pages, the pool needs {self.num_epages}")
         self.limit_pages = self.num_epages  # elastic pages that may be mapped at once (a run-time limit lowers it)
         self._can_map = self.num_epages  # more elastic pages believed mappable now
         self._dirty = True  # slots freed (or pages mapped) since the last rebalance
+        self._unlooked = 0  # calls since the last look for empty pages, while busy
         self.registry = registry  # the other servers on this device (elastic_registry.py), or None
         self.floor_pages = max(floor_pages, 1)  # what another server's ask leaves mapped
         self.given_pages = self.asks = 0
@@ -196,7 +200,7 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
     def ensure_mapped(self, n: int) -> bool:
         """Map elastic pages until ``n`` slots are free in mapped pages; False
         when the limit or the device refuses (what did map stays mapped)."""
-        short = -(-n // self.page_size) - len(self.free_pages) - sum(len(p) for p in self._released)
+        short = pages_for(n, self.page_size) - len(self.free_pages) - sum(len(p) for p in self._released)
         return short <= 0 or self._map_more(short)
 
     def _map_more(self, kv_pages: int, ask: bool = True) -> bool:
@@ -250,13 +254,15 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
         super().free(slots)
         self._dirty = True
 
-    def rebalance(self, evict: Callable[[int], int] | None = None) -> None:
+    def rebalance(self, evict: Callable[[int], int] | None = None, busy: bool = False) -> None:
         """Unmap owned elastic pages with every slot free beyond
         ``max_reserve`` (highest first), ask for pages mapped ahead (see the
         module docstring), and, after a refused map, look at the physical
         memory again; over the run-time limit, first :meth:`shrink` to it
         with ``evict``. Nothing to do when no slot was taken or freed and no
-        map refused since the last call. Same on every rank."""
+        map refused since the last call. Finding empty pages reads the
+        device: while ``busy`` (a batch in flight) only every
+        ``LOOK_STEPS`` calls. Same on every rank."""
         if self.memory_released:  # /release_memory_occupation: nothing maps until resume()
             return
         if self.over_limit() and evict is not None:
@@ -269,9 +275,14 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
         e = self.kv_pages_per_epage
         free = len(self.free_pages) + sum(len(p) for p in self._released)  # owned and free: known without a sync
         if free >= (self.max_reserve + 1) * e:  # maybe more empty pages than the reserve keeps: look (a sync)
-            empty = self._empty_epages()
-            if len(empty) > self.max_reserve:
-                self._unmap(empty[self.max_reserve:])  # the highest: the low pages hold the used slots
+            if busy and self._unlooked < LOOK_STEPS:
+                self._unlooked += 1
+                self._dirty = True  # look at a later call
+            else:
+                self._unlooked = 0
+                empty = self._empty_epages()
+                if len(empty) > self.max_reserve:
+                    self._unmap(empty[self.max_reserve:])  # the highest: the low pages hold the used slots
         self._plan_ahead(free // e)
         per_page = self.arena.bytes_per_page
         physical = len(self._ahead) + self.arena.physical_free() // per_page
@@ -491,7 +502,7 @@ def build_elastic_pool(size: int, page_size: int, dtype: torch.dtype, head_num: 
     slot_bytes = head_num * head_dim * dtype.itemsize
     epage_slots = elastic_page_slots([slot_bytes], page_size, granularity(torch.device(device)),
                                      int(config.page_mb * 2**20))
-    num_epages = -(-(size + page_size) // epage_slots)
+    num_epages = pages_for(size + page_size, epage_slots)
     arena = make_arena([epage_slots * slot_bytes] * (2 * layer_num), num_epages, torch.device(device), keep_free)
     pool = MHATokenToKVPool(size, page_size, dtype, head_num, head_dim, layer_num, device, buffers=arena.tensors)
     pool.arena = arena
