@@ -113,18 +113,23 @@ def _params(wl: Workload, max_new_tokens: int) -> dict:
     return {"max_new_tokens": max_new_tokens, "temperature": wl.temperature, "ignore_eos": True}
 
 
-def run_radixserve(engine, wl: Workload, reqs: list[Request], profile: str | None = None,
+def run_radixserve(engine, wl: Workload, reqs: list[Request], profile: str | None = None, warm_runs: int = 0,
                    ) -> tuple[list[list[int]], float, dict]:
-    """Warm up, then time one ``generate`` over all requests. Returns the
+    """Warm up (and run the whole workload ``warm_runs`` times untimed: an
+    elastic pool then keeps up to its reserve of pages mapped), then time
+    one ``generate`` over all requests. Returns the
     output ids, the wall time and the scheduler's counters for the timed run.
     With ``profile``, the timed run runs under cProfile (slower), whose top
     functions go to that file as JSON lines (see :func:`profile_rows`)."""
     warm = [list(r.input_ids[:8]) for r in reqs[:2]]
     engine.generate(input_ids=warm, sampling_params=_params(wl, 4))
+    params = [_params(wl, r.max_new_tokens) for r in reqs]
+    for _ in range(warm_runs):
+        engine.flush_cache()
+        engine.generate(input_ids=[r.input_ids for r in reqs], sampling_params=params)
     engine.flush_cache()  # the timed run starts from an empty cache
     before = engine.get_stats()
     start = time.perf_counter()
-    params = [_params(wl, r.max_new_tokens) for r in reqs]
     profiler = cProfile.Profile() if profile else None
     with profiler or contextlib.nullcontext():
         outs = engine.generate(input_ids=[r.input_ids for r in reqs], sampling_params=params)
@@ -216,6 +221,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--compare-hf", action="store_true", help="also run HF transformers generate on the same prompts")
     add("--hf-batch-size", type=int, default=16)
     add("--output-json", help="append the JSON lines to this file")
+    add("--warm-runs", type=int, default=0, help="untimed runs of the whole workload before the timed one")
     add("--profile", metavar="PATH", help="run radixserve's timed run under cProfile, its top functions to PATH")
     add("--torch-threads", type=int, help="torch.set_num_threads for both backends (default: torch's own)")
     args = parser.parse_args(argv)
@@ -256,7 +262,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     reqs = make_requests(wl, model_config.vocab_size, _special_ids(engine), args.seed)
     common = (args.workload, wl, full_size, model, device, model_config.dtype, reqs)
 
-    ours, wall, counters = run_radixserve(engine, wl, reqs, args.profile)
+    ours, wall, counters = run_radixserve(engine, wl, reqs, args.profile, args.warm_runs)
     records = [_record(
         "radixserve", *common, sum(map(len, ours)), wall, **counters,
         max_running_requests=server_args.max_running_requests, chunked_prefill_size=server_args.resolved_chunked_prefill_size(),
