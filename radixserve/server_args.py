@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 from radixserve.disaggregation import check_transfer_backend
+from radixserve.distributed.expert_parallel import MOE_A2A_BACKENDS, check_expert_parallel
 # The flags' choices are the parsers' registries (SGLang's names), which import nothing of the engine.
 from radixserve.entrypoints.openai.reasoning_parser import REASONING_FORMATS
 from radixserve.entrypoints.openai.tool_parser import TOOL_CALL_PARSERS
@@ -163,6 +164,16 @@ class ServerArgs:
     random_seed: int = field(default=0, metadata={"help": "seed of the global RNG"})
     # Tensor parallelism (docs/tensor_parallel.md): one scheduler process per rank.
     tp_size: int = field(default=1, metadata={"help": "tensor-parallel ranks (one process and device each)"})
+    # Mixture of experts (docs/moe.md), SGLang's flags.
+    ep_size: int = field(default=1, metadata={
+        "help": "expert-parallel ranks among the --tp-size ranks: each holds whole experts of 1/ep-size of them "
+                "(sharded over tp-size/ep-size ranks); attention stays tensor parallel. 1: every expert sharded "
+                "over all ranks"})
+    moe_a2a_backend: str = field(default="none", metadata={
+        "help": "how tokens reach experts on other ranks: none (every rank holds every token; one all-reduce "
+                "sums the experts' outputs) or all_to_all (torch.distributed.all_to_all_single; needs --ep-size "
+                "equal to --tp-size). deepep and mooncake need RDMA libraries this build lacks",
+        "choices": MOE_A2A_BACKENDS})
     base_gpu_id: int = field(default=0, metadata={"help": "the first GPU this node's ranks use"})
     gpu_id_step: int = field(default=1, metadata={"help": "GPU ids between consecutive ranks of this node"})
     dist_init_addr: str | None = field(default=None, metadata={
@@ -348,6 +359,7 @@ class ServerArgs:
         return self.torch_profiler_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR") or tempfile.gettempdir()
 
     def _check_distributed(self) -> None:
+        check_expert_parallel(self.tp_size, self.ep_size, self.moe_a2a_backend)
         if self.base_gpu_id < 0:
             raise ValueError(f"base_gpu_id must be >= 0, got {self.base_gpu_id}")
         if self.tp_size % self.nnodes:

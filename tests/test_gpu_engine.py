@@ -1,7 +1,7 @@
 """The whole GPU path against HF transformers (GPU only): the Engine with the
 triton backend, CUDA graphs (decode, and piecewise for extends) on and off,
 overlap scheduling on and off, on dummy Llama and Qwen3 models in bfloat16
-whose weights HF saved.
+whose weights HF saved (mixtures of experts: tests/test_gpu_moe.py).
 
 Requests of mixed prompt lengths and output lengths make the decode batch
 shrink step by step, so graphs replay padded. HF then scores our prompt +

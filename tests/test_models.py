@@ -251,7 +251,8 @@ def test_cpu_tensors_keep_the_torch_path_where_triton_is_installed(monkeypatch):
 
 def test_registry_errors():
     assert ModelRegistry.supported() == [
-        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+        "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
+        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
     ]
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*supported: LlamaForCausalLM"):
         ModelRegistry.resolve(["GPT2LMHeadModel"])

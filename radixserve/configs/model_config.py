@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
+from radixserve.distributed.expert_parallel import expert_layout
 from radixserve.distributed.partition import HeadLayout, divide, head_layout
 
 
@@ -68,10 +69,28 @@ class ModelConfig:
         pool holds ``num_kv_heads`` of them)."""
         return head_layout(self.num_attention_heads, self.num_key_value_heads, tp_size, tp_rank)
 
-    def check_tensor_parallel(self, tp_size: int) -> None:
-        """A ValueError, naming the dimension, when the model cannot be split
-        over ``tp_size`` ranks (heads, KV heads, the MLP's intermediate size)."""
+    @property
+    def num_experts(self) -> int:
+        """Experts per MoE layer (Qwen's ``num_experts``, Mixtral's ``num_local_experts``); 0: a dense model."""
+        return int(getattr(self.hf_config, "num_experts", None) or getattr(self.hf_config, "num_local_experts", None)
+                   or 0)
+
+    def check_tensor_parallel(self, tp_size: int, ep_size: int = 1) -> None:
+        """A ValueError, naming the dimension or the flag, when the model cannot
+        be split over ``tp_size`` ranks (heads, KV heads, the MLP's intermediate
+        size) with ``ep_size`` expert-parallel ones (the experts, their
+        intermediate size over ``tp_size / ep_size``)."""
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         self.head_layout(tp_size)
         divide(self.intermediate_size, tp_size, "intermediate_size")
+        if not self.num_experts:
+            if ep_size > 1:
+                raise ValueError(f"ep_size {ep_size}: --ep-size splits a mixture of experts, and "
+                                 f"{self.architectures or self.model_path} has none")
+            return
+        layout = expert_layout(self.num_experts, tp_size, 0, ep_size)
+        moe_intermediate = int(getattr(self.hf_config, "moe_intermediate_size", None) or self.intermediate_size)
+        if moe_intermediate % layout.moe_tp_size:
+            raise ValueError(f"the experts' intermediate size {moe_intermediate} is not divisible by "
+                             f"tp_size / ep_size = {layout.moe_tp_size} (--tp-size {tp_size}, --ep-size {ep_size})")

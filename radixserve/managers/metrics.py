@@ -4,6 +4,10 @@ named like SGLang's (``radixserve:prompt_tokens_total`` ...)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+
+from radixserve.layers.moe.load_stats import PREFIX as MOE_PREFIX
+from radixserve.layers.moe.load_stats import bucket_key as moe_bucket_key
 
 from radixserve.mem_cache.kv_events.publisher import DROP_REASONS
 
@@ -42,6 +46,30 @@ ELASTIC_KV_GAUGES = tuple((key, key, text) for key, text in (
     ("elastic_kv_step_maps", "Maps a scheduler step waited for since start (it outran the pages mapped ahead)"),
     ("elastic_kv_step_map_seconds", "Seconds scheduler steps spent waiting for maps since start"),
 ))
+class ExpertLoadCollector:
+    """A MoE model's tokens per expert per step (``layers/moe/load_stats.py``):
+    a histogram the schedulers bin (they hold the counts) and report as
+    cumulative figures, exposed as they last reported them; absent for a dense model."""
+
+    def __init__(self):
+        self.state: dict = {}
+
+    def describe(self):
+        return []  # figures appear only once a MoE model reports them
+
+    def collect(self):
+        if f"{MOE_PREFIX}_count" not in self.state:
+            return
+        bounds = [key.rsplit("_le_", 1)[1] for key in self.state if key.startswith(f"{MOE_PREFIX}_le_")]
+        buckets = [("+Inf" if b == "inf" else f"{float(b)}", self.state[moe_bucket_key(float(b))]) for b in bounds]
+        family = HistogramMetricFamily(
+            "radixserve:" + MOE_PREFIX + "_per_step",
+            "Tokens one expert of one MoE layer received per forward pass (an observation per layer and expert "
+            "every stats report)")
+        family.add_metric([], buckets, sum_value=self.state[f"{MOE_PREFIX}_sum"])
+        yield family
+
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -70,6 +98,9 @@ class ServerMetrics:
                                          "the publisher's queue was full, or its socket refused them",
                                          ["reason"], registry=r)
         self._kv_events_dropped_seen: dict[str, float] = {}
+        # Load balance of a MoE model's experts (docs/moe.md).
+        self.expert_load = ExpertLoadCollector()
+        r.register(self.expert_load)
 
     def on_request(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
@@ -91,6 +122,7 @@ class ServerMetrics:
         self.e2e.observe(now - state.created)
 
     def update_from_state(self, state: dict) -> None:
+        self.expert_load.state = {k: v for k, v in state.items() if k.startswith(MOE_PREFIX)}
         self.running.set(state.get("running", 0))
         self.queued.set(state.get("waiting", 0))
         self.token_usage.set(state.get("kv_usage", 0.0))

@@ -388,5 +388,5 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
         return dict(dataclasses.asdict(self.stats), running=len(self.running_batch), waiting=len(self.waiting) + len(self.grammar_queue),
                     kv_free=self.allocator.available_size(), kv_cached=self.tree_cache.total_size(),
                     **self.tree_cache.tier_stats(), **self.grammar_queue.cache_stats(),
-                    **self.allocator.pool_stats(),
+                    **self.allocator.pool_stats(), **self.model_runner.expert_load_stats(),
                     **(self.kv_event_publisher.drop_stats() if self.kv_event_publisher is not None else {}))

@@ -47,6 +47,8 @@ def build_model_runner(args: ServerArgs, model_config, tp_rank: int = 0, dist_in
         nnodes=args.nnodes,
         elastic_kv=args.elastic_kv_config(),
         enable_memory_saver=args.enable_memory_saver,
+        ep_size=args.ep_size,
+        moe_a2a_backend=args.moe_a2a_backend,
     )
     return ModelRunner(model_config, **{**options, **overrides})
 

@@ -585,9 +585,10 @@ def sum_replica_stats(states: list[dict]) -> dict:
     rate over the sums)."""
     if len(states) <= 1:
         return dict(states[0]) if states else {}
-    # the cache tiers' figures (docs/hicache.md), the grammar caches', the elastic KV pools' and the KV events'
+    # the cache tiers' figures (docs/hicache.md), the grammar caches', the elastic KV pools', the KV events'
+    # and the experts' load histogram (docs/moe.md)
     per_cache = {key for s in states for key in s
-                 if key.startswith(("hicache_", "grammar_", "elastic_kv_", "kv_events_"))}
+                 if key.startswith(("hicache_", "grammar_", "elastic_kv_", "kv_events_", "moe_"))}
     total = {key: sum(s.get(key, 0) for s in states) for key in (*_SUMMED, *sorted(per_cache))}
     total["kv_usage"] = total["kv_used"] / max(total["max_total_tokens"], 1)
     total["cache_hit_rate"] = total["cached_tokens"] / max(total["prompt_tokens"], 1)

@@ -31,9 +31,11 @@ from torch import nn
 
 from radixserve.configs.model_config import ModelConfig
 from radixserve.distributed import DEFAULT_TIMEOUT_S, TPGroup, check_tp_devices, init_tp_group
+from radixserve.distributed.expert_parallel import MoEParallel, check_expert_parallel
 from radixserve.layers.attention import create_attention_backend
 from radixserve.layers.linear import prepack_linears_for_cpu, quantize_linears
 from radixserve.layers.logits_processor import LogitsProcessorOutput
+from radixserve.layers.moe.load_stats import ExpertLoadHistogram
 from radixserve.layers.quantization import check_quantization
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator, page_floor
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -112,14 +114,19 @@ class ModelRunner:
         tp_rank_failure: Callable[[], str | None] | None = None,
         elastic_kv: ElasticKVConfig | None = None,
         enable_memory_saver: bool = False,
+        ep_size: int = 1,
+        moe_a2a_backend: str = "none",
     ):
         if page_size < 1 or max_running_requests < 1:
             raise ValueError(f"page_size and max_running_requests must be >= 1, got {page_size}, {max_running_requests}")
         self.model_config = model_config
         self.device = torch.device(device)
         self.owns_tp_group = tp_group is None
+        self.ep_size = ep_size
+        check_expert_parallel(tp_group.size if tp_group is not None else tp_size, ep_size, moe_a2a_backend)
         self.tp_group = self._join_tp_group(tp_rank, tp_size, tp_group, dist_init_method, dist_timeout_s, nnodes,
                                             tp_rank_failure)
+        self.moe_parallel = MoEParallel(self.tp_group, ep_size, moe_a2a_backend)  # MoE models' expert split
         self.tp_rank, self.tp_size = self.tp_group.rank, self.tp_group.size
         self.head_layout = model_config.head_layout(self.tp_size, self.tp_rank)
         torch.manual_seed(seed)
@@ -128,6 +135,7 @@ class ModelRunner:
         self.page_size = page_size
         self.elastic_kv = elastic_kv  # None: the KV pool is allocated whole
         self.max_running_requests = max_running_requests
+        self._expert_load_histogram = None  # built on the first expert_load_stats of a MoE model
         check_quantization(quantization, self.device)
         self.quantization = quantization
         self.model = (model if model is not None else self._load_model()).eval()
@@ -165,7 +173,7 @@ class ModelRunner:
             tp_rank, tp_size = tp_group.rank, tp_group.size
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
-        self.model_config.check_tensor_parallel(tp_size)
+        self.model_config.check_tensor_parallel(tp_size, self.ep_size)
         check_tp_devices(tp_size, self.device, nnodes)
         if self.device.type == "cuda" and self.device.index is None and tp_size > 1:
             self.device = torch.device("cuda", tp_rank % (tp_size // nnodes))  # one device per rank of this host
@@ -182,7 +190,7 @@ class ModelRunner:
     def _load_model(self) -> nn.Module:
         from radixserve.model_loader import get_model  # the loader imports the model registry
 
-        return get_model(self.model_config, self.device, self.tp_group)
+        return get_model(self.model_config, self.device, self.tp_group, self.moe_parallel)
 
     def kv_bytes_per_token(self) -> int:
         """KV bytes per token on this rank (its KV heads only)."""
@@ -301,6 +309,17 @@ class ModelRunner:
             return self.piecewise_runner.forward(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    def expert_load_stats(self) -> dict[str, float]:
+        """A MoE model's tokens per expert per step since start, as histogram
+        figures (``layers/moe/load_stats.py``); {} for a dense model. Reads
+        the device's counts once: call it when stats are reported, not per step."""
+        load = getattr(self.model, "expert_load", None)
+        if load is None:
+            return {}
+        if self._expert_load_histogram is None:
+            self._expert_load_histogram = ExpertLoadHistogram()
+        return self._expert_load_histogram.update(*load.read())
 
     def shutdown(self) -> None:
         """Leave the TP group this runner joined (a no-op at tp 1 or for a group passed in)."""

@@ -3,14 +3,15 @@
 Throughput and latency do not depend on weight values, so these named configs
 (used with ``--load-format dummy``) are the standard for speed figures; the
 ``tiny-*`` ones keep CPU tests fast while exercising each architecture's quirks
-(llama3 rope scaling, qwen2 qkv biases, qwen3 q/k norms, tied embeddings).
+(llama3 rope scaling, qwen2 qkv biases, qwen3 q/k norms, tied embeddings,
+mixtures of experts with a dense layer among them).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MixtralConfig, PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -104,6 +105,65 @@ _TABLE: dict[str, tuple[Callable[..., PretrainedConfig], dict[str, Any]]] = {
         "tie_word_embeddings": True,
     }),
 }
+
+# Mixtures of experts (docs/moe.md): the real geometries, and tiny ones (8 experts, top 2).
+_TABLE.update({
+    "qwen3-30b-a3b": (Qwen3MoeConfig, {
+        **_QWEN3_COMMON,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": 2048,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "intermediate_size": 6144,  # dense layers' MLP (none here: mlp_only_layers is empty)
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "tie_word_embeddings": False,
+    }),
+    "mixtral-8x7b": (MixtralConfig, {
+        "architectures": ["MixtralForCausalLM"],
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": 32000,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "dtype": "bfloat16",
+    }),
+    "tiny-qwen3-moe": (Qwen3MoeConfig, {
+        **_TINY_COMMON,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "num_hidden_layers": 3,
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [1],  # a dense layer between two MoE ones
+        "rope_theta": 1_000_000.0,
+        "tie_word_embeddings": True,
+    }),
+    "tiny-mixtral": (MixtralConfig, {
+        **_TINY_COMMON,
+        "architectures": ["MixtralForCausalLM"],
+        "intermediate_size": 32,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "rope_theta": 1_000_000.0,
+        "tie_word_embeddings": False,
+    }),
+})
 
 DUMMY_MODEL_NAMES: tuple[str, ...] = tuple(_TABLE)
 

@@ -25,6 +25,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from radixserve.configs.model_config import ModelConfig
 from radixserve.distributed import TPGroup
+from radixserve.distributed.expert_parallel import MoEParallel
 from radixserve.model_loader.dummy_configs import DUMMY_MODEL_NAMES, dummy_config, is_dummy_name
 from radixserve.model_loader.weight_utils import fill_dummy_weights, iter_safetensors, safetensors_files
 
@@ -32,8 +33,11 @@ from radixserve.model_loader.weight_utils import fill_dummy_weights, iter_safete
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "MixtralForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "gguf", "dummy")
 DTYPES: dict[str, torch.dtype] = {
@@ -174,12 +178,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def get_model(
-    model_config: ModelConfig, device: str | torch.device = "cpu", tp_group: TPGroup | None = None
+    model_config: ModelConfig, device: str | torch.device = "cpu", tp_group: TPGroup | None = None,
+    moe_parallel: MoEParallel | None = None,
 ) -> torch.nn.Module:
     """Build the model on ``device`` in ``model_config.dtype`` and fill its weights.
 
     Parameters are allocated directly on the device, and under tensor
-    parallelism (``tp_group``) only this rank's shard of each. Dummy weights
+    parallelism (``tp_group``) only this rank's shard of each (and under
+    ``moe_parallel``, ``--ep-size``, only its experts). Dummy weights
     are drawn there too (seed 0, the same model at every tp size);
     safetensors weights stream through the model's ``load_weights``, which
     takes HF names and one whole tensor at a time.
@@ -188,7 +194,7 @@ def get_model(
 
     model_cls = ModelRegistry.resolve(model_config.architectures)
     with _default_dtype(model_config.dtype), torch.device(device):
-        model = model_cls(model_config.hf_config, tp_group=tp_group)
+        model = model_cls(model_config.hf_config, tp_group=tp_group, moe_parallel=moe_parallel)
     if model_config.load_format == "dummy":
         fill_dummy_weights(model)
     else:

@@ -10,7 +10,7 @@ slice of the intermediate size, and norms and rotary are replicated.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from radixserve.distributed import TPGroup
+from radixserve.distributed.expert_parallel import MoEParallel
 from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import (
@@ -101,12 +102,14 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self, config: PretrainedConfig, layer_id: int, rotary_emb: RotaryEmbedding, options: AttentionOptions,
-        tp_group: TPGroup,
+        tp_group: TPGroup, mlp: nn.Module | None = None,
     ):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, rotary_emb, options, tp_group)
-        mlp_bias = getattr(config, "mlp_bias", False)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act, mlp_bias, tp_group)
+        if mlp is None:
+            mlp_bias = getattr(config, "mlp_bias", False)
+            mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act, mlp_bias, tp_group)
+        self.mlp = mlp  # a dense MLP, or a mixture of experts (sparse_moe.py): x -> y, complete on every rank
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -141,13 +144,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: AttentionOptions, tp_group: TPGroup):
+    """``mlp_factory(layer_id)``, if given, builds each layer's MLP (None: the dense one)."""
+
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions, tp_group: TPGroup,
+                 mlp_factory: Callable[[int], nn.Module | None] | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group)
         rope_theta, rope_scaling = rope_params_from_config(config)
         self.rotary_emb = get_rope(head_dim_of(config), config.max_position_embeddings, rope_theta, rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb, options, tp_group) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, self.rotary_emb, options, tp_group, mlp_factory and mlp_factory(i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -176,14 +183,18 @@ class LlamaForCausalLM(nn.Module):
     """Decoder-only Llama model taking HF checkpoint names in :meth:`load_weights`.
 
     ``tp_group`` is this rank's tensor-parallel group (default: one rank);
-    the model then holds, and loads, only the rank's shard of each weight."""
+    the model then holds, and loads, only the rank's shard of each weight.
+    ``moe_parallel`` (``--ep-size``, ``--moe-a2a-backend``) concerns the
+    mixture-of-experts subclasses only (``sparse_moe.py``)."""
 
-    def __init__(self, config: PretrainedConfig, tp_group: TPGroup | None = None):
+    def __init__(self, config: PretrainedConfig, tp_group: TPGroup | None = None,
+                 moe_parallel: MoEParallel | None = None):
         super().__init__()
         _check_config(config)
         tp_group = tp_group or TPGroup()
         self.config = config
-        self.model = LlamaModel(config, self.attention_options(config), tp_group)
+        self.model = LlamaModel(config, self.attention_options(config), tp_group,
+                                self.mlp_factory(config, tp_group, moe_parallel))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
@@ -195,6 +206,12 @@ class LlamaForCausalLM(nn.Module):
     def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
         bias = bool(getattr(config, "attention_bias", False))
         return AttentionOptions(qkv_bias=bias, o_bias=bias)
+
+    def mlp_factory(
+        self, config: PretrainedConfig, tp_group: TPGroup, moe_parallel: MoEParallel | None
+    ) -> Callable[[int], nn.Module | None] | None:
+        """What builds each layer's MLP; None: every layer's is dense (:class:`LlamaMLP`)."""
+        return None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
@@ -211,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
         for hf_name, tensor in weights:
             if hf_name.endswith(_IGNORED_SUFFIXES) or (self.tie_word_embeddings and hf_name == "lm_head.weight"):
                 continue
-            name, shard = _param_name(hf_name)
+            name, shard = self.param_name(hf_name)
             if name not in params:
                 raise ValueError(f"{type(self).__name__}: unexpected weight {hf_name!r} in the checkpoint")
             param = params[name]
@@ -220,9 +237,23 @@ class LlamaForCausalLM(nn.Module):
             except ValueError as e:
                 raise ValueError(f"{type(self).__name__}: cannot load {hf_name!r}: {e}") from e
             loaded.add((name, shard))
-        missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in _expected(params) - loaded)
+        missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in self.expected_shards(params) - loaded)
+        missing += self.missing_weights()
         if missing:
             raise ValueError(f"{type(self).__name__}: {len(missing)} weights missing from the checkpoint: {missing[:8]}")
+
+
+    def param_name(self, hf_name: str) -> tuple[str, object]:
+        """The parameter and shard id a checkpoint tensor loads into."""
+        return _param_name(hf_name)
+
+    def expected_shards(self, params: dict[str, nn.Parameter]) -> set[tuple[str, object]]:
+        """Every ``(parameter, shard id)`` a complete checkpoint loads."""
+        return _expected(params)
+
+    def missing_weights(self) -> list[str]:
+        """Checkpoint tensors not loaded that :meth:`expected_shards` does not cover."""
+        return []
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -13,8 +13,11 @@ class ModelRegistry:
     _MODELS = {
         "LlamaForCausalLM": "radixserve.models.llama:LlamaForCausalLM",
         "MistralForCausalLM": "radixserve.models.llama:MistralForCausalLM",
+        "MixtralForCausalLM": "radixserve.models.mixtral:MixtralForCausalLM",
         "Qwen2ForCausalLM": "radixserve.models.qwen2:Qwen2ForCausalLM",
+        "Qwen2MoeForCausalLM": "radixserve.models.qwen2_moe:Qwen2MoeForCausalLM",
         "Qwen3ForCausalLM": "radixserve.models.qwen3:Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM": "radixserve.models.qwen3_moe:Qwen3MoeForCausalLM",
     }
 
     @classmethod

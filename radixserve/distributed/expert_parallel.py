@@ -1,0 +1,88 @@
+"""How a mixture of experts divides over the tensor-parallel ranks (SGLang's
+``--ep-size`` and ``--moe-a2a-backend``; docs/moe.md).
+
+With ``tp_size`` ranks and ``ep_size`` expert-parallel ranks, the TP group is
+``ep_size`` groups of ``moe_tp_size = tp_size // ep_size`` consecutive ranks:
+rank ``r`` holds experts ``ep_rank * E_local .. (ep_rank + 1) * E_local - 1``
+(``ep_rank = r // moe_tp_size``, ``E_local = E / ep_size``), and of each its
+``moe_tp_rank = r % moe_tp_size``-th slice of the intermediate dimension, as
+a dense MLP is sharded. ``ep_size == 1`` shards every expert over all ranks;
+``ep_size == tp_size`` gives each rank whole experts. Attention stays tensor
+parallel either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixserve.distributed.partition import divide
+from radixserve.distributed.tp_group import TPGroup
+
+# SGLang's names. "all_to_all" is radixserve's own: torch.distributed.all_to_all_single.
+MOE_A2A_BACKENDS = ("none", "all_to_all", "deepep", "mooncake")
+UNAVAILABLE_A2A_BACKENDS = {
+    "deepep": "DeepEP's kernels and the NVSHMEM / InfiniBand (IBGDA) RDMA libraries they run on",
+    "mooncake": "Mooncake's EP transfer engine and the RDMA libraries it runs on",
+}
+
+
+def check_expert_parallel(tp_size: int, ep_size: int, a2a_backend: str) -> None:
+    """A ValueError naming the flag when ``--ep-size`` / ``--moe-a2a-backend`` cannot work."""
+    if a2a_backend not in MOE_A2A_BACKENDS:
+        raise ValueError(f"moe_a2a_backend must be one of {', '.join(MOE_A2A_BACKENDS)}; got {a2a_backend!r}")
+    if a2a_backend in UNAVAILABLE_A2A_BACKENDS:
+        raise ValueError(f"moe_a2a_backend {a2a_backend!r} needs {UNAVAILABLE_A2A_BACKENDS[a2a_backend]}, which "
+                         "this build lacks; use --moe-a2a-backend none (all-reduce) or all_to_all")
+    if ep_size < 1:
+        raise ValueError(f"ep_size must be >= 1, got {ep_size}")
+    if ep_size > tp_size or tp_size % ep_size:
+        raise ValueError(f"ep_size {ep_size} must divide tp_size {tp_size}: the expert-parallel ranks are "
+                         "the tensor-parallel ranks (--ep-size <= --tp-size)")
+    if a2a_backend == "all_to_all" and (ep_size == 1 or ep_size != tp_size):
+        raise ValueError(f"moe_a2a_backend all_to_all sends tokens between expert-parallel ranks that each hold "
+                         f"whole experts: it needs --ep-size equal to --tp-size > 1 (got ep_size {ep_size}, "
+                         f"tp_size {tp_size})")
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """The experts one rank holds (see the module docstring)."""
+
+    num_experts: int  # in the model
+    ep_size: int
+    ep_rank: int
+    moe_tp_size: int
+    moe_tp_rank: int
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.ep_size
+
+    @property
+    def first_expert(self) -> int:
+        return self.ep_rank * self.num_local_experts
+
+
+def expert_layout(num_experts: int, tp_size: int = 1, tp_rank: int = 0, ep_size: int = 1) -> ExpertLayout:
+    """Rank ``tp_rank``'s share of ``num_experts``; a ValueError naming the flag when they do not divide."""
+    moe_tp_size = divide(tp_size, ep_size, "tp_size")
+    if num_experts % ep_size:
+        raise ValueError(f"ep_size {ep_size} must divide the model's {num_experts} experts (--ep-size)")
+    return ExpertLayout(num_experts, ep_size, tp_rank // moe_tp_size, moe_tp_size, tp_rank % moe_tp_size)
+
+
+@dataclass(frozen=True)
+class MoEParallel:
+    """What a MoE layer needs to know of the ranks: the TP group (every
+    collective runs in it, since ``all_to_all`` takes ``ep_size == tp_size``),
+    ``--ep-size`` and ``--moe-a2a-backend``."""
+
+    tp_group: TPGroup = TPGroup()
+    ep_size: int = 1
+    a2a_backend: str = "none"
+
+    def __post_init__(self):
+        check_expert_parallel(self.tp_group.size, self.ep_size, self.a2a_backend)
+
+    def layout(self, num_experts: int) -> ExpertLayout:
+        return expert_layout(num_experts, self.tp_group.size, self.tp_group.rank, self.ep_size)
