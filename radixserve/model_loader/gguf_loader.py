@@ -1,7 +1,9 @@
 """GGUF files (llama.cpp) turned into cached HF-style folders.
 
 A ``.gguf`` file is converted once into ``config.json``, ``model.safetensors``
-(float32, every tensor dequantized with ``gguf.quants``), the tokenizer files
+(float32, every tensor dequantized with ``gguf.quants``; a mixture of experts'
+stacked ``ffn_*_exps`` tensors become transformers' ``mlp.experts.gate_up_proj``
+and ``down_proj``), the tokenizer files
 and ``generation_config.json``; afterwards the engine loads it like any HF
 checkpoint. The folder lives under ``$RADIXSERVE_CACHE_DIR`` (default
 ``~/.cache/radixserve``), keyed by the file's absolute path, size and mtime,
@@ -27,7 +29,17 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
-from transformers import GenerationConfig, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    MixtralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
+from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
 from radixserve.cache_dir import CACHE_ENV, cache_root  # noqa: F401  (CACHE_ENV: tests point it elsewhere)
 
@@ -42,7 +54,15 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, type[PretrainedConfig]]] = {
     "llama": ("LlamaForCausalLM", LlamaConfig),
     "qwen2": ("Qwen2ForCausalLM", Qwen2Config),
     "qwen3": ("Qwen3ForCausalLM", Qwen3Config),
+    "qwen2moe": ("Qwen2MoeForCausalLM", Qwen2MoeConfig),
+    "qwen3moe": ("Qwen3MoeForCausalLM", Qwen3MoeConfig),
 }
+# llama.cpp writes Mixtral as a "llama" with {arch}.expert_count and stacked
+# expert tensors; transformers' GGUF support does not cover it, so the names of
+# its two expert fields are ours (transformers' GGUF_CONFIG_MAPPING has Qwen's).
+_MIXTRAL = ("MixtralForCausalLM", MixtralConfig)
+_MIXTRAL_EXPERT_FIELDS = {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"}
+_MOE_MODEL_TYPES = {"mixtral", "qwen2_moe", "qwen3_moe"}
 # llama.cpp's convert_hf_to_gguf.py interleaves the q/k rows of each head (its
 # rotary kernel pairs adjacent dims) only for the llama family; the qwen
 # converters write q/k as HF has them.
@@ -66,6 +86,8 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# llama.cpp's first Mixtral files (before stacked ffn_*_exps): blk.N.ffn_gate.E.weight, one per expert.
+_PER_EXPERT_NAMES = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 # Not weights: llama3 rope factors, folded into config.rope_scaling instead.
 _CONFIG_ONLY_TENSORS = {"rope_freqs.weight"}
 
@@ -77,6 +99,8 @@ def hf_tensor_name(gguf_name: str) -> str:
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
         return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 5 and parts[0] == "blk" and parts[2] in _PER_EXPERT_NAMES and parts[3].isdigit():
+        return f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{_PER_EXPERT_NAMES[parts[2]]}.{parts[4]}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF counterpart")
 
 
@@ -120,10 +144,17 @@ def gguf_architecture(reader: GGUFReader) -> str:
     return arch
 
 
+def _hf_architecture(reader: GGUFReader, arch: str) -> tuple[str, type[PretrainedConfig]]:
+    if arch == "llama" and _field(reader, "llama.expert_count", 0):
+        return _MIXTRAL
+    return GGUF_ARCHITECTURES[arch]
+
+
 def gguf_to_hf_config(reader: GGUFReader) -> PretrainedConfig:
     """Build the HF config of a GGUF model from its metadata and tensor shapes."""
     arch = gguf_architecture(reader)
-    hf_arch, config_cls = GGUF_ARCHITECTURES[arch]
+    hf_arch, config_cls = _hf_architecture(reader, arch)
+    layers = int(_field(reader, f"{arch}.block_count"))
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
@@ -134,7 +165,7 @@ def gguf_to_hf_config(reader: GGUFReader) -> PretrainedConfig:
     return config_cls(
         architectures=[hf_arch],
         hidden_size=hidden,
-        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        num_hidden_layers=layers,
         intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
         num_attention_heads=heads,
         num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
@@ -147,7 +178,40 @@ def gguf_to_hf_config(reader: GGUFReader) -> PretrainedConfig:
         tie_word_embeddings=_tensor(reader, "output.weight") is None,
         dtype="float32",
         **_special_token_ids(reader),
+        **_moe_fields(reader, arch, config_cls.model_type, layers),
     )
+
+
+def _moe_fields(reader: GGUFReader, arch: str, model_type: str, layers: int) -> dict[str, Any]:
+    """The experts' part of a MoE config: counts from the metadata, sizes from the tensors.
+
+    A layer is sparse where the file has its router (``ffn_gate_inp``); the
+    Qwen families' other layers become ``mlp_only_layers`` (llama.cpp itself
+    writes every layer sparse, as their release models are).
+    """
+    if model_type not in _MOE_MODEL_TYPES:
+        return {}
+    names = GGUF_CONFIG_MAPPING.get(model_type, _MIXTRAL_EXPERT_FIELDS)
+    fields: dict[str, Any] = {
+        names[key]: int(_field(reader, f"{arch}.{key}")) for key in ("expert_count", "expert_used_count")
+    }
+    fields.update(GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, {}))  # qwen3moe: llama.cpp's norm_topk_prob
+    sparse = [i for i in range(layers) if _tensor(reader, f"blk.{i}.ffn_gate_inp.weight") is not None]
+    if model_type == "mixtral":  # every layer sparse; the experts' size is feed_forward_length
+        if len(sparse) != layers:
+            raise ValueError(f"GGUF Mixtral has routers in {len(sparse)} of its {layers} layers; it needs all")
+        return fields
+    if not sparse:
+        raise ValueError(f"GGUF {arch} file has no ffn_gate_inp (router) tensors")
+    experts = _tensor(reader, f"blk.{sparse[0]}.ffn_gate_exps.weight")  # GGUF shape (H, I, E)
+    if experts is None:
+        raise ValueError(f"GGUF {arch} file has a router but no stacked ffn_gate_exps in layer {sparse[0]}")
+    fields.update(moe_intermediate_size=int(experts.shape[1]), decoder_sparse_step=1,
+                  mlp_only_layers=[i for i in range(layers) if i not in sparse])
+    if model_type == "qwen2_moe":
+        shared = _tensor(reader, f"blk.{sparse[0]}.ffn_gate_shexp.weight")  # (H, I_shared)
+        fields["shared_expert_intermediate_size"] = 0 if shared is None else int(shared.shape[1])
+    return fields
 
 
 def _special_token_ids(reader: GGUFReader) -> dict[str, Any]:
@@ -212,23 +276,63 @@ def iter_gguf_tensors(reader: GGUFReader, config: PretrainedConfig) -> Iterator[
     """Yield ``(hf_name, float32 array)`` for every weight in the GGUF file.
 
     Quantized blocks are expanded with ``gguf.quants.dequantize``; llama-family
-    q/k rows are put back into HF order.
+    q/k rows are put back into HF order (Mixtral's too: llama.cpp writes it as
+    a llama). A layer's stacked ``ffn_gate_exps`` and ``ffn_up_exps``
+    (``[E, I, H]`` each) come out as one ``gate_up_proj`` ``[E, 2I, H]``.
     """
     arch = gguf_architecture(reader)
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    moe_names, shapes = _moe_tensor_names(config, arch)
+    halves: dict[str, dict[str, np.ndarray]] = {}  # gate_up_proj name -> the half read so far
     for tensor in reader.tensors:
         if tensor.name in _CONFIG_ONLY_TENSORS:
             continue
-        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
-        array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        # F32 tensors come back as read-only views of the memory-mapped file.
-        array = np.ascontiguousarray(array, dtype=np.float32)
-        if not array.flags.writeable:
-            array = array.copy()
+        array = _dequantized(tensor)
         kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
         if arch in _PERMUTED_ARCHITECTURES and kind in heads:
             array = unpermute_rows(array, heads[kind])
-        yield hf_tensor_name(tensor.name), array
+        name = moe_names.get(tensor.name) or moe_names.get(tensor.name.removesuffix(".weight"))
+        name = name or hf_tensor_name(tensor.name)  # the dense layers of a MoE model too
+        if kind in ("ffn_gate_exps", "ffn_up_exps"):
+            pair = halves.setdefault(name, {})
+            pair[kind] = array
+            if len(pair) < 2:
+                continue
+            array = np.concatenate([pair["ffn_gate_exps"], pair["ffn_up_exps"]], axis=1)
+            del halves[name]
+        if name in shapes and array.shape != shapes[name] and array.size == math.prod(shapes[name]):
+            array = array.reshape(shapes[name])  # llama.cpp's 1-D ffn_gate_inp_shexp is HF's [1, H]
+        yield name, array
+    if halves:
+        raise ValueError(f"GGUF file has only one of ffn_gate_exps and ffn_up_exps for {sorted(halves)}")
+
+
+def _dequantized(tensor) -> np.ndarray:
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
+    array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+    # F32 tensors come back as read-only views of the memory-mapped file.
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    return array if array.flags.writeable else array.copy()
+
+
+def _moe_tensor_names(config: PretrainedConfig, arch: str) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
+    """transformers' GGUF -> HF tensor names of a MoE model, and the HF shapes.
+
+    The names come from its ``get_gguf_hf_weights_map`` over the model built on
+    the meta device (gguf-py's name table, reversed); its Qwen2-MoE processor
+    maps both ``ffn_gate_exps`` and ``ffn_up_exps`` to ``gate_up_proj``, a rule
+    that holds for Mixtral's llama layout as well. Neither covers the dense
+    layers of a MoE model, which ``hf_tensor_name`` names.
+    """
+    if config.model_type not in _MOE_MODEL_TYPES:
+        return {}, {}
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import Qwen2MoeTensorProcessor, get_gguf_hf_weights_map
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    return get_gguf_hf_weights_map(model, Qwen2MoeTensorProcessor(), model_type=arch), shapes
 
 
 # --- conversion and cache ------------------------------------------------------
