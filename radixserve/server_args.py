@@ -125,6 +125,10 @@ class ServerArgs:
     piecewise_cuda_graph_tokens: str | None = field(default=None, metadata={
         "help": "the token counts to capture piecewise CUDA graphs for, a JSON list "
                 "(default: steps up to --piecewise-cuda-graph-max-tokens)"})
+    enable_prefix_grouped_decode: bool = field(default=False, metadata={
+        "help": "decode attention reads a prefix that running requests share in the radix cache once per group "
+                "and merges it with each request's own suffix (cascade attention; torch_native backend only "
+                "so far, docs/prefix_grouped_decode.md)"})
     enable_mixed_chunk: bool = field(default=False, metadata={
         "help": "let the running requests decode inside a prefill batch instead of waiting for it"})
     mixed_chunk_min_size: int = field(default=0, metadata={
@@ -264,6 +268,9 @@ class ServerArgs:
         if self.mixed_chunk_min_size < 0 or (self.mixed_chunk_min_size and not self.enable_mixed_chunk):
             raise ValueError(f"mixed_chunk_min_size must be >= 0 and needs --enable-mixed-chunk, "
                              f"got {self.mixed_chunk_min_size}")
+        if self.enable_prefix_grouped_decode and self.resolved_attention_backend() != "torch_native":
+            raise ValueError("enable_prefix_grouped_decode: only the torch_native attention backend has a grouped "
+                             f"decode so far (its Triton kernel is not written), got {self.resolved_attention_backend()}")
         if self.enable_memory_saver:  # the KV side of the memory saver is the elastic pool
             self.enable_elastic_kv = True
         if not self.elastic_kv_page_mb > 0 or (self.elastic_kv_max_gb is not None and not self.elastic_kv_max_gb > 0):

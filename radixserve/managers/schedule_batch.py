@@ -13,7 +13,7 @@ import torch
 
 from radixserve.mem_cache.allocator import page_aligned
 from radixserve.mem_cache.base_prefix_cache import EMPTY_SLOTS
-from radixserve.model_executor.forward_batch_info import ForwardMode, ragged_arange
+from radixserve.model_executor.forward_batch_info import ForwardMode, PrefixGroupTable, ragged_arange
 from radixserve.sampling import stop_regex
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 
@@ -38,6 +38,7 @@ class ModelWorkerBatch:
     sampling_info: SamplingBatchInfo | None = None
     vocab_mask: torch.Tensor | None = None  # [bs, ceil(vocab / 32)] int32 bitmask of allowed tokens (structured output)
     num_decoding: int = 0  # extend: the last n requests decode one token each, their input ids read on the device
+    prefix_groups: PrefixGroupTable | None = None  # decode: requests sharing a cached prefix (prefix_groups.py)
 
     @property
     def batch_size(self) -> int:
@@ -291,6 +292,7 @@ class ScheduleBatch:
         self.out_cache_loc: torch.Tensor | None = None
         self.seq_lens: list[int] = []
         self.decoding_reqs: list[Req] = []  # running requests decoding inside this extend (mix_with_running)
+        self.prefix_grouper = None  # the running batch's, with --enable-prefix-grouped-decode (prefix_groups.py)
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -393,8 +395,9 @@ class ScheduleBatch:
         rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         seq = torch.tensor(self.seq_lens, dtype=torch.int64)
         if self.forward_mode == ForwardMode.DECODE:
+            groups = None if self.prefix_grouper is None else self.prefix_grouper.table(reqs)
             return ModelWorkerBatch(ForwardMode.DECODE, None, rows, seq, self.out_cache_loc, self.seq_lens,
-                                    sampling_info=sampling_info)
+                                    sampling_info=sampling_info, prefix_groups=groups)
         input_ids, prefix, ext = [], [], []
         for r in reqs:
             prefix.append(r.kv_end)

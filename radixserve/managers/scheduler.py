@@ -20,6 +20,7 @@ from radixserve.managers.disagg_decode import DecodeDisaggregation
 from radixserve.managers.disagg_prefill import PrefillDisaggregation
 from radixserve.managers.disagg_queues import DisaggregationRole
 from radixserve.managers.grammar_queue import GrammarQueue
+from radixserve.managers.prefix_groups import PrefixGrouper
 from radixserve.managers.profiler import phase
 from radixserve.managers.schedule_batch import KVPools, Req, ScheduleBatch
 from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy, mixed_step_budget
@@ -100,6 +101,8 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
         # waiting for their grammar to compile
         self.grammar_queue = GrammarQueue(tokenizer, self.vocab_size, server_args.grammar_cache_max_mb << 20)
         self.running_batch = ScheduleBatch([], ForwardMode.DECODE, self.pools, self.vocab_size)
+        if server_args.enable_prefix_grouped_decode:  # docs/prefix_grouped_decode.md
+            self.running_batch.prefix_grouper = PrefixGrouper(self.page_size)
         self.chunked_req: Req | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.decode_sampling = DecodeSamplingState(self.vocab_size, self.device)

@@ -45,6 +45,36 @@ class AttentionBackendProtocol(Protocol):
 
 
 @dataclass
+class PrefixGroupTable:
+    """Which requests of a decode batch share a cached prefix (docs/prefix_grouped_decode.md).
+
+    Group ``g`` is the batch rows ``members[member_starts[g]:member_starts[g + 1]]``;
+    its shared prefix is the KV slots ``req_to_token[prefix_rows[g], :prefix_lens[g]]``
+    (every member's row holds the same slots there). Each request's own suffix
+    is positions ``suffix_starts[i] .. seq_len - 1``: ``prefix_lens`` of its
+    group, 0 for a request in no group. The ``*_cpu`` lists are the same
+    numbers for host-side loops; the tensors are what a kernel takes.
+    """
+
+    prefix_rows: torch.Tensor  # [G] int64, a member's req_to_token row
+    prefix_lens: torch.Tensor  # [G] int64, each >= one page
+    member_starts: torch.Tensor  # [G + 1] int64
+    members: torch.Tensor  # [M] int64, batch rows
+    suffix_starts: torch.Tensor  # [bs] int64
+    prefix_lens_cpu: list[int]
+    members_cpu: list[list[int]]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.prefix_lens_cpu)
+
+    def to(self, device: torch.device | str) -> "PrefixGroupTable":
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return PrefixGroupTable(move(self.prefix_rows), move(self.prefix_lens), move(self.member_starts),
+                                move(self.members), move(self.suffix_starts), self.prefix_lens_cpu, self.members_cpu)
+
+
+@dataclass
 class ForwardBatch:
     """Device tensors for one forward; built by the ModelRunner from a ModelWorkerBatch."""
 
@@ -77,6 +107,10 @@ class ForwardBatch:
     extend_logprob_start_lens_cpu: list[int] | None = None
     top_logprobs_nums: list[int] | None = None
     token_ids_logprobs: list[list[int] | None] | None = None
+
+    # DECODE with --enable-prefix-grouped-decode: the running requests that
+    # share a cached prefix (managers/prefix_groups.py); None: attend as usual.
+    prefix_groups: PrefixGroupTable | None = None
 
     # Backend-private metadata, filled by attn_backend.init_forward_metadata().
     attn_metadata: Any = None

@@ -276,6 +276,7 @@ class ModelRunner:
             top_logprobs_nums=batch.top_logprobs_nums,
             token_ids_logprobs=batch.token_ids_logprobs,
             num_decoding=batch.num_decoding,
+            prefix_groups=None if batch.prefix_groups is None else batch.prefix_groups.to(dev),
             **extend,
         )
 

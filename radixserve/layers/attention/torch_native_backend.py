@@ -15,6 +15,8 @@ scattered over the pool in any page layout.
   steps: a fresh multi-MB tensor per gather costs page faults that made the
   gather 2x slower. The query heads that share a KV head are folded into the
   query-length axis, ``q: [bs, kv_heads, group, d]``, so GQA needs no copy of K/V.
+- DECODE with prefix groups (``--enable-prefix-grouped-decode``): the
+  cascade of ``cascade_decode.py``, each shared prefix read once per group.
 - EXTEND: one SDPA per request. Measured on 2 CPU cores (16 requests of
   100-1000 new tokens, SmolLM2 head shapes), this is 2-3x faster than one
   padded batched SDPA, which wastes work on padding and cannot use the causal
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 
 from radixserve.layers.attention import cpu_kernels
 from radixserve.layers.attention.base import AttentionBackend
+from radixserve.layers.attention.cascade_decode import grouped_decode_attention
 from radixserve.mem_cache.memory_pool import to_kv_dtype
 
 if TYPE_CHECKING:
@@ -76,6 +79,8 @@ class TorchNativeAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         if not forward_batch.forward_mode.is_decode():
             forward_batch.attn_metadata = _extend_metadata(forward_batch)
+        elif forward_batch.prefix_groups is not None:  # cascade_decode.py reads the table itself
+            forward_batch.attn_metadata = None
         elif self._kernel_decodes(forward_batch):
             forward_batch.attn_metadata = DecodeMetadata(None, None, max(forward_batch.seq_lens_cpu))
         else:
@@ -87,6 +92,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         k, v = k.view(-1, kv_heads, d), v.view(-1, kv_heads, d)
         if save_kv_cache:
             forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        if forward_batch.prefix_groups is not None:
+            return self._forward_grouped_decode(q, k, v, layer, forward_batch, save_kv_cache)
         if md.kv_slots is None and save_kv_cache:  # the C kernel, straight from the pool (new token included)
             k_buf, v_buf = _kv(layer, forward_batch)
             return cpu_kernels.decode_attention(
@@ -107,6 +114,18 @@ class TorchNativeAttnBackend(AttentionBackend):
             q, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype), attn_mask=md.mask, scale=layer.scaling
         )
         return out.reshape(bs, layer.num_heads * d)
+
+    def _forward_grouped_decode(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch",
+                                save_kv_cache: bool) -> torch.Tensor:
+        """Decode with ``forward_batch.prefix_groups``: each shared prefix read
+        once per group (``cascade_decode.py``)."""
+        k_buf, v_buf = _kv(layer, forward_batch)
+        fb = forward_batch
+        return grouped_decode_attention(
+            q.reshape(fb.batch_size, -1), k_buf, v_buf, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
+            fb.seq_lens, fb.seq_lens_cpu, fb.prefix_groups, layer.num_heads, layer.scaling,
+            new_kv=None if save_kv_cache else (k, v),
+        )
 
     def forward_extend(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache=True):
         kv_heads, d = layer.num_kv_heads, layer.head_dim
