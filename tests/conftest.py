@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from server_harness import ServerProcess
+from server_harness import ONE_THREAD, ServerProcess
 from test_grammar_limits import CACHE_MB, COMPILE_MB
 
 SHARED_SERVERS = ("smollm2_keyed", "smollm2_open")
@@ -18,7 +18,7 @@ _RUNNING = pytest.StashKey[dict]()  # shared server fixture -> its ServerProcess
 
 
 def _serve(request, *args: str, **kwargs):
-    srv = ServerProcess(*args, **kwargs)
+    srv = ServerProcess(*args, env=ONE_THREAD, **kwargs)  # no check depends on the number of threads
     request.config.stash.setdefault(_RUNNING, {})[request.fixturename] = srv
     yield srv
     assert srv.stop() == 0, "SIGTERM shuts the server down cleanly"

@@ -13,6 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 
+# One torch thread in a server's scheduler: on a small CPU host the test's
+# client and the server's tokenizer and detokenizer processes use the same
+# cores, and an op spread over torch's threads waits for whichever of them is
+# descheduled (on 2 cores this made a server's steps several times slower).
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -114,12 +121,16 @@ def terminate(proc: subprocess.Popen, timeout: float = 30) -> int:
     return proc.returncode
 
 
-def start_all(*arg_lists: tuple[str, ...], env: dict | None = None) -> list[ServerProcess]:
+def start_all(*arg_lists: tuple[str, ...], env: dict | None = None,
+              envs: list[dict | None] | None = None) -> list[ServerProcess]:
     """One server per argument list, started side by side (start-up is mostly
-    loading, so this takes about as long as one). If one fails to start, the
-    others are stopped before the error propagates."""
+    loading, so this takes about as long as one), each with ``env`` or its own
+    of ``envs``. If one fails to start, the others are stopped before the
+    error propagates."""
+    envs = [env] * len(arg_lists) if envs is None else envs
+    assert len(envs) == len(arg_lists)
     with ThreadPoolExecutor(max(len(arg_lists), 1)) as pool:
-        futures = [pool.submit(ServerProcess, *args, env=env) for args in arg_lists]
+        futures = [pool.submit(ServerProcess, *args, env=e) for args, e in zip(arg_lists, envs)]
     started = [f.result() for f in futures if f.exception() is None]
     failed = [f.exception() for f in futures if f.exception() is not None]
     if failed:

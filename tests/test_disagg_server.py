@@ -29,7 +29,7 @@ from disagg_server_harness import (
 )
 from radixserve.managers.io_struct import MAX_TOP_LOGPROBS
 from radixserve.managers.scheduler import OVERLAP_ON_CPU_ENV
-from server_harness import ServerProcess, free_port
+from server_harness import free_port, start_all
 
 pytestmark = pytest.mark.slow
 # the limits a transfer whose other half never comes runs into (SGLang's variables)
@@ -47,9 +47,9 @@ def servers():
     bootstrap_port = free_port()
     started = {}
     try:
-        started["prefill"] = ServerProcess(*model_args(), *prefill_args(bootstrap_port), env=PAIR_ENV)
-        started["decode"] = ServerProcess(*model_args(), *DECODE_ARGS, env=PAIR_ENV)
-        started["colocated"] = ServerProcess(*model_args(), env={"OMP_NUM_THREADS": "1"})
+        started["prefill"], started["decode"], started["colocated"] = start_all(  # side by side
+            model_args() + prefill_args(bootstrap_port), model_args() + DECODE_ARGS, model_args(),
+            envs=[PAIR_ENV, PAIR_ENV, {"OMP_NUM_THREADS": "1"}])
         started["bootstrap_port"] = bootstrap_port
         started["pair"] = PDPair(started["prefill"], started["decode"], bootstrap_port)
         yield started
@@ -94,8 +94,8 @@ def test_pair_with_the_hierarchical_cache_on_both_servers(servers):
     bootstrap_port = free_port()
     started = {}
     try:
-        started["prefill"] = ServerProcess(*model_args(256), *tiers, *prefill_args(bootstrap_port), env=PAIR_ENV)
-        started["decode"] = ServerProcess(*model_args(256), *tiers, *DECODE_ARGS, env=PAIR_ENV)
+        started["prefill"], started["decode"] = start_all(  # side by side
+            model_args(256) + tiers + prefill_args(bootstrap_port), model_args(256) + tiers + DECODE_ARGS, env=PAIR_ENV)
         pair = PDPair(started["prefill"], started["decode"], bootstrap_port)
         for ids in prompts:
             expected = generate(servers["colocated"].url, {"input_ids": ids, "sampling_params": GREEDY}).json()
