@@ -68,13 +68,13 @@ class RefusingArena(CpuArena):
     def physical_free(self) -> int:
         return 0 if self.full else 1 << 40
 
-    def _map_page(self, page: int) -> bool:
+    def _map_run(self, first: int, count: int) -> bool:
         self._lag()
-        return not self.full and super()._map_page(page)
+        return not self.full and super()._map_run(first, count)
 
-    def _unmap_page(self, page: int) -> None:
+    def _unmap_runs(self, runs: list[tuple[int, int]]) -> None:
         self._lag()
-        super()._unmap_page(page)
+        super()._unmap_runs(runs)
 
     def _lag(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -188,7 +188,11 @@ def test_the_mapper_never_hands_out_a_page_it_is_still_giving_back():
     arena.lag = 0.05
     mapper = PageMapper(arena, background=True)
     try:
-        mapper.map_ahead([1, 2, 3])
+        mapper.map_ahead([1])
+        deadline = time.monotonic() + 10
+        while 1 not in mapper._busy and not arena.is_mapped(1) and time.monotonic() < deadline:  # on page 1
+            time.sleep(0.001)
+        mapper.map_ahead([2, 3])
         assert mapper.map_now(3) and arena.is_mapped(3)  # at once, not after 1 and 2
         mapper.drain()
         assert arena.stats.maps == 3 and mapper.now_maps == 1
@@ -222,10 +226,10 @@ def test_a_busy_pool_looks_for_empty_pages_once_in_look_steps_calls():
 
 def test_a_mapper_thread_that_fails_makes_the_next_call_fail():
     class Broken(CpuArena):
-        def _map_page(self, page):
+        def _map_run(self, first, count):
             if threading.current_thread() is not threading.main_thread():
                 raise OSError("the device went away")
-            return super()._map_page(page)
+            return super()._map_run(first, count)
 
     mapper = PageMapper(Broken([4096], 4), background=True)
     mapper.map_ahead([1])
@@ -365,14 +369,14 @@ def test_retraction_in_a_small_elastic_pool_gives_the_same_tokens():
 def test_refused_maps_queue_requests_instead_of_failing(reference, monkeypatch):
     """The machine refuses every other map for a while: allocations fail like
     a full pool, requests wait or are retracted, and all finish as without it."""
-    original = CpuArena._map_page
+    original = CpuArena._map_run
     calls = {"n": 0}
 
-    def flaky(self, page):
+    def flaky(self, first, count):
         calls["n"] += 1
-        return calls["n"] % 2 == 1 and original(self, page)
+        return calls["n"] % 2 == 1 and original(self, first, count)
 
-    monkeypatch.setattr(CpuArena, "_map_page", flaky)
+    monkeypatch.setattr(CpuArena, "_map_run", flaky)
     out, stats = _outputs(chunked_prefill_size=16, max_total_tokens=4096, max_running_requests=8, **ELASTIC)
     assert out == reference and stats["elastic_kv_failed_maps"] > 0
 

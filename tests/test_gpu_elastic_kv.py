@@ -49,6 +49,78 @@ def test_cuda_pages_map_read_write_and_return_their_memory():
         arena.close()
 
 
+def _device_free() -> int:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # what torch's own allocator keeps does not count
+    return torch.cuda.mem_get_info()[0]
+
+
+@pytest.mark.parametrize("spans", ["probed", "off", "forced"])
+def test_cuda_runs_of_pages_map_zeroed_and_unmap_at_once(spans):
+    """``map_many`` / ``unmap_many`` over runs of adjacent pages (and a gap):
+    the memory is taken and given back whole, pages come back zeroed, the
+    stats count pages; with the driver's range calls as probed, off, or
+    forced on (a range call the driver refuses falls back to one a page)."""
+    from radixserve.mem_cache.virtual_memory import CudaArena
+
+    arena = CudaArena([2 * MB, 4 * MB], 64, torch.device("cuda"))
+    try:
+        assert isinstance(arena.span_access, bool) and isinstance(arena.span_unmap, bool)
+        if spans != "probed":
+            arena.span_access = arena.span_unmap = spans == "forced"
+        free_before = _device_free()
+        pages = [*range(0, 24), *range(30, 38)]
+        assert arena.map_many(pages) == 32 and arena.stats.maps == 32
+        assert free_before - _device_free() >= 32 * 6 * MB
+        k, v = arena.tensors
+        for p in pages:
+            assert int(k[p * 2 * MB: (p + 1) * 2 * MB].count_nonzero()) == 0
+        k[: 24 * 2 * MB].fill_(3)
+        v[30 * 4 * MB: 38 * 4 * MB].fill_(4)
+        arena.unmap_many(range(0, 24))  # the fill may still run: unmap_many waits for the device
+        assert arena.stats.unmaps == 24 and arena.stats.mapped == set(range(30, 38))
+        assert int((v[30 * 4 * MB: 38 * 4 * MB] == 4).sum()) == 8 * 4 * MB
+        arena.unmap_many(range(64))
+        assert _device_free() - free_before >= -4 * MB  # all of it went back
+        assert arena.map_many(range(0, 8)) == 8
+        assert int(k[: 8 * 2 * MB].count_nonzero()) == 0  # mapped again, zeroed again
+    finally:
+        arena.close()
+
+
+def test_a_cuda_run_refused_half_way_leaves_nothing_mapped_or_held():
+    """The driver runs out of memory in the middle of a run (the second
+    buffer's third page): every mapping made is undone, every allocation
+    freed (the device's free memory is as before), and the pages map later."""
+    from radixserve.mem_cache.virtual_memory import CudaArena
+
+    class RunsOut:
+        def __init__(self, driver, creates: int):
+            self._driver, self.creates = driver, creates
+
+        def __getattr__(self, name):
+            return getattr(self._driver, name)
+
+        def cuMemCreate(self, *args):
+            self.creates -= 1
+            if self.creates < 0:
+                return self._driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY, None
+            return self._driver.cuMemCreate(*args)
+
+    arena = CudaArena([2 * MB] * 4, 16, torch.device("cuda"))
+    try:
+        driver = arena._driver
+        free_before = _device_free()
+        arena._driver = RunsOut(driver, 6)
+        assert arena.map_many([0, 1, 2, 3]) == 0
+        assert arena.stats.mapped == set() and arena.stats.failed_maps == 4
+        assert abs(_device_free() - free_before) < 4 * MB  # 12 MB had been mapped half way
+        arena._driver = driver
+        assert arena.map_many([0, 1, 2, 3]) == 4  # nothing left mapped in the way
+    finally:
+        arena.close()
+
+
 def test_the_mapper_thread_maps_zeroed_pages_and_gives_them_back():
     """Pages mapped ahead on the mapper's thread (its own stream) are zeroed
     before they count as mapped, work in kernels on the default stream, and
@@ -124,13 +196,13 @@ def test_refused_maps_queue_requests_on_the_gpu(monkeypatch):
     from radixserve.mem_cache.virtual_memory import CudaArena
 
     static, _ = _greedy()
-    original, calls = CudaArena._map_page, {"n": 0}
+    original, calls = CudaArena._map_run, {"n": 0}
 
-    def flaky(self, page):
+    def flaky(self, first, count):
         calls["n"] += 1
-        return calls["n"] % 2 == 1 and original(self, page)  # the first (the dummy page's) maps
+        return calls["n"] % 2 == 1 and original(self, first, count)  # the first (the dummy page's) maps
 
-    monkeypatch.setattr(CudaArena, "_map_page", flaky)
+    monkeypatch.setattr(CudaArena, "_map_run", flaky)
     elastic, stats = _greedy(enable_elastic_kv=True, elastic_kv_page_mb=2)
     assert elastic == static and stats["elastic_kv_failed_maps"] > 0
 

@@ -12,8 +12,15 @@ the scheduler's. The allocator takes a page mapped ahead with
 :meth:`map_now`, which costs nothing when the thread got there first and
 maps on the spot otherwise (a step that outruns the reserve).
 
+The thread takes the queue in batches: the maps (or the unmaps) asked one
+after another, up to ``map_batch`` (``unmap_batch``) pages, go to the arena
+in one :meth:`~VirtualArena.map_many` (``unmap_many``) call, so a run of
+pages costs one look at the device's free memory, one memset per buffer and
+one wait for the zeroing, and an unmap of many pages one device sync. A map
+and an unmap are never in one batch, and batches keep the order asked.
+
 Only the allocator's thread calls the public methods; the arena is touched
-by at most one thread per page at a time (``_busy``, the page the thread is
+by at most one thread per page at a time (``_busy``, the pages the thread is
 working on outside the lock).
 """
 
@@ -28,16 +35,25 @@ from radixserve.mem_cache.virtual_memory import VirtualArena
 
 logger = logging.getLogger(__name__)
 
+# Pages one call maps: a step that needs a page of a batch the thread is on
+# waits for the whole batch (on CUDA a few ms a page), so maps go in short runs.
+MAP_BATCH = 8
+UNMAP_BATCH = 256  # a step waits for an unmap only to take the same page back, which waits for it anyway
+
 
 class PageMapper:
     """Runs ``arena.map`` ahead of need and ``arena.unmap`` after the device
     is done, in the order asked (see the module docstring)."""
 
-    def __init__(self, arena: VirtualArena, background: bool = True):
+    def __init__(self, arena: VirtualArena, background: bool = True, map_batch: int = MAP_BATCH,
+                 unmap_batch: int = UNMAP_BATCH):
+        if map_batch < 1 or unmap_batch < 1:
+            raise ValueError(f"mapper batches of at least one page: {map_batch}, {unmap_batch}")
         self.arena = arena
+        self.map_batch, self.unmap_batch = map_batch, unmap_batch
         self._cond = threading.Condition()
         self._queue: deque[tuple[bool, int]] = deque()  # (map?, page), in the order asked
-        self._busy: int | None = None  # the page the thread is mapping or unmapping now
+        self._busy: frozenset[int] = frozenset()  # the pages the thread is mapping or unmapping now
         self._closed = False
         self.error: BaseException | None = None  # what stopped the thread (raised at the next call)
         self.now_maps = 0  # maps the caller waited for: the reserve ran short
@@ -63,7 +79,7 @@ class PageMapper:
         with self._cond:
             self._raise()
             self._queue = deque(op for op in self._queue if op != (True, page))  # done here instead
-            while self._busy == page or (False, page) in self._queue:
+            while page in self._busy or (False, page) in self._queue:
                 self._cond.wait()
                 self._raise()
             if self.arena.is_mapped(page):
@@ -76,12 +92,12 @@ class PageMapper:
     def pending(self) -> int:
         """Maps and unmaps asked for and not done yet."""
         with self._cond:
-            return len(self._queue) + (self._busy is not None)
+            return len(self._queue) + len(self._busy)
 
     def drain(self) -> None:
         """Wait until everything asked for is done."""
         with self._cond:
-            while self._queue or self._busy is not None:
+            while self._queue or self._busy:
                 self._raise()
                 self._cond.wait()
             self._raise()
@@ -99,20 +115,30 @@ class PageMapper:
         if not ops:
             return
         if self._thread is None:
-            for op in ops:
-                self._do(*op)
+            queue = deque(ops)
+            while queue:
+                self._do(*self._take(queue))
             return
         with self._cond:
             self._raise()
             self._queue.extend(ops)
             self._cond.notify_all()
 
-    def _do(self, map_: bool, page: int) -> None:
+    def _take(self, queue: deque[tuple[bool, int]]) -> tuple[bool, list[int]]:
+        """The next batch off ``queue``: its first op and the ops of the same
+        kind that follow it, up to the batch's size."""
+        map_, page = queue.popleft()
+        pages, limit = [page], self.map_batch if map_ else self.unmap_batch
+        while queue and queue[0][0] == map_ and len(pages) < limit:
+            pages.append(queue.popleft()[1])
+        return map_, pages
+
+    def _do(self, map_: bool, pages: list[int]) -> None:
         if map_:
-            if self.arena.map(page):
-                self.arena.settle()  # zeroed before anyone takes it
+            if self.arena.map_many(pages):
+                self.arena.settle()  # zeroed before anyone takes them
         else:
-            self.arena.unmap(page)  # waits for the device first
+            self.arena.unmap_many(pages)  # waits for the device first
 
     def _run(self) -> None:
         error = self._attempt(self.arena.enter_thread)
@@ -122,11 +148,11 @@ class PageMapper:
                     self._cond.wait()
                 if not self._queue:
                     return
-                op = self._queue.popleft()
-                self._busy = op[1]
-            error = self._attempt(self._do, *op)
+                map_, pages = self._take(self._queue)
+                self._busy = frozenset(pages)
+            error = self._attempt(self._do, map_, pages)
             with self._cond:  # the failure and the end of the work seen together
-                self._busy = None
+                self._busy = frozenset()
                 self.error = error
                 self._cond.notify_all()
         with self._cond:

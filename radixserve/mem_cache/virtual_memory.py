@@ -16,11 +16,21 @@ address).
   the kernel to fault the page in at once where it can (``MADV_POPULATE_WRITE``),
   and fails when the machine's available memory would fall below a margin.
 - :class:`CudaArena`: the driver's virtual memory API through cuda-python
-  (``cuMemAddressReserve`` once per buffer; per page ``cuMemCreate``,
-  ``cuMemMap``, ``cuMemSetAccess``, and ``cuMemUnmap`` / ``cuMemRelease`` to
-  give it back), exposed to torch through ``__cuda_array_interface__``. A
-  ``cuMemCreate`` that finds no memory (another process took it) fails the
-  map, never a kernel. A page is zeroed when mapped.
+  (``cuMemAddressReserve`` once per buffer; per page and buffer
+  ``cuMemCreate``, ``cuMemMap`` and at once ``cuMemRelease`` (the mapping
+  keeps the memory until it is unmapped), then ``cuMemSetAccess``; one
+  ``cuMemUnmap`` gives it back), exposed to torch through
+  ``__cuda_array_interface__``. A ``cuMemCreate`` that finds no memory
+  (another process took it) fails the map, never a kernel. A page is zeroed
+  when mapped.
+
+:meth:`VirtualArena.map_many` and :meth:`VirtualArena.unmap_many` take
+several pages at once and work in runs of adjacent pages: on CUDA one look
+at the device's free memory and one memset per buffer for a run, and one
+device sync for all the pages an unmap gives back; where the driver takes a
+range over several adjacent mappings (probed once per arena), one
+``cuMemSetAccess`` and one ``cuMemUnmap`` per buffer and run. On a CPU one
+``madvise`` per buffer and run. The stats count pages either way.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -43,9 +54,22 @@ CPU_MIN_AVAILABLE = 512 << 20  # a CPU map fails rather than leave the machine l
 FREE_LOOK_S = 0.05  # a CUDA arena asks the driver for free memory at most this often between maps
 
 
+def page_runs(pages: Iterable[int]) -> list[tuple[int, int]]:
+    """``pages`` (any order, repeats ignored) as runs of adjacent pages,
+    ``(first, count)``, lowest first."""
+    runs: list[list[int]] = []
+    for page in sorted(set(pages)):
+        if runs and runs[-1][0] + runs[-1][1] == page:
+            runs[-1][1] += 1
+        else:
+            runs.append([page, 1])
+    return [(first, count) for first, count in runs]
+
+
 @dataclass
 class ArenaStats:
-    """Map and unmap calls (pages of the arena) and the seconds they took."""
+    """Pages of the arena mapped and unmapped (and refused), and the seconds
+    the calls took; a call over several pages counts each of them."""
 
     maps: int = 0
     unmaps: int = 0
@@ -57,7 +81,7 @@ class ArenaStats:
 
 class VirtualArena(abc.ABC):
     """Buffers of ``num_pages`` pages each (see the module docstring).
-    Subclasses give the physical side: ``_map_page`` and ``_unmap_page``."""
+    Subclasses give the physical side: ``_map_run`` and ``_unmap_runs``."""
 
     def __init__(self, page_bytes: list[int], num_pages: int):
         self.page_bytes = list(page_bytes)
@@ -88,33 +112,40 @@ class VirtualArena(abc.ABC):
     def map(self, page: int) -> bool:
         """Back page ``page`` of every buffer with memory; False (nothing
         mapped) when there is none to be had."""
-        if page in self.stats.mapped:
-            return True
-        start = time.perf_counter()
-        ok = self._map_page(page)
-        with self._stats_lock:
-            self.stats.map_s += time.perf_counter() - start
-            if ok:
-                self.stats.maps += 1
-                self.stats.mapped.add(page)
-            else:
-                self.stats.failed_maps += 1
-        return ok
+        return self.map_many([page]) == 1
+
+    def map_many(self, pages: Iterable[int]) -> int:
+        """Map ``pages``, each run of adjacent ones at once; how many of them
+        are mapped when this returns. A run refused whole is tried again page
+        by page, so as many pages map as one :meth:`map` each would map, and
+        a refused page maps in no buffer."""
+        pages = set(pages)
+        for first, count in page_runs(p for p in pages if p not in self.stats.mapped):
+            if not self._timed_map(first, count) and count > 1:
+                for page in range(first, first + count):
+                    self._timed_map(page, 1)
+        return sum(p in self.stats.mapped for p in pages)
 
     def unmap(self, page: int) -> None:
         """Give page ``page`` of every buffer back; its contents are lost."""
-        if page not in self.stats.mapped:
+        self.unmap_many([page])
+
+    def unmap_many(self, pages: Iterable[int]) -> None:
+        """Give ``pages`` back (those that are mapped); on CUDA after one wait
+        for the device, however many they are."""
+        runs = page_runs(p for p in pages if p in self.stats.mapped)
+        if not runs:
             return
         start = time.perf_counter()
-        self._unmap_page(page)
+        self._unmap_runs(runs)
         with self._stats_lock:
             self.stats.unmap_s += time.perf_counter() - start
-            self.stats.unmaps += 1
-            self.stats.mapped.discard(page)
+            for first, count in runs:
+                self.stats.unmaps += count
+                self.stats.mapped.difference_update(range(first, first + count))
 
     def close(self) -> None:
-        for page in sorted(self.stats.mapped):
-            self.unmap(page)
+        self.unmap_many(list(self.stats.mapped))
 
     def enter_thread(self) -> None:
         """Make the calling (background) thread able to map and unmap."""
@@ -123,13 +154,26 @@ class VirtualArena(abc.ABC):
         """Wait until the pages this thread mapped are ready for any stream
         (on CUDA, zeroed); a map in the scheduler's thread needs no wait."""
 
-    @abc.abstractmethod
-    def _map_page(self, page: int) -> bool:
-        """Map ``page`` of every buffer, or map none of them and return False."""
+    def _timed_map(self, first: int, count: int) -> bool:
+        start = time.perf_counter()
+        ok = self._map_run(first, count)
+        with self._stats_lock:
+            self.stats.map_s += time.perf_counter() - start
+            if ok:
+                self.stats.maps += count
+                self.stats.mapped.update(range(first, first + count))
+            elif count == 1:  # a longer run refused is tried again page by page, which counts the refusals
+                self.stats.failed_maps += 1
+        return ok
 
     @abc.abstractmethod
-    def _unmap_page(self, page: int) -> None:
-        """Unmap ``page`` of every buffer."""
+    def _map_run(self, first: int, count: int) -> bool:
+        """Map pages ``first .. first + count - 1`` of every buffer, or map
+        none of them and return False."""
+
+    @abc.abstractmethod
+    def _unmap_runs(self, runs: list[tuple[int, int]]) -> None:
+        """Unmap the pages of ``runs`` (``(first, count)``, all mapped) of every buffer."""
 
 
 def granularity(device: torch.device) -> int:
@@ -180,20 +224,21 @@ class CpuArena(VirtualArena):
     def physical_free(self) -> int:
         return max(available_ram() - CPU_MIN_AVAILABLE, 0)
 
-    def _map_page(self, page: int) -> bool:
-        if self.physical_free() < self.bytes_per_page:
+    def _map_run(self, first: int, count: int) -> bool:
+        if self.physical_free() < count * self.bytes_per_page:
             return False
         if self._populate:
             try:
                 for m, b in zip(self._maps, self.page_bytes):
-                    m.madvise(MADV_POPULATE_WRITE, page * b, b)
-            except OSError:  # an older kernel: the page faults in when first written
+                    m.madvise(MADV_POPULATE_WRITE, first * b, count * b)
+            except OSError:  # an older kernel: the pages fault in when first written
                 self._populate = False
         return True
 
-    def _unmap_page(self, page: int) -> None:
-        for m, b in zip(self._maps, self.page_bytes):
-            m.madvise(mmap.MADV_DONTNEED, page * b, b)
+    def _unmap_runs(self, runs: list[tuple[int, int]]) -> None:
+        for first, count in runs:
+            for m, b in zip(self._maps, self.page_bytes):
+                m.madvise(mmap.MADV_DONTNEED, first * b, count * b)
 
 
 # -- CUDA ------------------------------------------------------------------------------------------
@@ -234,6 +279,16 @@ class _CudaRange:
 
 
 class CudaArena(VirtualArena):
+    """A :class:`VirtualArena` on a CUDA device (see the module docstring).
+
+    ``span_access`` and ``span_unmap``: whether ``cuMemSetAccess`` and
+    ``cuMemUnmap`` are called once over a run of adjacent pages of a buffer
+    (several mappings) rather than once a page. The driver documents that an
+    unmap must cover whole mappings, not whether one call may cover several:
+    :func:`probe_spans` tries it once at start-up, and a call the driver
+    refuses later falls back to one a page. ``zero_pages`` (a benchmark's
+    switch) leaves new pages unzeroed."""
+
     def __init__(self, page_bytes: list[int], num_pages: int, device: torch.device, keep_free: int = 0):
         from cuda.bindings import driver
 
@@ -252,13 +307,14 @@ class CudaArena(VirtualArena):
         access.location = self._prop.location
         access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._access = [access]
+        self.zero_pages = True
         self._ranges = []
         with torch.cuda.device(self.device):
+            self.span_access, self.span_unmap = probe_spans(self._prop, self._access, gran)
             for b in page_bytes:
                 ptr = int(_check(driver.cuMemAddressReserve(b * num_pages, gran, 0, 0)))
                 self._ranges.append(_CudaRange(ptr, b * num_pages))
             self.tensors = [torch.as_tensor(r, device=self.device) for r in self._ranges]
-        self._handles: dict[int, list] = {}  # page -> the physical allocation of each buffer's page
 
     def physical_free(self) -> int:
         """The device's free memory beyond ``keep_free``, from a look at most
@@ -280,47 +336,107 @@ class CudaArena(VirtualArena):
     def settle(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
 
-    def _map_page(self, page: int) -> bool:
-        """A physical allocation for the page of each buffer (``cuMemMap``
-        takes a handle only whole: its offset must be 0), zeroed on the
-        current stream: the forward and copy streams wait on that stream
-        before they run (``tp_worker``, ``hiradix_cache``), so no host sync."""
-        driver, handles = self._driver, []
+    def _map_run(self, first: int, count: int) -> bool:
+        """A physical allocation for each page of each buffer (``cuMemMap``
+        takes a handle only whole: its offset must be 0), released as soon
+        as it is mapped (the driver frees it at the unmap); then the run
+        zeroed, one memset per buffer, on the current stream: the forward and
+        copy streams wait on that stream before they run (``tp_worker``,
+        ``hiradix_cache``), so no host sync. The memsets come after every
+        map, so a run refused half way unmaps nothing a memset still writes."""
+        driver, need = self._driver, count * self.bytes_per_page
         if self.keep_free:
-            self._looked_at = -FREE_LOOK_S  # a fresh look
-            if self.physical_free() < self.bytes_per_page:
+            self._looked_at = -FREE_LOOK_S  # a fresh look, one for the run
+            if self.physical_free() < need:
                 return False
+        mapped: list[tuple[int, int]] = []  # (address, bytes) of each mapping made: undone if the run fails
         try:
             with torch.cuda.device(self.device):
-                stream = torch.cuda.current_stream().cuda_stream
                 for r, b in zip(self._ranges, self.page_bytes):
-                    handle = _check(driver.cuMemCreate(b, self._prop, 0))
-                    handles.append(handle)
-                    _check(driver.cuMemMap(r.ptr + page * b, b, 0, handle, 0))
-                    _check(driver.cuMemSetAccess(r.ptr + page * b, b, self._access, 1))
-                    _check(driver.cuMemsetD8Async(r.ptr + page * b, 0, b, stream))
+                    start = r.ptr + first * b
+                    for ptr in range(start, start + count * b, b):
+                        handle = _check(driver.cuMemCreate(b, self._prop, 0))
+                        (err,) = driver.cuMemMap(ptr, b, 0, handle, 0)
+                        if err == driver.CUresult.CUDA_SUCCESS:
+                            mapped.append((ptr, b))
+                        _check(driver.cuMemRelease(handle))  # mapped: freed at the unmap; not: freed now
+                        _check(err)
+                    self._set_access(start, b, count)
+                if self.zero_pages:
+                    stream = torch.cuda.current_stream().cuda_stream
+                    for r, b in zip(self._ranges, self.page_bytes):
+                        _check(driver.cuMemsetD8Async(r.ptr + first * b, 0, count * b, stream))
         except CudaVmmError as exc:
+            for ptr, size in reversed(mapped):
+                driver.cuMemUnmap(ptr, size)
             if exc.err != driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
                 raise
-            self._release(page, handles)
             return False
-        self._handles[page] = handles
-        self._seen_free -= self.bytes_per_page
+        self._seen_free -= need
         return True
 
-    def _unmap_page(self, page: int) -> None:
-        torch.cuda.synchronize(self.device)  # no kernel on any stream may still use it
-        self._release(page, self._handles.pop(page))
-        self._seen_free += self.bytes_per_page
-
-    def _release(self, page: int, handles: list) -> None:
+    def _set_access(self, start: int, page_bytes: int, count: int) -> None:
         driver = self._driver
-        for r, b, handle in zip(self._ranges, self.page_bytes, handles):
-            driver.cuMemUnmap(r.ptr + page * b, b)  # fails harmlessly where the map had not happened
-            _check(driver.cuMemRelease(handle))
+        if count > 1 and self.span_access:
+            if driver.cuMemSetAccess(start, count * page_bytes, self._access, 1)[0] == driver.CUresult.CUDA_SUCCESS:
+                return
+        for ptr in range(start, start + count * page_bytes, page_bytes):
+            _check(driver.cuMemSetAccess(ptr, page_bytes, self._access, 1))
+
+    def _unmap_runs(self, runs: list[tuple[int, int]]) -> None:
+        driver = self._driver
+        torch.cuda.synchronize(self.device)  # once for them all: no kernel on any stream may still use them
+        for first, count in runs:
+            for r, b in zip(self._ranges, self.page_bytes):
+                start = r.ptr + first * b
+                if count > 1 and self.span_unmap:
+                    if driver.cuMemUnmap(start, count * b)[0] == driver.CUresult.CUDA_SUCCESS:
+                        continue
+                for ptr in range(start, start + count * b, b):
+                    _check(driver.cuMemUnmap(ptr, b))
+            self._seen_free += count * self.bytes_per_page
 
     def close(self) -> None:
         super().close()
         for r in self._ranges:
             self._driver.cuMemAddressFree(r.ptr, r.nbytes)
         self._ranges = []
+
+
+def probe_spans(prop, access: list, gran: int) -> tuple[bool, bool]:
+    """Whether this driver takes one ``cuMemSetAccess``, and one
+    ``cuMemUnmap``, over two adjacent mappings: tried on two granules of a
+    scratch reservation of the current device. The unmap counts only if
+    the whole range is free afterwards (one allocation maps over it)."""
+    from cuda.bindings import driver
+
+    ok = driver.CUresult.CUDA_SUCCESS
+    base = int(_check(driver.cuMemAddressReserve(2 * gran, gran, 0, 0)))
+    mapped: list[tuple[int, int]] = []  # (address, bytes) still mapped: unmapped at the end
+    span_access = span_unmap = False
+    try:
+        for ptr in (base, base + gran):
+            handle = _check(driver.cuMemCreate(gran, prop, 0))
+            (err,) = driver.cuMemMap(ptr, gran, 0, handle, 0)
+            if err == ok:
+                mapped.append((ptr, gran))
+            _check(driver.cuMemRelease(handle))
+            _check(err)
+        span_access = driver.cuMemSetAccess(base, 2 * gran, access, 1)[0] == ok
+        if driver.cuMemUnmap(base, 2 * gran)[0] == ok:
+            handle = _check(driver.cuMemCreate(2 * gran, prop, 0))
+            (err,) = driver.cuMemMap(base, 2 * gran, 0, handle, 0)  # refused if a granule is still mapped
+            _check(driver.cuMemRelease(handle))
+            span_unmap = err == ok
+            if span_unmap:
+                mapped = [(base, 2 * gran)]
+    except CudaVmmError as exc:
+        logger.warning("CUDA VMM: the span probe failed (%s); access and unmap a page at a time", exc)
+        span_access = span_unmap = False
+    finally:
+        for ptr, size in mapped:
+            driver.cuMemUnmap(ptr, size)  # what the unmap over both left, if it left anything
+        driver.cuMemAddressFree(base, 2 * gran)
+    logger.info("CUDA VMM: cuMemSetAccess over adjacent pages: %s; cuMemUnmap over adjacent pages: %s",
+                "one call a run" if span_access else "one call a page", "one call a run" if span_unmap else "one call a page")
+    return span_access, span_unmap

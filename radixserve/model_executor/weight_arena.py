@@ -120,16 +120,14 @@ class WeightArena:
                 backup.close()
             return "no room for the weights' host copy (on some rank)"
         self._backup = backup
-        for page in sorted(self.arena.stats.mapped):
-            self.arena.unmap(page)
+        self.arena.unmap_many(list(self.arena.stats.mapped))
         return None
 
     def resume(self) -> str | None:
         """Map the weights' pages back, at the same addresses, and copy the
         host copy in; None when done, else why not (on any rank; they stay released)."""
         if not self._agree_min(int(self._map_all())):
-            for page in sorted(self.arena.stats.mapped):
-                self.arena.unmap(page)
+            self.arena.unmap_many(list(self.arena.stats.mapped))
             return "no memory to map the weights back (on some rank)"
         self._copy_in(self._backup)
         self._backup = None
@@ -138,7 +136,7 @@ class WeightArena:
     # -- the pages and the host copy ---------------------------------------------------
     def _map_all(self) -> bool:
         """Map every page; False (and what did map stays mapped) when the device refuses one."""
-        return all(self.arena.map(page) for page in range(self.arena.num_pages))
+        return self.arena.map_many(range(self.arena.num_pages)) == self.arena.num_pages
 
     def _used(self) -> torch.Tensor:
         return self.arena.tensors[0][: self.nbytes]
