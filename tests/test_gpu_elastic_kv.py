@@ -28,7 +28,7 @@ def test_cuda_pages_map_read_write_and_return_their_memory():
         torch.cuda.empty_cache()  # what torch's own allocator keeps does not count
         return torch.cuda.mem_get_info()[0]
 
-    arena = CudaArena([2 * MB, 4 * MB], 256, torch.device("cuda"))  # 1.5 GB of addresses, nothing mapped
+    arena = CudaArena([2 * MB, 4 * MB], 256, torch.device("cuda"), zero_pages=True)  # 1.5 GB of addresses, nothing mapped
     try:
         free_before = device_free()
         for page in range(64):
@@ -63,7 +63,7 @@ def test_cuda_runs_of_pages_map_zeroed_and_unmap_at_once(spans):
     forced on (a range call the driver refuses falls back to one a page)."""
     from radixserve.mem_cache.virtual_memory import CudaArena
 
-    arena = CudaArena([2 * MB, 4 * MB], 64, torch.device("cuda"))
+    arena = CudaArena([2 * MB, 4 * MB], 64, torch.device("cuda"), zero_pages=True)
     try:
         assert isinstance(arena.span_access, bool) and isinstance(arena.span_unmap, bool)
         if spans != "probed":
@@ -128,7 +128,7 @@ def test_the_mapper_thread_maps_zeroed_pages_and_gives_them_back():
     from radixserve.mem_cache.page_mapper import PageMapper
     from radixserve.mem_cache.virtual_memory import CudaArena
 
-    arena = CudaArena([2 * MB, 2 * MB], 64, torch.device("cuda"))
+    arena = CudaArena([2 * MB, 2 * MB], 64, torch.device("cuda"), zero_pages=True)
     mapper = PageMapper(arena, background=True)
     try:
         assert mapper.map_now(0)

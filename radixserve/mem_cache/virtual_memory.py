@@ -21,12 +21,12 @@ address).
   keeps the memory until it is unmapped), then ``cuMemSetAccess``; one
   ``cuMemUnmap`` gives it back), exposed to torch through
   ``__cuda_array_interface__``. A ``cuMemCreate`` that finds no memory
-  (another process took it) fails the map, never a kernel. A page is zeroed
-  when mapped.
+  (another process took it) fails the map, never a kernel. A page comes
+  as the driver gives it unless the arena zeroes pages (``zero_pages``).
 
 :meth:`VirtualArena.map_many` and :meth:`VirtualArena.unmap_many` take
 several pages at once and work in runs of adjacent pages: on CUDA one look
-at the device's free memory and one memset per buffer for a run, and one
+at the device's free memory (and one memset per buffer, if zeroing) for a run, and one
 device sync for all the pages an unmap gives back; where the driver takes a
 range over several adjacent mappings (probed once per arena), one
 ``cuMemSetAccess`` and one ``cuMemUnmap`` per buffer and run. On a CPU one
@@ -189,11 +189,12 @@ def granularity(device: torch.device) -> int:
     return mmap.PAGESIZE
 
 
-def make_arena(page_bytes: list[int], num_pages: int, device: torch.device, keep_free: int = 0) -> VirtualArena:
+def make_arena(page_bytes: list[int], num_pages: int, device: torch.device, keep_free: int = 0,
+               zero_pages: bool = False) -> VirtualArena:
     """An arena on ``device``; on CUDA a map never leaves the device less than
     ``keep_free`` bytes free (on a CPU the margin is ``CPU_MIN_AVAILABLE``)."""
     if device.type == "cuda":
-        return CudaArena(page_bytes, num_pages, device, keep_free)
+        return CudaArena(page_bytes, num_pages, device, keep_free, zero_pages)
     if device.type == "cpu":
         return CpuArena(page_bytes, num_pages)
     raise ValueError(f"--enable-elastic-kv: no virtual memory on device {device}")
@@ -286,10 +287,15 @@ class CudaArena(VirtualArena):
     (several mappings) rather than once a page. The driver documents that an
     unmap must cover whole mappings, not whether one call may cover several:
     :func:`probe_spans` tries it once at start-up, and a call the driver
-    refuses later falls back to one a page. ``zero_pages`` (a benchmark's
-    switch) leaves new pages unzeroed."""
+    refuses later falls back to one a page. ``zero_pages``: new pages are
+    zeroed (one memset per buffer and run, on the mapping thread's stream).
+    The KV pool does without, as kvcached does: no kernel reads a slot
+    before a forward writes it, and on a launch-bound decode the memsets
+    cost several percent of the step (benchmarks/README.md, "The mapping
+    alone")."""
 
-    def __init__(self, page_bytes: list[int], num_pages: int, device: torch.device, keep_free: int = 0):
+    def __init__(self, page_bytes: list[int], num_pages: int, device: torch.device, keep_free: int = 0,
+                 zero_pages: bool = False):
         from cuda.bindings import driver
 
         super().__init__(page_bytes, num_pages)
@@ -307,7 +313,7 @@ class CudaArena(VirtualArena):
         access.location = self._prop.location
         access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._access = [access]
-        self.zero_pages = True
+        self.zero_pages = zero_pages
         self._ranges = []
         with torch.cuda.device(self.device):
             self.span_access, self.span_unmap = probe_spans(self._prop, self._access, gran)
