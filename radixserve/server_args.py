@@ -5,16 +5,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import tempfile
 import re
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from radixserve.disaggregation import check_transfer_backend
 from radixserve.distributed.expert_parallel import MOE_A2A_BACKENDS, check_expert_parallel
 # The flags' choices are the parsers' registries (SGLang's names), which import nothing of the engine.
 from radixserve.entrypoints.openai.reasoning_parser import REASONING_FORMATS
 from radixserve.entrypoints.openai.tool_parser import TOOL_CALL_PARSERS
+
+if TYPE_CHECKING:
+    from radixserve.lora.options import LoRAOptions
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 EVICTION_POLICIES = ("lru", "lfu")
@@ -127,8 +132,7 @@ class ServerArgs:
                 "(default: steps up to --piecewise-cuda-graph-max-tokens)"})
     enable_prefix_grouped_decode: bool = field(default=False, metadata={
         "help": "decode attention reads a prefix that running requests share in the radix cache once per group "
-                "and merges it with each request's own suffix (cascade attention; torch_native backend only "
-                "so far, docs/prefix_grouped_decode.md)"})
+                "and merges it with each request's own suffix (cascade attention, docs/prefix_grouped_decode.md)"})
     enable_mixed_chunk: bool = field(default=False, metadata={
         "help": "let the running requests decode inside a prefill batch instead of waiting for it"})
     mixed_chunk_min_size: int = field(default=0, metadata={
@@ -165,6 +169,22 @@ class ServerArgs:
         "help": "SGLang's: the weights live in virtual memory and the KV in the elastic pool (this implies "
                 "--enable-elastic-kv), so /release_memory_occupation can give their memory back and "
                 "/resume_memory_occupation take it again"})
+    # Multi-LoRA serving (docs/lora.md), SGLang's flags.
+    enable_lora: bool = field(default=False, metadata={
+        "help": "serve LoRA adapters over the base model; requests name one with lora_path (or an OpenAI model "
+                "'BASE:ADAPTER'). Turns CUDA graphs off (LoRA runs its torch path)"})
+    lora_paths: list[str] | None = field(default=None, metadata={
+        "help": "adapters to load at start-up (PEFT folders), each NAME=PATH, a PATH (named by its folder) or "
+                "JSON {\"lora_name\": ..., \"lora_path\": ...}; implies --enable-lora", "nargs": "+"})
+    max_loras_per_batch: int = field(default=8, metadata={
+        "help": "adapter slots on the device: the most adapters one batch uses (requests without one need none)"})
+    max_lora_rank: int | None = field(default=None, metadata={
+        "help": "the largest adapter rank the slots hold (default: the largest of --lora-paths)"})
+    lora_target_modules: list[str] | None = field(default=None, metadata={
+        "help": "the projections that take LoRA (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or "
+                "all; default: those the --lora-paths adapters target)", "nargs": "+"})
+    max_loaded_loras: int | None = field(default=None, metadata={
+        "help": "the most adapters held in host memory (at least --max-loras-per-batch; default: no limit)"})
     random_seed: int = field(default=0, metadata={"help": "seed of the global RNG"})
     # Tensor parallelism (docs/tensor_parallel.md): one scheduler process per rank.
     tp_size: int = field(default=1, metadata={"help": "tensor-parallel ranks (one process and device each)"})
@@ -268,9 +288,6 @@ class ServerArgs:
         if self.mixed_chunk_min_size < 0 or (self.mixed_chunk_min_size and not self.enable_mixed_chunk):
             raise ValueError(f"mixed_chunk_min_size must be >= 0 and needs --enable-mixed-chunk, "
                              f"got {self.mixed_chunk_min_size}")
-        if self.enable_prefix_grouped_decode and self.resolved_attention_backend() != "torch_native":
-            raise ValueError("enable_prefix_grouped_decode: only the torch_native attention backend has a grouped "
-                             f"decode so far (its Triton kernel is not written), got {self.resolved_attention_backend()}")
         if self.enable_memory_saver:  # the KV side of the memory saver is the elastic pool
             self.enable_elastic_kv = True
         if not self.elastic_kv_page_mb > 0 or (self.elastic_kv_max_gb is not None and not self.elastic_kv_max_gb > 0):
@@ -299,6 +316,7 @@ class ServerArgs:
         self._check_distributed()
         self._check_disaggregation()
         self._check_hicache()
+        self._check_lora()
         self.model_overrides()  # fail at start-up, naming the flag
         if self.kv_events_config:
             from radixserve.mem_cache.kv_events.publisher import KVEventsConfig
@@ -310,6 +328,52 @@ class ServerArgs:
                 raise ValueError(str(exc) if "kv-events-config" in str(exc) else f"kv_events_config: {exc}") from None
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+
+    def _check_lora(self) -> None:
+        if isinstance(self.lora_paths, str):  # the Engine's keyword may be one entry
+            self.lora_paths = [self.lora_paths]
+        if self.lora_paths:  # SGLang's rule too
+            self.enable_lora = True
+        options = self.lora_options()  # every flag parsed, each error naming it
+        if options is None:
+            return
+        if self.disaggregation_mode != "null":
+            raise ValueError("enable_lora: not with --disaggregation-mode (the KV sent between servers is not keyed "
+                             "by adapter)")
+        if self.enable_hierarchical_cache:
+            raise ValueError("enable_lora: not with --enable-hierarchical-cache (its tiers do not key prefixes by "
+                             "adapter yet)")
+        if self.kv_events_config:
+            raise ValueError("enable_lora: not with --kv-events-config (its block hashes do not tell adapters apart "
+                             "yet)")
+        if not self.disable_cuda_graph:  # graphs would capture one batch's segments: LoRA runs eagerly
+            if self.resolved_device() == "cuda":
+                logging.getLogger(__name__).warning("--enable-lora: CUDA graphs are turned off (LoRA runs its torch "
+                                                    "path eagerly, docs/lora.md)")
+            self.disable_cuda_graph = True
+
+    def lora_options(self) -> "LoRAOptions | None":
+        """The LoRA flags checked (``lora/options.py``), or None without ``--enable-lora``."""
+        from radixserve.lora.options import LoRAOptions, parse_lora_paths, parse_target_modules
+
+        if not self.enable_lora:
+            for name in ("max_lora_rank", "lora_target_modules", "max_loaded_loras"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: needs --enable-lora")
+            return None
+        if self.max_loras_per_batch < 1:
+            raise ValueError(f"max_loras_per_batch must be >= 1, got {self.max_loras_per_batch}")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        paths = parse_lora_paths(self.lora_paths)
+        modules = parse_target_modules(self.lora_target_modules)
+        if not paths and (self.max_lora_rank is None or modules is None):
+            raise ValueError("enable_lora: without --lora-paths, give --max-lora-rank and --lora-target-modules "
+                             "(the adapters loaded later must fit them)")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < max(self.max_loras_per_batch, len(paths)):
+            raise ValueError(f"max_loaded_loras must be at least --max-loras-per-batch ({self.max_loras_per_batch}) "
+                             f"and the number of --lora-paths ({len(paths)}), got {self.max_loaded_loras}")
+        return LoRAOptions(paths, self.max_loras_per_batch, self.max_lora_rank, modules, self.max_loaded_loras)
 
     def _check_hicache(self) -> None:
         _one_of("hicache_write_policy", self.hicache_write_policy, HICACHE_WRITE_POLICIES)
@@ -504,6 +568,8 @@ class ServerArgs:
             helptext = f.metadata.get("help", "")
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", help=helptext)
+            elif "nargs" in f.metadata:  # a list of strings
+                parser.add_argument(flag, type=str, nargs=f.metadata["nargs"], default=f.default, help=helptext)
             else:
                 parser.add_argument(flag, type=_cli_type(f), default=f.default, choices=f.metadata.get("choices"),
                                     help=f"{helptext} (default {f.default})")

@@ -20,7 +20,7 @@ FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 # its OpenAI routes) and of OpenAI's API that this engine does not implement,
 # with the values that ask for nothing: those are accepted and ignored, any
 # other value is refused by name. A list of such values counts as one (a
-# batch's per-prompt `lora_path: [null, null]`). Each model declares the ones
+# batch's per-prompt `lora_id: [null, null]`). Each model declares the ones
 # it takes as ``NoOpOnly`` fields. (docs/api.md)
 NO_OP_VALUES: dict[str, tuple] = {
     # multimodal inputs
@@ -31,7 +31,7 @@ NO_OP_VALUES: dict[str, tuple] = {
     "max_dynamic_patch": (None,), "min_dynamic_patch": (None,), "image_max_dynamic_patch": (None,),
     "video_max_dynamic_patch": (None,),
     # LoRA, sessions, custom processors and sampling
-    "lora_path": (None,), "lora_id": (None,), "session_params": (None,), "custom_logit_processor": (None,),
+    "lora_id": (None,), "session_params": (None,), "custom_logit_processor": (None,),
     "custom_params": (None,), "watermark": (None,), "positional_embed_overrides": (None,),
     "beam_width": (None, 1), "ebnf_full_assistant": (False,),
     # outputs

@@ -328,6 +328,7 @@ class FakeTokenizerManager:
     """What the OpenAI routes use of a TokenizerManager, with ``fake_generate`` for the engine."""
 
     served_model_name, model_names, context_len = "tiny", {"tiny", "/models/tiny"}, 64
+    lora_names, lora_adapters = None, {}  # started without --enable-lora
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer

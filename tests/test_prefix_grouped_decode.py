@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 from mem_harness import Harness, RequestRules
+from triton_interpreter import run_interpreted
 
 import radixserve
 from radixserve.layers.attention import create_attention_backend
@@ -23,7 +24,7 @@ from radixserve.managers import prefix_groups
 from radixserve.managers.prefix_groups import PrefixGrouper, build_table, find_groups
 from radixserve.managers.schedule_batch import ScheduleBatch
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode, PrefixGroupTable
 from radixserve.server_args import ServerArgs
 
 HEAD_DIM = 16
@@ -183,7 +184,7 @@ class GroupingRules(RequestRules):
     @initialize(page_size=st.sampled_from([1, 2, 4]))
     def setup(self, page_size):
         self.h = Harness(pool_size=512, page_size=page_size, max_reqs=8)
-        self.grouper = PrefixGrouper(page_size)
+        self.grouper = PrefixGrouper(page_size, min_members=2)
 
     @precondition(lambda self: self.h.live)
     @rule(data=st.data())
@@ -218,7 +219,7 @@ def test_grouper_rebuilds_only_when_the_running_set_changes():
     reqs = [h.start(shared + [i, i]) for i in range(3)]
     for r in reqs:
         h.cache.cache_unfinished_req(r)
-    grouper = PrefixGrouper(2)
+    grouper = PrefixGrouper(2, min_members=2)
     table = grouper.table(reqs)
     assert table.prefix_lens_cpu == [4] and table.members_cpu == [[0, 1, 2]]
     assert grouper.table(reqs) is table and grouper.rebuilds == 1  # a step that changes nothing
@@ -227,13 +228,28 @@ def test_grouper_rebuilds_only_when_the_running_set_changes():
     assert grouper.table([reqs[0]]) is None  # alone: attended as without grouping
 
 
+def test_groups_smaller_than_the_least_go_up_to_the_parent():
+    """A pair under a deep node joins its parent's group when groups need
+    three members; a group too small at the root is no group."""
+    h = Harness(pool_size=256, page_size=2, max_reqs=8)
+    system = [5, 6, 7, 8]
+    reqs = [h.start(system + tail) for tail in ([1, 2, 3, 4], [1, 2, 3, 9], [20, 21], [30, 31])]
+    for r in reqs:
+        h.cache.cache_unfinished_req(r)
+    nodes = [r.last_node for r in reqs]
+    assert find_groups(nodes, 2) == [(6, [0, 1]), (4, [2, 3])]
+    assert find_groups(nodes, 2, min_members=3) == [(4, [0, 1, 2, 3])]
+    assert find_groups(nodes[:2], 2, min_members=3) == []
+    assert PrefixGrouper(2).min_members == prefix_groups.MIN_GROUP_MEMBERS
+
+
 # -- the flag and the Engine -------------------------------------------------------------------
 
-def test_flag_is_refused_where_the_backend_has_no_grouped_decode():
-    with pytest.raises(ValueError, match="enable_prefix_grouped_decode"):
-        ServerArgs(model_path="x", device="cuda", attention_backend="triton", enable_prefix_grouped_decode=True)
-    assert not ServerArgs(model_path="x").enable_prefix_grouped_decode  # off by default
-    ServerArgs(model_path="x", device="cpu", enable_prefix_grouped_decode=True)
+def test_flag_is_off_by_default_and_taken_by_both_backends():
+    assert not ServerArgs(model_path="x").enable_prefix_grouped_decode
+    for backend in ("torch_native", "triton"):
+        assert ServerArgs(model_path="x", device="cpu", attention_backend=backend,
+                          enable_prefix_grouped_decode=True).enable_prefix_grouped_decode
 
 
 @pytest.fixture(scope="module")
@@ -285,8 +301,8 @@ def tables(monkeypatch):
     """Every table the grouper builds (None included)."""
     built = []
 
-    def recording(reqs, min_shared_len):
-        table = build_table(reqs, min_shared_len)
+    def recording(reqs, min_shared_len, min_members):
+        table = build_table(reqs, min_shared_len, min_members)
         built.append(table)
         return table
 
@@ -342,6 +358,7 @@ def test_engine_retraction_leaves_groups_and_keeps_tokens(llama, tables, overlap
         return retracted, cut
 
     monkeypatch.setattr(ScheduleBatch, "retract_decode", marked)
+    monkeypatch.setattr(prefix_groups, "MIN_GROUP_MEMBERS", 2)  # groups of four shrink below four at once
     on, stats = run_engine(llama[0], batch, True, overlap, params, **kw)
     assert stats.retractions > 0
     assert on == off
@@ -349,3 +366,89 @@ def test_engine_retraction_leaves_groups_and_keeps_tokens(llama, tables, overlap
     after = [(grouped(tables[i - 1]), grouped(tables[i + 1])) for i, t in enumerate(tables)
              if t == "retracted" and 0 < i < len(tables) - 1 and tables[i - 1] != "retracted"]
     assert any(new < old for old, new in after), "a retracted request left its group"
+
+
+# -- the Triton kernel (Triton's interpreter on the CPU; tests/test_gpu_prefix_grouped_decode.py on a GPU) ----
+
+_TRITON_SCRIPT = """
+import itertools, json, os, random, sys
+import torch
+tests_dir, folder, batch, params = json.loads(sys.argv[1])
+sys.path.insert(0, tests_dir)
+import test_prefix_grouped_decode as t
+import radixserve
+from radixserve.layers.attention.triton_ops import decode_attention as ops
+
+result = {"kernel": []}
+# Small chunks and tiles, so that prefixes split and groups span several tiles.
+ops.MIN_PREFIX_SPLIT, ops.TILE_QUERY_ROWS = 4, 4
+# MAX_KV_SPLITS 1: one split a request, where the split kernel merges the prefix itself.
+for seed, max_splits in itertools.product(range(3), (ops.MAX_KV_SPLITS, 1)):
+    ops.MAX_KV_SPLITS = max_splits
+    for page, group in ((1, 1), (4, 3), (2, 2)):
+        rng = random.Random(seed * 100 + page * 10 + group)
+        kv, r2t, rows, seq_lens, table = t.random_batch(rng, page)
+        gen = torch.Generator().manual_seed(seed)
+        bs = len(rows)
+        q = torch.randn(bs, t.KV_HEADS * group * t.HEAD_DIM, generator=gen)
+        k, v = (torch.randn(bs, t.KV_HEADS * t.HEAD_DIM, generator=gen) for _ in range(2))
+        want = t.dense(kv, r2t, rows, seq_lens, q, k, v, group)
+        for static in (False, True):
+            got = t.triton_decode(kv, r2t, rows, seq_lens, table, q, k, v, group, static)
+            result["kernel"].append([(got - want).abs().max().item(), 0 if table is None else table.num_groups])
+ops.MIN_PREFIX_SPLIT, ops.TILE_QUERY_ROWS = 8, 64
+from radixserve.managers import prefix_groups
+built, build = [], prefix_groups.build_table
+def recording(reqs, min_shared_len, min_members):
+    table = build(reqs, min_shared_len, min_members)
+    built.append(0 if table is None else table.num_groups)
+    return table
+prefix_groups.build_table = recording
+for grouped in (False, True):
+    with radixserve.Engine(model_path=folder, device="cpu", attention_backend="triton", max_total_tokens=4096,
+                           max_running_requests=16, page_size=4, check_invariants=True, disable_tqdm=True,
+                           enable_prefix_grouped_decode=grouped) as eng:
+        outs = eng.generate(input_ids=batch, sampling_params=params)
+        result[str(grouped)] = [o["output_ids"] for o in outs]
+result["groups"] = max(built)
+print(json.dumps(result))
+"""
+
+
+def triton_decode(kv, req_to_token, rows, seq_lens, table, q, k, v, group, static=False):
+    """``decode`` through the Triton backend; ``static``: the table as a CUDA
+    graph takes it (``PrefixGroupTable.static``, spare groups and rows included)."""
+    layer = RadixAttention(KV_HEADS * group, HEAD_DIM, HEAD_DIM**-0.5, KV_HEADS, LAYER_ID)
+    backend = create_attention_backend("triton", None)
+    backend.group, backend.num_kv_heads = group, KV_HEADS
+    bs = len(rows)
+    if static:
+        padded = PrefixGroupTable.static(bs + 5, 0, torch.device("cpu"))
+        padded.fill(table, bs, bs + 2)
+        table = padded.rows(bs)
+    out_loc = req_to_token.req_to_token[torch.tensor(rows), torch.tensor(seq_lens) - 1].to(torch.int64)
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=torch.zeros(bs, dtype=torch.int64),
+        positions=torch.tensor(seq_lens) - 1, req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(seq_lens),
+        out_cache_loc=out_loc, seq_lens_cpu=list(seq_lens), req_to_token_pool=req_to_token, token_to_kv_pool=kv,
+        attn_backend=backend, prefix_groups=table,
+    )
+    backend.init_forward_metadata(fb)
+    return layer(q, k, v, fb)
+
+
+def test_triton_grouped_decode_in_the_interpreter(llama):
+    """The Triton kernels (prefix tiles, suffixes, merge, or the merge in the
+    suffix kernel) against float64 attention on random groupings, with the table passed as is and as a
+    CUDA graph's static input; and the Engine on the triton backend with the
+    grouping on and off: the same tokens as HF."""
+    import os
+
+    folder, hf = llama
+    batch = shared_prompts(seed=3, families=2, per_family=4, prefix_len=30)
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    result = run_interpreted(_TRITON_SCRIPT, [os.path.dirname(__file__), folder, batch, params])
+    assert len(result["kernel"]) == 36 and sum(groups > 0 for _, groups in result["kernel"]) >= 20
+    assert max(err for err, _ in result["kernel"]) < 1e-5
+    assert result["groups"] == 2, "both families decoded as groups"
+    assert result["True"] == result["False"] == [hf_greedy(hf, ids, 6) for ids in batch]

@@ -62,24 +62,30 @@ class Engine:
         stream: bool = False,
         rid: str | None = None,
         token_ids_logprob: list[int] | list[list[int]] | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one request (returns a dict) or a batch (a list).
         With ``stream=True`` (one request) returns an iterator of cumulative
         outputs, the last one with ``meta_info.finish_reason`` set.
         ``token_ids_logprob`` (with ``return_logprob``; one list of ids, or one
         per prompt) adds those ids' logprobs at every position scored, as
-        ``input_token_ids_logprobs`` and ``output_token_ids_logprobs``."""
+        ``input_token_ids_logprobs`` and ``output_token_ids_logprobs``.
+        ``lora_path`` (with ``enable_lora``) names the LoRA adapter of every
+        prompt, or one per prompt (None: the base model); docs/lora.md."""
         self._check_resident()
         single, token_lists = self._inputs(prompt, input_ids)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(token_lists)
         if len(params) != len(token_lists):
             raise ValueError(f"sampling_params: {len(params)} given for {len(token_lists)} prompts")
         by_ids = _per_prompt_token_ids(token_ids_logprob if return_logprob else None, len(token_lists))
+        adapters = lora_path if isinstance(lora_path, list) else [lora_path] * len(token_lists)
+        if len(adapters) != len(token_lists):
+            raise ValueError(f"lora_path: {len(adapters)} given for {len(token_lists)} prompts")
         reqs = [
             r
             for i, (ids, p) in enumerate(zip(token_lists, params))
             for r in self._make_reqs(ids, p, return_logprob, logprob_start_len, top_logprobs_num,
-                                     rid if single else None, by_ids[i])
+                                     rid if single else None, by_ids[i], adapters[i])
         ]
         if stream:
             if len(reqs) != 1:
@@ -157,7 +163,7 @@ class Engine:
         return single, [list(input_ids)] if single else [list(x) for x in input_ids]
 
     def _make_reqs(self, ids, params, return_logprob, logprob_start_len, top_logprobs_num, rid,
-                   token_ids_logprob=None) -> list[Req]:
+                   token_ids_logprob=None, lora_path=None) -> list[Req]:
         sp = SamplingParams.from_dict(dict(params or {}))
         sp.verify(self.scheduler.vocab_size)
         spec = grammar_spec(sp)
@@ -168,7 +174,8 @@ class Engine:
         reqs = []
         for i in range(sp.n):
             req = self.scheduler.new_req(rid if sp.n == 1 else f"{rid}-{i}", ids, sp if sp.n == 1 else _nth_sample(sp, i),
-                                         return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob)
+                                         return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob,
+                                         lora_path)
             self.scheduler.validate(req)
             reqs.append(req)
         return reqs

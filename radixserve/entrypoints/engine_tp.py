@@ -76,7 +76,7 @@ class TpLeader:
     def add_request(self, req: Req) -> None:
         msg = TokenizedGenerateReqInput(req.rid, req.origin_input_ids, req.sampling_params.to_dict(),
                                         req.return_logprob, req.logprob_start_len, req.top_logprobs_num,
-                                        token_ids_logprob=req.token_ids_logprob)
+                                        token_ids_logprob=req.token_ids_logprob, lora_path=req.lora_path)
         self.scheduler.add_request(req)
         self._outbox.append(encode(msg))
 

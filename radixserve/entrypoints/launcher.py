@@ -188,7 +188,8 @@ def start_engine_processes(args: ServerArgs) -> EngineProcesses:
                           request_limits(args, info), args.model_names(model_config.model_path),
                           load_balance_method=args.load_balance_method,
                           disaggregation_mode=args.disaggregation_mode,
-                          default_bootstrap_port=args.disaggregation_bootstrap_port)
+                          default_bootstrap_port=args.disaggregation_bootstrap_port,
+                          lora_adapters=lora.paths if (lora := args.lora_options()) is not None else None)
     return EngineProcesses(tm, procs, ipc_dir, info)
 
 

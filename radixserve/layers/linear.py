@@ -142,9 +142,13 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(torch.empty(*weight_shape), requires_grad=False)
         self.bias = None if bias_size is None else nn.Parameter(torch.empty(bias_size), requires_grad=False)
         self.register_buffer("weight_scale", None, persistent=False)
+        # --enable-lora: this layer's adapter slots (``lora/pool.py``), which add
+        # the batch's LoRA deltas to its output; None: no LoRA here
+        self.lora = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_scale)
+        y = linear(x, self.weight, self.bias, self.weight_scale)
+        return y if self.lora is None else self.lora.add_delta(x, y)
 
     def prepack_for_cpu(self) -> bool:
         return self.weight_scale is None and swap_in_prepacked_weight(self)
@@ -222,8 +226,11 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_group.size == 1:
-            return linear(x, self.weight, self.bias, self.weight_scale)
-        y = self.tp_group.all_reduce(linear(x, self.weight, None, self.weight_scale))
+            return super().forward(x)
+        y = linear(x, self.weight, None, self.weight_scale)
+        if self.lora is not None:  # each rank's partial delta (its columns of A) is summed with the product
+            y = self.lora.add_delta(x, y)
+        y = self.tp_group.all_reduce(y)
         return y if self.bias is None else y.add_(self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:

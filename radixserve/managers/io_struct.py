@@ -77,6 +77,9 @@ class GenerateReqInput:
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: _Port | list[_Port] | None = None
     bootstrap_room: _Room | list[_Room] | None = None
+    # --enable-lora (docs/lora.md): the LoRA adapter by name, one for every prompt or one per prompt (null: the
+    # base model); the TokenizerManager checks the names
+    lora_path: str | list[str | None] | None = None
     # not implemented: accepted only at their no-op values (validation.NO_OP_VALUES)
     input_embeds: NoOpOnly = None
     image_data: NoOpOnly = None
@@ -98,7 +101,6 @@ class GenerateReqInput:
     return_indexer_topk: NoOpOnly = False
     modalities: NoOpOnly = None
     session_params: NoOpOnly = None
-    lora_path: NoOpOnly = None
     lora_id: NoOpOnly = None
     custom_logit_processor: NoOpOnly = None
     positional_embed_overrides: NoOpOnly = None
@@ -205,7 +207,7 @@ class GenerateReqInput:
 
 
 _PER_PROMPT = {"return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0,  # and their defaults
-               "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None}
+               "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None, "lora_path": None}
 _ONE_OR_A_LIST = {"text": (str, "a string"), "sampling_params": (dict, "an object")}
 
 
@@ -237,6 +239,7 @@ class TokenizedGenerateReqInput:
     bootstrap_addr: str | None = None
     bootstrap_room: int | None = None
     token_ids_logprob: list[int] | None = None
+    lora_path: str | None = None  # --enable-lora: the adapter's name (None: the base model)
 
 
 @dataclass

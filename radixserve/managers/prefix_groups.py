@@ -9,10 +9,10 @@ may read that KV once for both (prefix-grouped, or cascade, attention).
 
 Groups are formed deepest first: at each node, from the deepest up, the
 requests below it that are in no group yet form one when there are at least
-two of them and the node is at least ``min_shared_len`` tokens deep (a page).
-Equivalently (the tests check it so): repeatedly take the longest common
-cached prefix of any two ungrouped requests, and group every ungrouped
-request that has it.
+``min_members`` of them and the node is at least ``min_shared_len`` tokens
+deep (a page). With pairs allowed, equivalently (the tests check it so):
+repeatedly take the longest common cached prefix of any two ungrouped
+requests, and group every ungrouped request that has it.
 """
 
 from __future__ import annotations
@@ -32,10 +32,13 @@ class GroupedReq(Protocol):
     last_node: "TreeNode | None"
 
 
-def find_groups(nodes: list["TreeNode | None"], min_shared_len: int) -> list[tuple[int, list[int]]]:
+def find_groups(nodes: list["TreeNode | None"], min_shared_len: int,
+                min_members: int = 2) -> list[tuple[int, list[int]]]:
     """Groups of the requests whose deepest cached nodes are ``nodes``
     (None: nothing cached), as ``(shared_len, [indices into nodes])``, the
-    deepest groups first. Host work: one walk up from each node, once."""
+    deepest groups first; a group has ``min_members`` requests at least
+    (fewer below a node go up to its parent). Host work: one walk up from
+    each node, once."""
     depth: dict[int, int] = {}  # id(node) -> tokens from the root to the end of its key
     parent_of: dict[int, object] = {}
     pending: dict[int, list[int]] = {}  # id(node) -> requests below it not grouped yet
@@ -61,16 +64,16 @@ def find_groups(nodes: list["TreeNode | None"], min_shared_len: int) -> list[tup
         members = pending.pop(key, None)
         if not members:
             continue
-        if len(members) >= 2 and depth[key] >= min_shared_len:
+        if len(members) >= min_members and depth[key] >= min_shared_len:
             groups.append((depth[key], sorted(members)))
         elif parent_of[key] is not None and id(parent_of[key]) in depth:
             pending.setdefault(id(parent_of[key]), []).extend(members)
     return groups
 
 
-def build_table(reqs: list[GroupedReq], min_shared_len: int) -> PrefixGroupTable | None:
+def build_table(reqs: list[GroupedReq], min_shared_len: int, min_members: int = 2) -> PrefixGroupTable | None:
     """The table of ``reqs``'s groups in batch order; None when none share a prefix."""
-    groups = find_groups([r.last_node for r in reqs], min_shared_len)
+    groups = find_groups([r.last_node for r in reqs], min_shared_len, min_members)
     if not groups:
         return None
     suffix_starts = [0] * len(reqs)
@@ -90,6 +93,14 @@ def build_table(reqs: list[GroupedReq], min_shared_len: int) -> PrefixGroupTable
     )
 
 
+# The fewest requests a group has. On an H200 (benchmarks/README.md, "Prefix-
+# grouped decode"), 128 groups of two decoded slower grouped than plain
+# (560 against 459 us a layer: the plain kernel finds a pair's prefix in L2,
+# and a tile of two members leaves most of its query rows empty), 64 groups
+# of four 1.18x faster.
+MIN_GROUP_MEMBERS = 4
+
+
 class PrefixGrouper:
     """The running batch's prefix groups, rebuilt only when the batch's
     requests, their order or their deepest cached nodes change (a request
@@ -97,8 +108,9 @@ class PrefixGrouper:
     every step. A step that changes nothing costs one tuple of the batch's
     (row, node id) pairs."""
 
-    def __init__(self, page_size: int):
+    def __init__(self, page_size: int, min_members: int | None = None):
         self.min_shared_len = page_size
+        self.min_members = MIN_GROUP_MEMBERS if min_members is None else min_members
         self._key: tuple | None = None
         self._table: PrefixGroupTable | None = None
         self.rebuilds = 0  # for tests: how often the table was recomputed
@@ -106,6 +118,6 @@ class PrefixGrouper:
     def table(self, reqs: list[GroupedReq]) -> PrefixGroupTable | None:
         key = tuple((r.req_pool_idx, None if r.last_node is None else r.last_node.id) for r in reqs)
         if key != self._key:
-            self._key, self._table = key, build_table(reqs, self.min_shared_len)
+            self._key, self._table = key, build_table(reqs, self.min_shared_len, self.min_members)
             self.rebuilds += 1
         return self._table

@@ -39,6 +39,9 @@ class ModelWorkerBatch:
     vocab_mask: torch.Tensor | None = None  # [bs, ceil(vocab / 32)] int32 bitmask of allowed tokens (structured output)
     num_decoding: int = 0  # extend: the last n requests decode one token each, their input ids read on the device
     prefix_groups: PrefixGroupTable | None = None  # decode: requests sharing a cached prefix (prefix_groups.py)
+    # --enable-lora: each request's adapter uid (None: the base model) and its device slot (-1: none)
+    lora_ids: list[str | None] | None = None
+    lora_slots: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -148,6 +151,10 @@ class Req:
         self.aux_index: int | None = None  # its row of the first token's metadata
         self.disagg_finish: FinishReason | None = None  # prefill server: how it ends once the KV is sent
         self.output_interval = 1  # output tokens between the batches sent on (scheduler_process.py)
+        # --enable-lora (docs/lora.md): the adapter's name as the client gave it, and the uid of its load,
+        # which is also the namespace of this request's KV in the radix cache (None: the base model)
+        self.lora_path: str | None = None
+        self.lora_id: str | None = None
 
     @functools.cached_property
     def prefix_group(self) -> tuple[int, ...]:

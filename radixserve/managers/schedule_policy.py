@@ -46,7 +46,7 @@ def prefix_key(req: Req) -> list[int]:
 def match_prefix(req: Req, tree_cache: BasePrefixCache, key: list[int] | None = None) -> MatchResult:
     """Set ``req.prefix_indices`` / ``last_node`` from the cache's match of
     ``key`` (``prefix_key(req)`` unless given), which is returned."""
-    m = tree_cache.match_prefix(prefix_key(req) if key is None else key)
+    m = tree_cache.match_prefix(prefix_key(req) if key is None else key, req.lora_id)
     req.prefix_indices, req.last_node = m.device_indices, m.last_node
     return m
 
@@ -108,10 +108,10 @@ class SchedulePolicy:
             if len(req.prefix_indices) >= IN_BATCH_PREFIX_CHECK:
                 continue
             new_tokens = req.fill_ids[len(req.prefix_indices) :]
-            if len(shadow.match_prefix(new_tokens).device_indices) >= IN_BATCH_PREFIX_DEPRIORITIZE:
+            if len(shadow.match_prefix(new_tokens, req.lora_id).device_indices) >= IN_BATCH_PREFIX_DEPRIORITIZE:
                 out.add(id(req))
             else:
-                shadow.insert(new_tokens, torch.zeros(len(new_tokens), dtype=torch.int64))
+                shadow.insert(new_tokens, torch.zeros(len(new_tokens), dtype=torch.int64), req.lora_id)
         return out
 
     def _dfs_weight_order(self, waiting: list[Req]) -> dict[int, int]:

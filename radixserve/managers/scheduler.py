@@ -15,6 +15,7 @@ from typing import Any
 
 import msgpack
 
+from radixserve.lora.slots import LoRASlotTable
 from radixserve.managers.decode_sampling import DecodeSamplingState
 from radixserve.managers.disagg_decode import DecodeDisaggregation
 from radixserve.managers.disagg_prefill import PrefillDisaggregation
@@ -114,6 +115,9 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
         self._in_flight: Launched | None = None
         self._deferred: list[Req] = []
         self.stats = SchedulerStats()
+        # --enable-lora: which adapter holds which device slot (docs/lora.md)
+        manager = model_runner.lora_manager
+        self.lora_slots = LoRASlotTable(manager.num_slots) if manager is not None else None
         self.offload_tags: set[str] = set()  # memory released (scheduler_memory_mixin.py): nothing runs until resumed
         # the prefill or decode server's queues and KV manager; a plain server's does nothing
         self.disagg: DisaggregationRole = DisaggregationRole()
@@ -259,17 +263,22 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
             return None  # no memory to map for its next chunk now: the running requests decode meanwhile
         sit_out = self.policy.calc_priority(self.waiting)
         admitted = set()
+        adapters = self.lora_in_use()
         for req in self.waiting:
             if adder.new_chunked_req is not None:
                 break
             if id(req) in sit_out and adder.can_run:
                 continue
+            if self.lora_slots is not None and not self.lora_slots.fits(req.lora_id, adapters):
+                continue  # its adapter needs a slot that running requests hold; later requests may go
             result = adder.add_one_req(req)
             if result == AddResult.WAIT:
                 continue
             if result != AddResult.CONTINUE and req not in adder.can_run:
                 break
             admitted.add(id(req))
+            if req.lora_id is not None:
+                adapters.add(req.lora_id)
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
         for req in adder.can_run:  # count each prompt's cache hit once, at its first admission
             if req is not continuing and req.retractions == 0 and not req.output_ids:
@@ -282,6 +291,12 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
             batch.mix_with_running(self.decode_sampling.sync(self.running_batch.reqs, self.worker.last_token))
         batch.prepare_for_extend()
         return batch
+
+    def lora_in_use(self) -> set[str]:
+        """The LoRA adapters (uids) of the running and chunked requests: their
+        slots stay theirs."""
+        reqs = self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else [])
+        return {r.lora_id for r in reqs if r.lora_id is not None}
 
     def _can_mix(self, batch: ScheduleBatch) -> bool:
         """Whether the running requests decode inside this prefill
@@ -333,6 +348,9 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
         else:
             batch, before = schedule_batch.get_model_worker_batch(), None
             state.absorb(reqs, batch.sampling_info)  # the prompts that finish join with their rows
+        if self.lora_slots is not None:  # every rank assigns alike; its LoRA manager fills the slots
+            batch.lora_ids = [r.lora_id for r in reqs]
+            batch.lora_slots = self.lora_slots.assign(batch.lora_ids, self.lora_in_use())
         forward = self.worker.launch_forward(batch, before)
         for req, seq in zip(reqs, batch.seq_lens_cpu):
             req.kv_inflight = seq - req.kv_len

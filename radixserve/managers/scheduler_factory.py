@@ -49,6 +49,8 @@ def build_model_runner(args: ServerArgs, model_config, tp_rank: int = 0, dist_in
         enable_memory_saver=args.enable_memory_saver,
         ep_size=args.ep_size,
         moe_a2a_backend=args.moe_a2a_backend,
+        prefix_grouped_decode=args.enable_prefix_grouped_decode,
+        lora=args.lora_options(),
     )
     return ModelRunner(model_config, **{**options, **overrides})
 

@@ -14,14 +14,22 @@ class SchedulerInputMixin:
 
     def new_req(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, return_logprob: bool = False,
                 logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                token_ids_logprob: list[int] | None = None) -> Req:
+                token_ids_logprob: list[int] | None = None, lora_path: str | None = None) -> Req:
         """The one way a request becomes a ``Req``: its params checked against
-        the vocabulary and normalized, the model's EOS ids attached. Raises
+        the vocabulary and normalized, the model's EOS ids attached, its LoRA
+        adapter (``lora_path``, a loaded adapter's name) resolved. Raises
         ``ValueError`` naming the field."""
         sampling_params.verify(self.vocab_size)
         sampling_params.normalize(self.vocab_size)
-        return Req(rid, input_ids, sampling_params, self.eos_token_ids, return_logprob, logprob_start_len,
-                   top_logprobs_num, token_ids_logprob)
+        req = Req(rid, input_ids, sampling_params, self.eos_token_ids, return_logprob, logprob_start_len,
+                  top_logprobs_num, token_ids_logprob)
+        if lora_path is not None:
+            manager = self.model_runner.lora_manager
+            if manager is None:
+                raise ValueError(f"lora_path: this server serves no LoRA adapters (start it with --enable-lora), "
+                                 f"got {lora_path!r}")
+            req.lora_path, req.lora_id = lora_path, manager.resolve(lora_path)
+        return req
 
     def validate(self, req: Req) -> None:
         """Raise ValueError (naming the field) for a request that cannot run."""

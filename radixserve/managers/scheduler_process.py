@@ -217,7 +217,7 @@ class SchedulerProcess:
         try:
             req = self.scheduler.new_req(msg.rid, msg.input_ids, SamplingParams.from_dict(msg.sampling_params),
                                          msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num,
-                                         msg.token_ids_logprob)
+                                         msg.token_ids_logprob, msg.lora_path)
             req.bootstrap_addr, req.bootstrap_room = msg.bootstrap_addr, msg.bootstrap_room
             req.output_interval = ((req.sampling_params.stream_interval or self.scheduler.args.stream_interval)
                                    if msg.stream else UNSTREAMED_OUTPUT_INTERVAL)

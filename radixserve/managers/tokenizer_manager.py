@@ -109,7 +109,7 @@ class TokenizerManager:
     def __init__(self, tokenizer, model_info: dict, served_model_name: str, send_addrs: str | list[str],
                  recv_addr: str, limits: RequestLimits, model_names: set[str] = frozenset(),
                  load_balance_method: str = "round_robin", disaggregation_mode: str = "null",
-                 default_bootstrap_port: int = 8998):
+                 default_bootstrap_port: int = 8998, lora_adapters: dict[str, str] | None = None):
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.context_len: int = model_info["context_len"]
@@ -118,6 +118,8 @@ class TokenizerManager:
         self.disaggregation_mode = disaggregation_mode  # "null", "prefill" or "decode"
         self.default_bootstrap_port = default_bootstrap_port  # for a request that names no bootstrap_port
         self.model_names = {served_model_name, *model_names}  # the names it goes by: never read as base:adapter
+        self.lora_enabled = lora_adapters is not None  # --enable-lora
+        self.lora_adapters: dict[str, str] = dict(lora_adapters or {})  # the adapters loaded: name -> path
         self.limits = limits
         self.ctx = zmq.asyncio.Context(2)
         self.ctx.setsockopt(zmq.LINGER, 0)
@@ -213,6 +215,7 @@ class TokenizerManager:
         logprobs = zip(*(obj.per_prompt(name) for name in ("return_logprob", "logprob_start_len", "top_logprobs_num")))
         bootstraps = self._bootstraps(obj, sps)
         token_ids = self._token_ids_logprob(obj, bootstraps)
+        adapters = self._lora_paths(obj)
         out = []
         for i, (ids, sp, rid, (want, start, top)) in enumerate(zip(prompts, sps, rids, logprobs)):
             self._validate_ids(ids, key if obj.is_single else f"{key}[{i}]")
@@ -224,7 +227,27 @@ class TokenizerManager:
                     d["sampling_seed"] = sp.sampling_seed + j
                 rid_j = base if sp.n == 1 else f"{base}-{j}"
                 out.append(TokenizedGenerateReqInput(rid_j, ids, d, want, start, top, obj.stream, *bootstraps[i],
-                                                     token_ids_logprob=token_ids[i]))
+                                                     token_ids_logprob=token_ids[i], lora_path=adapters[i]))
+        return out
+
+    @property
+    def lora_names(self) -> set[str] | None:
+        """The names of the LoRA adapters loaded; None without --enable-lora."""
+        return set(self.lora_adapters) if self.lora_enabled else None
+
+    def _lora_paths(self, obj: GenerateReqInput) -> list[str | None]:
+        """Each prompt's LoRA adapter, checked: ValueError naming the field and the adapter."""
+        out = obj.per_prompt("lora_path")
+        for i, name in enumerate(out):
+            where = "lora_path" if obj.is_single or not isinstance(obj.lora_path, list) else f"lora_path[{i}]"
+            if name is None:
+                continue
+            if not self.lora_enabled:
+                raise ValueError(f"{where}: LoRA adapters are not supported by this server unless it is started "
+                                 f"with --enable-lora, got {name!r}")
+            if name not in self.lora_adapters:
+                known = ", ".join(sorted(self.lora_adapters)) or "none"
+                raise ValueError(f"{where}: unknown LoRA adapter {name!r} (loaded: {known})")
         return out
 
     def _token_ids_logprob(self, obj: GenerateReqInput, bootstraps: list[tuple]) -> list[list[int] | None]:

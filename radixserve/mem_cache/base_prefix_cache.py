@@ -8,6 +8,10 @@ takes them in ``cache_finished_req`` / ``cache_unfinished_req``.
 
 Slot indices returned by ``match_prefix`` stay valid only while the returned
 node is locked (``inc_lock_ref``); an unlocked node may be evicted.
+
+Keys live in namespaces: a request's is its LoRA adapter's uid
+(``cache_namespace``; None for the base model), and a match never crosses
+from one namespace into another (docs/lora.md).
 """
 
 from __future__ import annotations
@@ -33,6 +37,12 @@ class CachedReq(Protocol):
     last_node: Any
 
 
+def cache_namespace(req: Any) -> str | None:
+    """The namespace of a request's KV: its LoRA adapter's uid, None for the
+    base model (or a stand-in request without the attribute)."""
+    return getattr(req, "lora_id", None)
+
+
 @dataclass
 class MatchResult:
     device_indices: torch.Tensor  # int64 KV slots of the matched prefix
@@ -47,10 +57,10 @@ class BasePrefixCache(ABC):
     page_size: int
 
     @abstractmethod
-    def match_prefix(self, key: list[int]) -> MatchResult: ...
+    def match_prefix(self, key: list[int], namespace: str | None = None) -> MatchResult: ...
 
     @abstractmethod
-    def insert(self, key: list[int], value: torch.Tensor) -> int: ...
+    def insert(self, key: list[int], value: torch.Tensor, namespace: str | None = None) -> int: ...
 
     @abstractmethod
     def evict(self, num_tokens: int) -> int: ...

@@ -25,10 +25,10 @@ class ChunkCache(BasePrefixCache):
     def reset(self) -> None:
         pass
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
+    def match_prefix(self, key: list[int], namespace: str | None = None) -> MatchResult:
         return MatchResult(device_indices=EMPTY_SLOTS, last_node=None)
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, namespace: str | None = None) -> int:
         return 0
 
     def evict(self, num_tokens: int) -> int:

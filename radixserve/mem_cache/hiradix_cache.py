@@ -123,6 +123,13 @@ class HiCacheStats:
     hicache_storage_prefetched: int = 0  # file tier → host
 
 
+def _no_namespace(namespace: str | None) -> None:
+    """The tiers below the device key KV by content alone: no LoRA namespaces
+    (``--enable-lora`` refuses the hierarchical cache)."""
+    if namespace is not None:
+        raise ValueError("the hierarchical cache does not key prefixes by LoRA adapter")
+
+
 class HiRadixCache(RadixCache):
     def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, page_size: int, host_pool: HostKVPool,
                  write_policy: str = "write_through", eviction_policy: str = "lru", kv_events=None,
@@ -189,16 +196,18 @@ class HiRadixCache(RadixCache):
         host_node = node if node is not device_node else None
         return _Walk(device_node, values, device_len, host_node, pos - device_len)
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
+    def match_prefix(self, key: list[int], namespace: str | None = None) -> MatchResult:
+        _no_namespace(namespace)
         walk = self._walk(key)
         if self.write_policy == "write_through_selective":
             self._backup(self._chain(walk.device_node, self.root, lambda n: n.hit_count >= SELECTIVE_HITS))
         indices = torch.cat(walk.device_values) if walk.device_values else EMPTY_SLOTS
         return MatchResult(indices, walk.device_node, walk.host_len, walk.host_node)
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, namespace: str | None = None) -> int:
         """As ``RadixCache.insert``; host-only nodes on the way take the
         caller's slots for their tokens (they come back to the device)."""
+        _no_namespace(namespace)
         walk = self._walk(key)
         host_chain = self._chain(walk.host_node, walk.device_node) if walk.host_node is not None else []
         if any(n.transfer is not None and n.transfer.kind is TransferKind.LOAD for n in host_chain):
@@ -215,8 +224,9 @@ class HiRadixCache(RadixCache):
                 self._backup([leaf])
         return walk.device_len
 
-    def _add_leaf(self, parent: TreeNode, key: list[int], value: torch.Tensor | None, start: int) -> TreeNode:
-        leaf = super()._add_leaf(parent, key, value, start)
+    def _add_leaf(self, parent: TreeNode, key: list[int], value: torch.Tensor | None, start: int,
+                  namespace: str | None = None) -> TreeNode:
+        leaf = super()._add_leaf(parent, key, value, start, namespace)
         if value is not None:
             self._joined_device(leaf)
         return leaf

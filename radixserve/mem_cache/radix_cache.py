@@ -4,6 +4,12 @@ Keys are compared in whole pages: a match is truncated to a multiple of
 ``page_size`` and every edge label (``node.key``) is page-aligned, so each node
 owns whole pages of the KV pool. Children are indexed by their first page
 (a token id when ``page_size == 1``, else a tuple of ``page_size`` ids).
+
+A key may live in a *namespace* (a LoRA adapter's uid, docs/lora.md): KV
+computed under one adapter must never serve another, or the base model. A
+node's namespace is its whole branch's, and it is part of its index
+(``(namespace, first page)``), so a walk in one namespace never enters
+another's nodes; the default namespace, None, indexes by the page alone.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator, page_floor
-from radixserve.mem_cache.base_prefix_cache import EMPTY_SLOTS, BasePrefixCache, CachedReq, MatchResult
+from radixserve.mem_cache.base_prefix_cache import EMPTY_SLOTS, BasePrefixCache, CachedReq, MatchResult, cache_namespace
 from radixserve.mem_cache.memory_pool import ReqToTokenPool
 
 if TYPE_CHECKING:
@@ -24,7 +30,7 @@ if TYPE_CHECKING:
 
 class TreeNode:
     __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "hit_count", "id", "kv_blocks",
-                 "host_value", "transfer", "host_ref")
+                 "host_value", "transfer", "host_ref", "namespace")
 
     def __init__(self, node_id: int, key: list[int], value: torch.Tensor | None, parent: "TreeNode | None"):
         self.children: dict = {}
@@ -39,6 +45,7 @@ class TreeNode:
         self.hit_count = 0
         self.id = node_id
         self.kv_blocks = None  # the KV event recorder's (kv_events/recorder.py)
+        self.namespace = parent.namespace if parent is not None else None  # see the module's docstring
 
     def is_leaf(self) -> bool:
         return not self.children
@@ -178,8 +185,9 @@ class RadixCache(BasePrefixCache):
         self._next_id += 1
         return node
 
-    def _child_key(self, key: list[int]):
-        return key[0] if self.page_size == 1 else tuple(key[: self.page_size])
+    def _child_key(self, key: list[int], namespace: str | None = None):
+        page = key[0] if self.page_size == 1 else tuple(key[: self.page_size])
+        return page if namespace is None else (namespace, page)
 
     def _touch(self, node: TreeNode) -> None:
         self._clock += 1
@@ -202,16 +210,17 @@ class RadixCache(BasePrefixCache):
         return self._protected
 
     # -- match / insert ----------------------------------------------------
-    def _descend(self, key: list[int]) -> tuple[TreeNode, int, list[torch.Tensor]]:
-        """Walk down along ``key`` (whole pages only), splitting the node the
-        match ends inside. Returns the deepest matched node, the matched length
-        and the matched nodes' slot tensors. Walks by offset (no key copies)
-        and inlines the hot path: this loop runs once per tree level."""
+    def _descend(self, key: list[int], namespace: str | None = None) -> tuple[TreeNode, int, list[torch.Tensor]]:
+        """Walk down along ``key`` (whole pages only) in ``namespace``, splitting
+        the node the match ends inside. Returns the deepest matched node, the
+        matched length and the matched nodes' slot tensors. Walks by offset (no
+        key copies) and inlines the hot path: this loop runs once per tree level."""
         p = self.page_size
         node, pos, values, end = self.root, 0, [], self._aligned(len(key))
         touched = None
         while pos < end:
-            child = node.children.get(key[pos] if p == 1 else tuple(key[pos : pos + p]))
+            page = key[pos] if p == 1 else tuple(key[pos : pos + p])
+            child = node.children.get(page if namespace is None else (namespace, page))
             if child is None:
                 break
             self._clock += 1
@@ -229,10 +238,11 @@ class RadixCache(BasePrefixCache):
             self._offer(touched)
         return node, pos, values
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
-        """Longest cached prefix of ``key`` in whole pages; splits a node the
-        match ends inside, so the returned node covers exactly the match."""
-        node, _, values = self._descend(key)
+    def match_prefix(self, key: list[int], namespace: str | None = None) -> MatchResult:
+        """Longest cached prefix of ``key`` in whole pages, in ``namespace``;
+        splits a node the match ends inside, so the returned node covers
+        exactly the match."""
+        node, _, values = self._descend(key, namespace)
         indices = torch.cat(values) if values else EMPTY_SLOTS
         return MatchResult(device_indices=indices, last_node=node)
 
@@ -241,33 +251,39 @@ class RadixCache(BasePrefixCache):
         value = child.value
         upper = self._new_node(child.key[:n], None if value is None else value[:n], child.parent)
         upper.lock_ref, upper.last_access, upper.hit_count = child.lock_ref, child.last_access, child.hit_count
+        upper.namespace = child.namespace
         upper.transfer, upper.host_ref = child.transfer, child.host_ref
         if child.host_value is not None:
             upper.host_value, child.host_value = child.host_value[:n], child.host_value[n:]
-        upper.children[self._child_key(child.key[n:])] = child
-        child.parent.children[self._child_key(upper.key)] = upper
+        upper.children[self._child_key(child.key[n:], child.namespace)] = child
+        child.parent.children[self._child_key(upper.key, child.namespace)] = upper
         child.key, child.value, child.parent = child.key[n:], None if value is None else value[n:], upper
         if self.kv_events is not None:
             self.kv_events.on_split(upper, child)
         return upper
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
-        """Insert ``key`` (truncated to whole pages) with its slots ``value``.
+    def insert(self, key: list[int], value: torch.Tensor, namespace: str | None = None) -> int:
+        """Insert ``key`` (truncated to whole pages) with its slots ``value``
+        in ``namespace``.
 
         Returns how many leading tokens were already cached: the caller owns
         ``value[:returned]`` still and must free the ones that differ from the
         cached slots (duplicates)."""
-        node, present, _ = self._descend(key)
+        node, present, _ = self._descend(key, namespace)
         end = self._aligned(len(key))
         if present < end:
-            self._add_leaf(node, key[present:end], value[present:end], present)
+            self._add_leaf(node, key[present:end], value[present:end], present, namespace)
         return present
 
-    def _add_leaf(self, parent: TreeNode, key: list[int], value: torch.Tensor | None, start: int) -> TreeNode:
+    def _add_leaf(self, parent: TreeNode, key: list[int], value: torch.Tensor | None, start: int,
+                  namespace: str | None = None) -> TreeNode:
         """A new leaf under ``parent`` at depth ``start``, on the device when
-        ``value`` (its slots) is given."""
+        ``value`` (its slots) is given; ``namespace`` is its branch's when
+        ``parent`` is the root (below it, the parent's)."""
         leaf = self._new_node(list(key), None if value is None else value.to(torch.int64).clone(), parent)
-        parent.children[self._child_key(leaf.key)] = leaf
+        if parent is self.root:
+            leaf.namespace = namespace
+        parent.children[self._child_key(leaf.key, leaf.namespace)] = leaf
         self._leaves.discard(parent)
         self._touch(leaf)
         self._leaves.add(leaf)
@@ -336,7 +352,7 @@ class RadixCache(BasePrefixCache):
 
     def _delete_leaf(self, leaf: TreeNode) -> TreeNode:
         parent = leaf.parent
-        del parent.children[self._child_key(leaf.key)]
+        del parent.children[self._child_key(leaf.key, leaf.namespace)]
         self._leaves.discard(leaf)
         if not parent.children and parent is not self.root:
             self._leaves.add(parent)
@@ -360,10 +376,11 @@ class RadixCache(BasePrefixCache):
         return tokens, slots
 
     def _insert_req(self, req: CachedReq) -> tuple[list[int], torch.Tensor, int]:
-        """Insert the request's page-aligned tokens; free its duplicate slots."""
+        """Insert the request's page-aligned tokens (in its adapter's
+        namespace); free its duplicate slots."""
         tokens, slots = self._req_slots(req)
         aligned = self._aligned(len(tokens))
-        present = self.insert(tokens[:aligned], slots[:aligned])
+        present = self.insert(tokens[:aligned], slots[:aligned], cache_namespace(req))
         # Slots before cache_protected_len already are the tree's; the request's
         # own slots for tokens that someone else cached meanwhile are duplicates.
         self.allocator.free(slots[req.cache_protected_len : present])
@@ -382,7 +399,7 @@ class RadixCache(BasePrefixCache):
         """Insert a chunked or running request's KV so far and move its lock to
         the new deepest node; the request keeps its partial last page."""
         tokens, slots, aligned = self._insert_req(req)
-        match = self.match_prefix(tokens[:aligned])
+        match = self.match_prefix(tokens[:aligned], cache_namespace(req))
         new_slots = match.device_indices
         self.req_to_token_pool.write(req.req_pool_idx, req.cache_protected_len, new_slots[req.cache_protected_len :])
         self.inc_lock_ref(match.last_node)
@@ -400,8 +417,10 @@ class RadixCache(BasePrefixCache):
             self._check_node(node, problems)
             if len(node.key) == 0 or len(node.key) % self.page_size:
                 problems.append(f"{node}: key length {len(node.key)} is not a positive multiple of {self.page_size}")
-            if node.parent.children.get(self._child_key(node.key)) is not node:
+            if node.parent.children.get(self._child_key(node.key, node.namespace)) is not node:
                 problems.append(f"{node}: not indexed under its first page in its parent")
+            if node.parent is not self.root and node.namespace != node.parent.namespace:
+                problems.append(f"{node}: namespace {node.namespace!r} under its parent's {node.parent.namespace!r}")
             if node.lock_ref < 0 or (node.parent is not self.root and node.parent.lock_ref < node.lock_ref):
                 problems.append(f"{node}: lock_ref {node.lock_ref} exceeds its parent's {node.parent.lock_ref}")
             if node.value is None:  # not on the device: not in the device counters

@@ -31,7 +31,12 @@ import torch
 from torch import nn
 
 from radixserve.layers.logits_processor import LogitsProcessorOutput
-from radixserve.model_executor.forward_batch_info import AttentionBackendProtocol, ForwardBatch, ForwardMode
+from radixserve.model_executor.forward_batch_info import (
+    AttentionBackendProtocol,
+    ForwardBatch,
+    ForwardMode,
+    PrefixGroupTable,
+)
 
 if TYPE_CHECKING:
     from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -51,6 +56,7 @@ class ModelRunnerView(Protocol):
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool: MHATokenToKVPool
     attn_backend: AttentionBackendProtocol
+    prefix_grouped_decode: bool  # --enable-prefix-grouped-decode
 
 
 def default_batch_sizes(max_bs: int) -> list[int]:
@@ -100,6 +106,12 @@ class CudaGraphRunner:
         self.req_pool_indices = torch.full((n,), model_runner.padding_req_row, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
+        # Prefix-grouped decode: the table is an input of every graph (a
+        # batch without groups fills it empty), where the backend's grouped
+        # decode runs in a graph; elsewhere graphs decode ungrouped.
+        self.prefix_groups = None
+        if model_runner.prefix_grouped_decode and getattr(model_runner.attn_backend, "graphs_prefix_groups", False):
+            self.prefix_groups = PrefixGroupTable.static(n, model_runner.padding_req_row, dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capturer = GraphCapturer(model_runner.device, model_runner.tp_size)
@@ -129,6 +141,7 @@ class CudaGraphRunner:
             req_to_token_pool=r.req_to_token_pool,
             token_to_kv_pool=r.token_to_kv_pool,
             attn_backend=r.attn_backend,
+            prefix_groups=None if self.prefix_groups is None else self.prefix_groups.rows(bs),
         )
 
     def _run_once(self, fb: ForwardBatch) -> torch.Tensor:
@@ -149,6 +162,8 @@ class CudaGraphRunner:
         self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
         self.seq_lens[:bs].copy_(fb.seq_lens)
         self.out_cache_loc[:bs].copy_(fb.out_cache_loc)
+        if self.prefix_groups is not None:
+            self.prefix_groups.fill(fb.prefix_groups, bs, padded)
         if padded > bs:
             self.req_pool_indices[bs:padded].fill_(self.runner.padding_req_row)
             self.seq_lens[bs:padded].fill_(1)

@@ -73,6 +73,40 @@ class PrefixGroupTable:
         return PrefixGroupTable(move(self.prefix_rows), move(self.prefix_lens), move(self.member_starts),
                                 move(self.members), move(self.suffix_starts), self.prefix_lens_cpu, self.members_cpu)
 
+    @classmethod
+    def static(cls, max_bs: int, padding_row: int, device: torch.device) -> "PrefixGroupTable":
+        """Buffers for a CUDA graph's input: room for every table of up to
+        ``max_bs`` requests (a group has two members at least), holding no
+        group. :meth:`fill` copies a batch's table in; the spare groups have
+        no members, and a device kernel reads only the tensors, never the
+        ``*_cpu`` lists (empty here)."""
+        groups = max(1, max_bs // 2)
+        zeros = lambda n: torch.zeros(n, dtype=torch.int64, device=device)  # noqa: E731
+        return cls(torch.full((groups,), padding_row, dtype=torch.int64, device=device), zeros(groups),
+                   zeros(groups + 1), zeros(max_bs), zeros(max_bs), [], [])
+
+    def fill(self, table: "PrefixGroupTable | None", bs: int, padded: int) -> None:
+        """Copy ``table`` (of a batch of ``bs`` requests, on this device; None:
+        no group) into these static buffers, rows ``bs .. padded-1`` (a graph's
+        padding) in no group. Device copies only."""
+        if table is None:
+            self.member_starts.zero_()
+            self.suffix_starts[:padded].zero_()
+            return
+        g, m = table.num_groups, table.members.shape[0]
+        self.prefix_rows[:g].copy_(table.prefix_rows)
+        self.prefix_lens[:g].copy_(table.prefix_lens)
+        self.member_starts[: g + 1].copy_(table.member_starts)
+        self.member_starts[g + 1 :].fill_(m)
+        self.members[:m].copy_(table.members)
+        self.suffix_starts[:bs].copy_(table.suffix_starts)
+        self.suffix_starts[bs:padded].zero_()
+
+    def rows(self, bs: int) -> "PrefixGroupTable":
+        """The static table as a batch of ``bs`` requests sees it (its own suffix starts)."""
+        return PrefixGroupTable(self.prefix_rows, self.prefix_lens, self.member_starts, self.members,
+                                self.suffix_starts[:bs], [], [])
+
 
 @dataclass
 class ForwardBatch:
@@ -111,6 +145,9 @@ class ForwardBatch:
     # DECODE with --enable-prefix-grouped-decode: the running requests that
     # share a cached prefix (managers/prefix_groups.py); None: attend as usual.
     prefix_groups: PrefixGroupTable | None = None
+
+    # --enable-lora: the batch's rows grouped by adapter slot (lora/pool.py's LoRABatch); None: no adapter
+    lora: Any = None
 
     # Backend-private metadata, filled by attn_backend.init_forward_metadata().
     attn_metadata: Any = None

@@ -37,6 +37,8 @@ from radixserve.layers.linear import prepack_linears_for_cpu, quantize_linears
 from radixserve.layers.logits_processor import LogitsProcessorOutput
 from radixserve.layers.moe.load_stats import ExpertLoadHistogram
 from radixserve.layers.quantization import check_quantization
+from radixserve.lora.manager import LoRAManager
+from radixserve.lora.options import LoRAOptions
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator, page_floor
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixserve.mem_cache.virtual_memory import available_ram
@@ -67,11 +69,15 @@ class ModelRunner:
     to that many requests replay CUDA graphs (``cuda_graph_runner.py``); with
     ``piecewise_cuda_graph_tokens``, extends of up to the largest of those
     token counts replay graphs of the pieces between attentions
-    (``piecewise_cuda_graph_runner.py``). ``quantization`` ``"fp8"`` quantizes
+    (``piecewise_cuda_graph_runner.py``); with ``prefix_grouped_decode``
+    the decode graphs take a batch's prefix groups as an input where the
+    attention backend can (docs/prefix_grouped_decode.md). ``quantization`` ``"fp8"`` quantizes
     the linear layers once loaded (``layers/quantization.py``), before the
     pool is sized, so the memory it frees goes to KV. ``enable_memory_saver``
     moves the weights into a virtual arena whose memory can be released and
     resumed (``weight_arena.py``; on a CPU they are then not prepacked).
+    ``lora`` (``--enable-lora``) hooks LoRA adapter slots into the linear
+    layers (``lora_manager``, docs/lora.md); it needs CUDA graphs off.
     ``model`` may be passed ready-made (tests); otherwise it is loaded with
     ``radixserve.model_loader.get_model``.
 
@@ -116,6 +122,8 @@ class ModelRunner:
         enable_memory_saver: bool = False,
         ep_size: int = 1,
         moe_a2a_backend: str = "none",
+        prefix_grouped_decode: bool = False,
+        lora: LoRAOptions | None = None,
     ):
         if page_size < 1 or max_running_requests < 1:
             raise ValueError(f"page_size and max_running_requests must be >= 1, got {page_size}, {max_running_requests}")
@@ -149,10 +157,12 @@ class ModelRunner:
             from radixserve.model_executor.weight_arena import WeightArena
 
             self.weight_arena = WeightArena(self.model, self.device, self.tp_group.agree_min)
+        self.lora_manager = self._lora_manager(lora, cuda_graph_max_bs, piecewise_cuda_graph_tokens)
         self.max_total_tokens = self._kv_pool_tokens(max_total_tokens, mem_fraction_static)
         self.mem_fraction_static = mem_fraction_static
         self.max_context_len = min(max_context_len or model_config.context_len, self.max_total_tokens)
         self._init_memory_pools()
+        self.prefix_grouped_decode = prefix_grouped_decode  # decode batches may carry prefix groups
         self.attn_backend = create_attention_backend(attention_backend, self)
         self.cuda_graph_runner = None
         if cuda_graph_max_bs > 0 and self.device.type == "cuda":
@@ -180,6 +190,16 @@ class ModelRunner:
         if tp_group is not None:
             return tp_group
         return init_tp_group(tp_rank, tp_size, self.device, init_method, timeout_s, nnodes, rank_failure)
+
+    def _lora_manager(self, options: LoRAOptions | None, cuda_graph_max_bs: int, piecewise_tokens) -> LoRAManager | None:
+        """The adapters and their device slots (``lora/manager.py``), before the
+        KV pool is sized so that the slots' memory is counted."""
+        if options is None:
+            return None
+        if self.device.type == "cuda" and (cuda_graph_max_bs > 0 or piecewise_tokens):
+            raise ValueError("enable_lora: LoRA runs eagerly (its torch path); turn CUDA graphs off")
+        return LoRAManager(self.model, self.model_config.num_hidden_layers, options, self.tp_rank, self.dtype,
+                           self.device)
 
     def _piecewise_runner(self, token_sizes: list[int]) -> PiecewiseCudaGraphRunner | None:
         if not supports_pieces(self.model):
@@ -277,6 +297,8 @@ class ModelRunner:
             token_ids_logprobs=batch.token_ids_logprobs,
             num_decoding=batch.num_decoding,
             prefix_groups=None if batch.prefix_groups is None else batch.prefix_groups.to(dev),
+            lora=None if self.lora_manager is None else self.lora_manager.prepare(
+                batch.lora_ids, batch.lora_slots, batch.extend_seq_lens or [1] * batch.batch_size),
             **extend,
         )
 
@@ -308,6 +330,8 @@ class ModelRunner:
             return self.cuda_graph_runner.replay(forward_batch)
         if self.piecewise_runner is not None and self.piecewise_runner.can_run(forward_batch):
             return self.piecewise_runner.forward(forward_batch)
+        if self.lora_manager is not None:  # fills the slots it needs, here on the forward's stream
+            self.lora_manager.activate(forward_batch.lora)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 

@@ -137,8 +137,8 @@ def chat_to_generate(req: ChatCompletionRequest, tokenizer: Any, tool_call_parse
 
 
 def _rid(req: CompletionRequest | ChatCompletionRequest) -> dict:
-    """The request id and the disaggregation fields, where given."""
-    fields = ("rid", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+    """The request id, the disaggregation fields and the LoRA adapter, where given."""
+    fields = ("rid", "bootstrap_host", "bootstrap_port", "bootstrap_room", "lora_path")
     return {name: getattr(req, name) for name in fields if getattr(req, name) is not None}
 
 

@@ -107,6 +107,8 @@ class _GenerationRequest(BaseModel):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     bootstrap_room: int | None = Field(None, ge=0, lt=2**63)
+    # --enable-lora: the LoRA adapter by name (so does a model "BASE:ADAPTER", docs/lora.md)
+    lora_path: str | None = None
     # hints that never change the output
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -125,7 +127,6 @@ class _GenerationRequest(BaseModel):
     custom_params: NoOpOnly = None
     custom_logit_processor: NoOpOnly = None
     watermark: NoOpOnly = None
-    lora_path: NoOpOnly = None
     session_params: NoOpOnly = None
     extra_key: NoOpOnly = None
     cache_salt: NoOpOnly = None
@@ -541,6 +542,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "radixserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

@@ -28,14 +28,27 @@ def lora_adapter(model: str | None, own_names: set[str]) -> str | None:
     return model.split(":", 1)[1].strip() or None
 
 
-def _adapter_error(tm: TokenizerManager, model: str | None) -> JSONResponse | None:
+def _adapter(tm: TokenizerManager, model: str | None) -> tuple[str | None, JSONResponse | None]:
+    """The LoRA adapter ``model`` selects (``BASE:ADAPTER``, or a loaded
+    adapter's name alone), or None; or the 400 naming an adapter that is not
+    loaded (SGLang refuses any adapter when started without --enable-lora)."""
     adapter = lora_adapter(model, tm.model_names)
-    if adapter is None:
-        return None
-    # SGLang refuses an adapter when started without --enable-lora; this server serves none yet
-    body = A.openai_error(f"model: '{model}' names the LoRA adapter '{adapter}', but this server serves no LoRA "
-                          f"adapters; use '{tm.served_model_name}'", param="model", code=400)
-    return JSONResponse(body, 400)
+    if adapter is None and tm.lora_names is not None and model in tm.lora_names:
+        adapter = model
+    if adapter is None or (tm.lora_names is not None and adapter in tm.lora_names):
+        return adapter, None
+    if tm.lora_names is None:
+        message = (f"model: '{model}' names the LoRA adapter '{adapter}', but this server serves no LoRA adapters "
+                   f"(start it with --enable-lora); use '{tm.served_model_name}'")
+    else:
+        message = (f"model: '{model}' names the LoRA adapter '{adapter}', which is not loaded "
+                   f"(loaded: {', '.join(sorted(tm.lora_names)) or 'none'})")
+    return None, JSONResponse(A.openai_error(message, param="model", code=400), 400)
+
+
+def _lora(adapter: str | None) -> dict:
+    """The ``lora_path`` a model's adapter sets (it wins over the body's field)."""
+    return {} if adapter is None else {"lora_path": adapter}
 
 
 def _reply_model(tm: TokenizerManager, model: str | None) -> str:
@@ -79,15 +92,19 @@ def add_openai_routes(app: FastAPI, tm: TokenizerManager, tool_call_parser: str 
 
     @app.get("/v1/models")
     async def models():
-        card = ModelCard(id=tm.served_model_name, created=int(time.time()), owned_by="radixserve",
-                         max_model_len=tm.context_len)
-        return ModelList(data=[card]).model_dump()
+        created = int(time.time())
+        cards = [ModelCard(id=tm.served_model_name, created=created, owned_by="radixserve",
+                           max_model_len=tm.context_len)]
+        cards += [ModelCard(id=name, created=created, owned_by="radixserve", root=path, parent=tm.served_model_name,
+                            max_model_len=tm.context_len) for name, path in sorted(tm.lora_adapters.items())]
+        return ModelList(data=cards).model_dump()
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        if (err := _adapter_error(tm, req.model)) is not None:
+        adapter, err = _adapter(tm, req.model)
+        if err is not None:
             return err
-        obj = GenerateReqInput(**A.completion_to_generate(req))
+        obj = GenerateReqInput(**{**A.completion_to_generate(req), **_lora(adapter)})
         gen = _naming_grammar(tm.generate_request(obj, request), req)
         created, rid, model = int(time.time()), A.new_request_id("cmpl"), _reply_model(tm, req.model)
         prompts = A.prompt_texts(req, tm.tokenizer) if req.echo else None
@@ -101,9 +118,11 @@ def add_openai_routes(app: FastAPI, tm: TokenizerManager, tool_call_parser: str 
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
-        if (err := _adapter_error(tm, req.model)) is not None:
+        adapter, err = _adapter(tm, req.model)
+        if err is not None:
             return err
-        obj = GenerateReqInput(**await tm.run_blocking(A.chat_to_generate, req, tm.tokenizer, tool_call_parser))
+        kwargs = await tm.run_blocking(A.chat_to_generate, req, tm.tokenizer, tool_call_parser)
+        obj = GenerateReqInput(**{**kwargs, **_lora(adapter)})
         gen = _naming_grammar(tm.generate_request(obj, request), req)
         created, rid, model = int(time.time()), A.new_request_id("chatcmpl"), _reply_model(tm, req.model)
         parsing = chat_parsing(req, tool_call_parser, reasoning_parser)

@@ -42,6 +42,7 @@ DEFAULT_NUM_SMS = 16  # off CUDA (Triton's interpreter) there is no multiprocess
 class DecodeMetadata:
     num_kv_splits: torch.Tensor  # [bs] int32, a view of the backend's persistent buffer
     max_splits: int  # the split axis of the grid
+    shared: decode_ops.SharedPrefixes | None = None  # prefix-grouped decode: the batch's shared prefixes
 
 
 @dataclass
@@ -68,18 +69,24 @@ class TritonAttnBackend(AttentionBackend):
     sized for its ``max_running_requests + 1`` rows (the padding row included)
     up front; without one (kernel tests) it grows on demand."""
 
+    graphs_prefix_groups = True  # its grouped decode runs inside CUDA graphs (cuda_graph_runner.py)
+
     def __init__(self, model_runner=None):
         self.num_kv_heads = 1
+        self.group = 1  # query heads per KV head
         self._splits_buf: torch.Tensor | None = None  # [capacity] int32
         # Flat fp32 scratch, viewed per batch as [bs, heads, splits, v_head_dim] and [bs, heads, splits].
         self._mid_o: torch.Tensor | None = None
         self._mid_lse: torch.Tensor | None = None
+        self._prefix_o: torch.Tensor | None = None  # the same for the shared prefixes' partials
+        self._prefix_lse: torch.Tensor | None = None
         self._num_sms: dict[torch.device, int] = {}
         if model_runner is not None:
             heads, device = model_runner.head_layout, model_runner.device  # this TP rank's heads
             if device.type == "cuda":
                 check_kv_dtype(model_runner.kv_cache_dtype, torch.cuda.get_device_capability(device))
             self.num_kv_heads = heads.num_kv_heads
+            self.group = heads.num_heads // heads.num_kv_heads
             rows = model_runner.max_running_requests + 1  # the padding row too
             self._splits(rows, device)
             split_rows = decode_ops.scratch_splits(rows, self.num_kv_heads, self._sm_count(device))
@@ -89,7 +96,10 @@ class TritonAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         fb = forward_batch
         if fb.forward_mode.is_decode():
-            fb.attn_metadata = self._decode_metadata(fb.seq_lens)
+            if fb.prefix_groups is not None:
+                fb.attn_metadata = self._grouped_metadata(fb)
+            else:
+                fb.attn_metadata = self._decode_metadata(fb.seq_lens)
             return
         n = fb.batch_size - fb.num_decoding  # requests that extend; the others ride as a decode
         fb.attn_metadata = ExtendMetadata(
@@ -105,6 +115,30 @@ class TritonAttnBackend(AttentionBackend):
         max_splits = decode_ops.splits_grid(bs, self.num_kv_heads, self._sm_count(device))
         num_kv_splits = decode_ops.num_kv_splits_(self._splits(bs, device)[:bs], seq_lens, max_splits)
         return DecodeMetadata(num_kv_splits=num_kv_splits, max_splits=max_splits)
+
+    def _grouped_metadata(self, fb: "ForwardBatch") -> DecodeMetadata:
+        """A decode whose requests read their own suffixes, and the groups'
+        shared prefixes cut into tiles of ``members_per_tile`` members (device
+        ops of fixed shapes only: a CUDA graph captures them, and the table's
+        spare groups, of no members, give no tiles)."""
+        table, bs, device = fb.prefix_groups, fb.batch_size, fb.seq_lens.device
+        md = self._decode_metadata(fb.seq_lens - table.suffix_starts)
+        per_tile = decode_ops.members_per_tile(self.group)
+        starts = table.member_starts
+        sizes = starts[1:] - starts[:-1]
+        tiles_of_group = torch.div(sizes + (per_tile - 1), per_tile, rounding_mode="floor")
+        ends = torch.cumsum(tiles_of_group, 0)
+        tile = torch.arange(bs, device=device)  # never more tiles than grouped requests
+        g = torch.searchsorted(ends, tile, right=True).clamp_(max=sizes.shape[0] - 1)
+        local = tile - (ends[g] - tiles_of_group[g])
+        counts = torch.where(tile < ends[-1], (sizes[g] - local * per_tile).clamp(0, per_tile), 0)
+        tiles = torch.stack([table.prefix_rows[g], table.prefix_lens[g], starts[g] + local * per_tile, counts])
+        md.shared = decode_ops.SharedPrefixes(
+            prefix_lens=table.suffix_starts, tiles=tiles, num_tiles=ends[-1:], members=table.members,
+            mid_o=None, mid_lse=None,
+            programs=decode_ops.prefix_programs(self.num_kv_heads, self._sm_count(device)),
+        )
+        return md
 
     # -- forward --------------------------------------------------------------
     def forward_decode(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache=True):
@@ -123,9 +157,12 @@ class TritonAttnBackend(AttentionBackend):
         bs, dv = q.shape[0], out.shape[-1]
         k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         mid_o, mid_lse = self._scratch(bs, md.max_splits, layer.num_heads, dv, q.device)
+        shared = md.shared
+        if shared is not None:
+            shared.mid_o, shared.mid_lse = self._prefix_scratch(bs, layer.num_heads, dv, q.device)
         decode_ops.decode_attention_fwd(
             q, k_buf, v_buf, out, fb.req_to_token_pool.req_to_token, fb.req_pool_indices[rows], fb.seq_lens[rows],
-            md.num_kv_splits, md.max_splits, mid_o, mid_lse, layer.scaling,
+            md.num_kv_splits, md.max_splits, mid_o, mid_lse, layer.scaling, shared,
         )
 
     def forward_extend(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache=True):
@@ -185,6 +222,19 @@ class TritonAttnBackend(AttentionBackend):
             self._mid_o = torch.empty(lse_numel * v_head_dim, dtype=torch.float32, device=device)
         mid_o = self._mid_o[: lse_numel * v_head_dim].view(bs, num_heads, splits, v_head_dim)
         return mid_o, self._mid_lse[:lse_numel].view(bs, num_heads, splits)
+
+    def _prefix_scratch(self, bs: int, num_heads: int, v_head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[bs, num_heads, PREFIX_SPLITS, v_head_dim]`` and ``[bs, num_heads,
+        PREFIX_SPLITS]`` for the shared prefixes' partials (grown like ``_scratch``)."""
+        device, splits = _canonical(device), decode_ops.PREFIX_SPLITS
+        lse_numel = bs * num_heads * splits
+        if self._prefix_lse is None or self._prefix_lse.numel() < lse_numel or self._prefix_lse.device != device:
+            self._prefix_lse = torch.empty(lse_numel, dtype=torch.float32, device=device)
+            self._prefix_o = torch.empty(lse_numel * v_head_dim, dtype=torch.float32, device=device)
+        if self._prefix_o.numel() < lse_numel * v_head_dim:
+            self._prefix_o = torch.empty(lse_numel * v_head_dim, dtype=torch.float32, device=device)
+        o = self._prefix_o[: lse_numel * v_head_dim].view(bs, num_heads, splits, v_head_dim)
+        return o, self._prefix_lse[:lse_numel].view(bs, num_heads, splits)
 
     def _sm_count(self, device: torch.device) -> int:
         device = _canonical(device)

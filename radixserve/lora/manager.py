@@ -1,0 +1,174 @@
+"""The LoRA manager of one rank's ModelRunner: the adapters in host memory
+(by name, each with a uid unique to its load), the device slots of every
+LoRA-enabled linear layer (``pool.LoRALayer``, hooked into the layer as
+``LinearBase.lora``), and each forward's segments.
+
+Which adapter goes in which slot is the scheduler's decision
+(``slots.LoRASlotTable``), taken alike on every rank; a batch names each
+request's adapter uid and slot, and :meth:`activate` fills the slots whose
+content differs before the forward, on the forward's stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import torch
+from torch import nn
+
+from radixserve.lora.adapter import LoRAAdapter, load_adapter
+from radixserve.lora.options import LoRAOptions
+from radixserve.lora.pool import LoRABatch, LoRALayer, LoRAPart, LoRASegment
+
+logger = logging.getLogger(__name__)
+
+# Our merged layers and the PEFT modules (with their shard ids) inside each.
+_LAYERS = {
+    "self_attn.qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
+    "mlp.gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
+    "self_attn.o_proj": (("o_proj", None),),
+    "mlp.down_proj": (("down_proj", None),),
+}
+_LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(" + "|".join(re.escape(k) for k in _LAYERS) + r")$")
+
+
+class LoRAManager:
+    """Adapters and slots of one rank (see the module's docstring).
+    ``options.max_lora_rank`` and ``options.target_modules`` default to
+    what the start-up adapters need."""
+
+    def __init__(self, model: nn.Module, num_layers: int, options: LoRAOptions, tp_rank: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.num_layers, self.dtype, self.device = num_layers, dtype, device
+        self.num_slots = options.max_loras_per_batch
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self._by_uid: dict[str, LoRAAdapter] = {}
+        self._loads = 0
+        for name, path in options.paths.items():
+            self._read(name, path)
+        ranks = [a.rank for a in self.adapters.values()]
+        if options.max_lora_rank is None and not ranks:
+            raise ValueError("max_lora_rank: required when no adapter is given at start-up (--lora-paths)")
+        self.max_rank = options.max_lora_rank or max(ranks)
+        modules = options.target_modules
+        if modules is None:
+            modules = frozenset().union(*(a.target_modules for a in self.adapters.values()))
+            if not modules:
+                raise ValueError("lora_target_modules: required when no adapter is given at start-up (--lora-paths)")
+        self.target_modules = modules
+        for adapter in self.adapters.values():
+            self._check_fits(adapter, "lora_paths")
+        self.layers = self._attach(model, tp_rank)
+        self.slot_uids: list[str | None] = [None] * self.num_slots  # what each device slot holds
+        self.active: LoRABatch | None = None
+        logger.info("LoRA: %d adapters, %d slots of rank %d on %d layers (%s)", len(self.adapters), self.num_slots,
+                    self.max_rank, len(self.layers), ", ".join(sorted(self.target_modules)))
+
+    # -- adapters in host memory -----------------------------------------------
+    def _read(self, name: str, path: str) -> LoRAAdapter:
+        self._loads += 1
+        adapter = load_adapter(name, path, f"{name}#{self._loads}", self.num_layers, self.dtype)
+        self.adapters[name] = adapter
+        self._by_uid[adapter.uid] = adapter
+        return adapter
+
+    def _check_fits(self, adapter: LoRAAdapter, field: str) -> None:
+        if adapter.rank > self.max_rank:
+            raise ValueError(f"{field}: adapter {adapter.name!r} has rank {adapter.rank}, above --max-lora-rank "
+                             f"{self.max_rank}")
+        extra = sorted(adapter.target_modules - self.target_modules)
+        if extra:
+            raise ValueError(f"{field}: adapter {adapter.name!r} targets {', '.join(extra)}, not among "
+                             f"--lora-target-modules ({', '.join(sorted(self.target_modules))})")
+
+    def resolve(self, name: str) -> str:
+        """The uid of the adapter loaded as ``name``; ValueError naming ``lora_path``."""
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            known = ", ".join(sorted(self.adapters)) or "none"
+            raise ValueError(f"lora_path: unknown LoRA adapter {name!r} (loaded: {known})")
+        return adapter.uid
+
+    # -- the model's layers ---------------------------------------------------------
+    def _attach(self, model: nn.Module, tp_rank: int) -> list[LoRALayer]:
+        layers, found = [], set()
+        for name, module in model.named_modules():
+            m = _LAYER_NAME.search(name)
+            if m is None:
+                continue
+            layer_id, kind = int(m.group(1)), m.group(2)
+            parts = self._parts(module, _LAYERS[kind])
+            found.update((layer_id, p) for p, _ in _LAYERS[kind])
+            if not parts:
+                continue
+            row = kind in ("self_attn.o_proj", "mlp.down_proj")
+            in_size = module.input_size_per_rank if row else module.input_size
+            out_size = module.output_size if row else module.weight.shape[0]
+            hook = LoRALayer(layer_id, parts, row, in_size, out_size, self.num_slots, self.max_rank, tp_rank,
+                             self.dtype, self.device, self._batch)
+            module.lora = hook
+            layers.append(hook)
+        missing = sorted({m for m in self.target_modules for i in range(self.num_layers) if (i, m) not in found})
+        if missing:
+            raise ValueError(f"lora_target_modules: this model has no dense {', '.join(missing)} in every layer "
+                             "(LoRA on mixture-of-experts layers is not supported)")
+        return layers
+
+    def _parts(self, module: nn.Module, modules: tuple) -> list[LoRAPart]:
+        parts = []
+        for peft_name, shard_id in modules:
+            if peft_name not in self.target_modules:
+                continue
+            if shard_id is None:  # row-parallel: the whole output
+                parts.append(LoRAPart(peft_name, 0, module.output_size, 0))
+            else:
+                s = module.shards[shard_id]
+                parts.append(LoRAPart(peft_name, s.offset, s.size, s.start))
+        return parts
+
+    def _batch(self) -> LoRABatch | None:
+        return self.active
+
+    # -- a forward -------------------------------------------------------------------
+    def prepare(self, lora_ids: list[str | None] | None, lora_slots: list[int] | None,
+                tokens: list[int]) -> LoRABatch | None:
+        """The segments of a batch whose request ``i`` has ``tokens[i]`` rows
+        (contiguous, in batch order), adapter ``lora_ids[i]`` in slot
+        ``lora_slots[i]``; None when no request has an adapter."""
+        if not lora_ids or all(uid is None for uid in lora_ids):
+            return None
+        starts = [0]
+        for n in tokens:
+            starts.append(starts[-1] + n)
+        by_slot: dict[int, list[int]] = {}
+        for i, (uid, slot) in enumerate(zip(lora_ids, lora_slots)):
+            if uid is not None:
+                by_slot.setdefault(slot, []).append(i)
+        batch = LoRABatch()
+        for slot in sorted(by_slot):
+            reqs = by_slot[slot]
+            uid = lora_ids[reqs[0]]
+            adapter = self._by_uid.get(uid)
+            if adapter is None:
+                raise RuntimeError(f"LoRA adapter {uid} is not loaded but a batch uses it")
+            if self.slot_uids[slot] != uid:
+                batch.loads.append((slot, uid))
+            batch.segments.append(LoRASegment(slot, self._rows(reqs, starts), adapter.rank, adapter.config.scaling))
+        return batch
+
+    def _rows(self, reqs: list[int], starts: list[int]) -> slice | torch.Tensor:
+        if all(starts[a + 1] == starts[b] for a, b in zip(reqs, reqs[1:])):
+            return slice(starts[reqs[0]], starts[reqs[-1] + 1])
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in reqs])
+        return rows.to(self.device, non_blocking=True)
+
+    def activate(self, batch: LoRABatch | None) -> None:
+        """Fill the slots ``batch`` needs and make it the one the layers
+        apply (None: the base model only). Call on the forward's stream."""
+        for slot, uid in batch.loads if batch is not None else ():
+            if self.slot_uids[slot] != uid:
+                weights = self._by_uid[uid].weights
+                for layer in self.layers:
+                    layer.fill(slot, weights)
+                self.slot_uids[slot] = uid
+        self.active = batch
