@@ -79,6 +79,45 @@ PER_REQUEST_ARGS = ("Req_pool_indices", "Seq_lens", "Starts", "Num_kv_splits")
 MERGE_PER_REQUEST_ARGS = ("Num_kv_splits", "Prefix_lens")
 
 
+@triton.jit
+def _attend_span(
+    q, m_i, l_i, acc, K_buf, V_buf, row_ptr, start, end, kv_head, qk_scale, v_scale,
+    stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_mask, offs_dv, dv_mask,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, KV_FP8: tl.constexpr,
+):
+    """Online softmax of the query rows ``q`` over positions ``[start, end)``
+    of the ``req_to_token`` row at ``row_ptr`` (one KV head), ``BLOCK_N``
+    tokens a step, carried in ``(m_i, l_i, acc)`` (base-2 running max, sum,
+    unnormalised output) and returned."""
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        slots = tl.load(row_ptr + offs_n, mask=n_mask, other=0).to(tl.int64)
+        k = tl.load(
+            K_buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+            mask=n_mask[None, :] & d_mask[:, None], other=0.0,
+        )
+        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
+            mask=n_mask[:, None] & dv_mask[None, :], other=0.0,
+        )
+        if KV_FP8:
+            # The dot needs V transposed through shared memory. Scaled by a
+            # runtime value, the tile is converted where it is loaded and
+            # transposed as float16; a bare conversion Triton moves past the
+            # transpose, which then reads the fp8 tile a byte at a time.
+            v = v.to(DOT_DTYPE) * tl.cast(v_scale, DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
 @triton.jit(do_not_specialize_on_alignment=PER_REQUEST_ARGS)
 def _decode_split_kernel(
     Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Starts, Num_kv_splits, Mid_o, Mid_lse,
@@ -127,32 +166,11 @@ def _decode_split_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < end
-            slots = tl.load(row_ptr + offs_n, mask=n_mask, other=0).to(tl.int64)
-            k = tl.load(
-                K_buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                mask=n_mask[None, :] & d_mask[:, None], other=0.0,
-            )
-            s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
-                mask=n_mask[:, None] & dv_mask[None, :], other=0.0,
-            )
-            if KV_FP8:
-                # The dot needs V transposed through shared memory. Scaled by a
-                # runtime value, the tile is converted where it is loaded and
-                # transposed as float16; a bare conversion Triton moves past the
-                # transpose, which then reads the fp8 tile a byte at a time.
-                v = v.to(DOT_DTYPE) * tl.cast(v_scale, DOT_DTYPE)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-            m_i = m_new
+        m_i, l_i, acc = _attend_span(
+            q, m_i, l_i, acc, K_buf, V_buf, row_ptr, start, end, kv_head, qk_scale, v_scale,
+            stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_mask, offs_dv, dv_mask,
+            BLOCK_N, DOT_PRECISION, DOT_DTYPE, KV_FP8,
+        )
 
         nonempty = end > start
         l_i = tl.where(nonempty, l_i, 1.0)
@@ -288,28 +306,11 @@ def _prefix_split_kernel(
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-            for n0 in range(start, end, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                n_mask = offs_n < end
-                slots = tl.load(row_ptr + offs_n, mask=n_mask, other=0).to(tl.int64)
-                k = tl.load(
-                    K_buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                    mask=n_mask[None, :] & d_mask[:, None], other=0.0,
-                )
-                s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
-                s = tl.where(n_mask[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(
-                    V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
-                    mask=n_mask[:, None] & dv_mask[None, :], other=0.0,
-                )
-                if KV_FP8:  # as in _decode_split_kernel
-                    v = v.to(DOT_DTYPE) * tl.cast(v_scale, DOT_DTYPE)
-                acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-                m_i = m_new
+            m_i, l_i, acc = _attend_span(
+                q, m_i, l_i, acc, K_buf, V_buf, row_ptr, start, end, kv_head, qk_scale, v_scale,
+                stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_mask, offs_dv, dv_mask,
+                BLOCK_N, DOT_PRECISION, DOT_DTYPE, KV_FP8,
+            )
             nonempty = end > start
             l_i = tl.where(nonempty, l_i, 1.0)
             out = acc / l_i[:, None]
