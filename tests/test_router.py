@@ -387,8 +387,8 @@ async def _kill_mid_run(rt, servers) -> tuple[set[int], float, list[dict], list[
 @pytest.mark.slow
 def test_a_killed_replica_loses_only_its_streams_in_flight(fragile):
     """SIGKILL one replica (server and children) with six long requests in
-    flight over both: the victim's streams are cut within a second, its plain
-    requests are retried on the survivor and complete, the survivor's own
+    flight over both: the victim's streams are cut before its plain requests,
+    retried on the survivor, complete, the survivor's own
     complete, and requests sent right after the kill succeed."""
     rt, (victim, survivor) = fragile
     survivor_before = worker_counters(survivor.url)
@@ -399,10 +399,15 @@ def test_a_killed_replica_loses_only_its_streams_in_flight(fragile):
         if i in on_victim and i in STREAMED:
             # the router ends the chunked reply without its last chunk: no [DONE], no error event
             assert out["status"] == 200 and not out["done"] and "incomplete chunked read" in out["error"], out
-            assert out["at"] - t0 < 2, f"stream {i} was cut only {out['at'] - t0:.1f} s after the kill"
         else:  # the survivor's, and the victim's plain ones (nothing was sent back yet: the router retried)
             assert outcome == complete, (i, i in on_victim, out)
             assert out["at"] - t0 < 30
+    # The router learns of the death once, from the broken connections: it cuts the victim's
+    # streams then, and only then retries its plain requests, which generate all their
+    # tokens again on the survivor. A stream cut late (on a timeout, say) would end after them.
+    cut_last = max(ended[i]["at"] for i in on_victim & STREAMED)
+    retried_first = min(ended[i]["at"] for i in on_victim - STREAMED)
+    assert cut_last < retried_first, "the victim's streams were cut when its plain requests were retried"
     for out in after:
         assert {k: out[k] for k in complete} == {**complete, "tokens": 8}, out
     wait_for(lambda: not next(w for w in httpx.get(rt.url + "/workers").json()["workers"]
