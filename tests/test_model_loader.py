@@ -263,6 +263,46 @@ def test_gguf_conversion_matches_transformers_gguf_loader(tmp_path, arch):
         np.testing.assert_array_equal(ours, theirs[name].float().numpy(), err_msg=name)
 
 
+def test_large_gguf_is_written_in_shards_one_at_a_time(tmp_path, monkeypatch):
+    """Past SHARD_BYTES the conversion writes HF's numbered shards and their
+    index, each shard as soon as it is full (never more than one shard of
+    tensors held), and the folder loads to the same tensors."""
+    from radixserve.model_loader.weight_utils import SAFETENSORS_INDEX, iter_safetensors
+
+    path = tmp_path / "tiny-llama.gguf"
+    write_tiny_gguf(path, "llama", tied=False)
+    one = load_file(os.path.join(load_gguf(str(path), str(tmp_path / "whole")), "model.safetensors"))
+    biggest = max(a.nbytes for a in one.values())  # float32 arrays
+    held, peak, tensors = [], [], gguf_loader.iter_gguf_tensors
+
+    def counted(reader, config):  # how many tensors were read and not yet written
+        for name, array in tensors(reader, config):
+            held.append(array.nbytes)
+            peak.append(sum(held) - sum(written))
+            yield name, array
+
+    written = []
+    save = gguf_loader.save_file
+
+    def saving(shard, filename, metadata):
+        written.extend(t.numel() * 4 for t in shard.values())
+        save(shard, filename, metadata=metadata)
+
+    monkeypatch.setattr(gguf_loader, "SHARD_BYTES", 2 * biggest)
+    monkeypatch.setattr(gguf_loader, "iter_gguf_tensors", counted)
+    monkeypatch.setattr(gguf_loader, "save_file", saving)
+    folder = load_gguf(str(path), str(tmp_path / "sharded"))
+    names = sorted(os.listdir(folder))
+    shards = [n for n in names if n.startswith("model-") and n.endswith(".safetensors")]
+    assert len(shards) >= 3 and "model.safetensors" not in names and SAFETENSORS_INDEX in names
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert max(peak) <= 3 * biggest  # a full shard and the tensor that did not fit
+    loaded = dict(iter_safetensors(folder))
+    assert sorted(loaded) == sorted(one)
+    for name, tensor in one.items():
+        assert torch.equal(loaded[name], torch.from_numpy(tensor)), name
+
+
 def test_gguf_config_from_metadata(tiny_llama):
     _, _, folder = tiny_llama
     config = json.load(open(os.path.join(folder, "config.json")))

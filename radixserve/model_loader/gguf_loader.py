@@ -1,7 +1,10 @@
 """GGUF files (llama.cpp) turned into cached HF-style folders.
 
 A ``.gguf`` file is converted once into ``config.json``, ``model.safetensors``
-(float32, every tensor dequantized with ``gguf.quants``; a mixture of experts'
+(float32, every tensor dequantized with ``gguf.quants``; beyond
+``SHARD_BYTES`` of weights, shards ``model-0000i-of-0000n.safetensors`` and
+their index, written one at a time, so converting never holds more than a
+shard of float32 weights in memory; a mixture of experts'
 stacked ``ffn_*_exps`` tensors become transformers' ``mlp.experts.gate_up_proj``
 and ``down_proj``), the tokenizer files
 and ``generation_config.json``; afterwards the engine loads it like any HF
@@ -42,12 +45,16 @@ from transformers import (
 from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
 from radixserve.cache_dir import CACHE_ENV, cache_root  # noqa: F401  (CACHE_ENV: tests point it elsewhere)
+from radixserve.model_loader.weight_utils import SAFETENSORS_INDEX
 
 logger = logging.getLogger(__name__)
 
 # Bump when the converted output changes, so old cache entries are not reused.
 CONVERTER_VERSION = 1
 MARKER_FILE = "radixserve_gguf.json"
+# Float32 bytes of weights per safetensors file written: a model larger than
+# this is written in shards, one at a time (Qwen3-30B-A3B is ~120 GB in float32).
+SHARD_BYTES = 4 << 30
 
 # general.architecture -> (HF architecture, HF config class)
 GGUF_ARCHITECTURES: dict[str, tuple[str, type[PretrainedConfig]]] = {
@@ -342,15 +349,47 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     """Write the HF-style folder (config, float32 safetensors, tokenizer) for a GGUF file."""
     reader = GGUFReader(gguf_path)
     config = gguf_to_hf_config(reader)
-    tensors = {name: torch.from_numpy(a) for name, a in iter_gguf_tensors(reader, config)}
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    del tensors
+    write_shards(iter_gguf_tensors(reader, config), out_dir)
     config.save_pretrained(out_dir)
     GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     ).save_pretrained(out_dir)
     if reader.get_field("tokenizer.ggml.model") is not None:
         _convert_tokenizer(gguf_path, out_dir, config.max_position_embeddings)
+
+
+def write_shards(tensors: Iterator[tuple[str, np.ndarray]], out_dir: str, shard_bytes: int | None = None) -> None:
+    """Save ``tensors`` as ``model.safetensors``, or, past ``shard_bytes``
+    (default ``SHARD_BYTES``), as HF's numbered shards and their index; a
+    shard is written as soon as it is full and then let go."""
+    limit = SHARD_BYTES if shard_bytes is None else shard_bytes
+    parts: list[list[str]] = []  # the tensor names of each shard written
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        nonlocal shard, size
+        save_file(shard, os.path.join(out_dir, f"part-{len(parts)}.safetensors"), metadata={"format": "pt"})
+        parts.append(list(shard))
+        shard, size = {}, 0
+
+    for name, array in tensors:
+        if shard and size + array.nbytes > limit:
+            flush()
+        shard[name] = torch.from_numpy(array)
+        size += array.nbytes
+        total += array.nbytes
+    flush()
+    if len(parts) == 1:
+        os.replace(os.path.join(out_dir, "part-0.safetensors"), os.path.join(out_dir, "model.safetensors"))
+        return
+    weight_map = {}
+    for i, names in enumerate(parts):
+        file = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+        os.replace(os.path.join(out_dir, f"part-{i}.safetensors"), os.path.join(out_dir, file))
+        weight_map.update(dict.fromkeys(names, file))
+    with open(os.path.join(out_dir, SAFETENSORS_INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
 def _convert_tokenizer(gguf_path: str, out_dir: str, max_length: int) -> None:
