@@ -3,7 +3,8 @@ three PEFT adapters of ranks 8, 16 and 64 (random, non-zero B, so each
 changes the output) against HF transformers + peft, in batches that mix all
 three and the base model, with radix cache hits; the cache never serves a
 prefix across adapters; fewer slots than adapters; tensor parallelism; bad
-flags and adapter names; one HTTP server."""
+flags and adapter names; one HTTP server; adapters loaded and unloaded
+while serving (the Engine and the HTTP endpoints)."""
 
 from __future__ import annotations
 
@@ -273,6 +274,139 @@ def test_http_server_serves_adapters_by_lora_path_and_by_openai_model_name(model
         assert r.status_code == 400 and err["param"] == "model" and "'nope', which is not loaded" in err["message"]
         cards = httpx.get(srv.url + "/v1/models", timeout=10).json()["data"]
         assert [(c["id"], c["parent"]) for c in cards] == [("base", None), ("a16", "base"), ("a8", "base")]
+        assert srv.wait_idle()["memory_check"] == "ok"
+    finally:
+        assert srv.stop() == 0
+
+
+# -- loading and unloading while serving ---------------------------------------------------
+def test_load_use_unload_while_running_then_reload_the_name_with_other_weights(models):
+    """An adapter loaded at run time serves HF + peft's tokens; unloaded while
+    a request of it runs, new requests naming it are refused at once, the
+    running one ends with its own tokens, and only then are its slot and host
+    copy freed; loaded again under the name with other weights, it gets a new
+    uid: none of the old load's cached KV is served and the tokens are the new
+    weights'."""
+    _, folders = models
+    ids = prompts(1, length=30, seed=5)[0]
+    with engine(models) as eng:
+        manager, slots, cache = eng.scheduler.model_runner.lora_manager, eng.scheduler.lora_slots, eng.scheduler.tree_cache
+        out = eng.load_lora_adapter("x", folders["a8"], pinned=False)
+        assert out == {"success": True, "error_message": "", "loaded_adapters": {**folders, "x": folders["a8"]}}
+        assert eng.generate(input_ids=ids, sampling_params=GREEDY, lora_path="x")["output_ids"] == \
+            reference(models, "a8", ids)
+        old_uid = manager.adapters["x"].uid
+
+        stream = eng.generate(input_ids=ids + [7], sampling_params=GREEDY, lora_path="x", stream=True)
+        assert next(stream)["meta_info"]["cached_tokens"] >= len(ids) - 1  # running, on the first load's KV
+        assert eng.unload_lora_adapter("x")["loaded_adapters"] == folders
+        with pytest.raises(ValueError, match="lora_path: unknown LoRA adapter 'x' \\(loaded: a16, a64, a8\\)"):
+            eng.generate(input_ids=ids, sampling_params=GREEDY, lora_path="x")
+        assert old_uid in manager.unloading and old_uid in slots.owners  # still in use: not freed yet
+        *_, last = stream
+        assert last["output_ids"] == reference(models, "a8", ids + [7])
+        assert not manager.unloading and old_uid not in slots.owners and manager.slot_uids == slots.owners
+
+        eng.load_lora_adapter("x", folders["a64"])  # the same name, other weights (and rank)
+        assert manager.adapters["x"].uid != old_uid
+        again = eng.generate(input_ids=ids + [7], sampling_params=GREEDY, lora_path="x")
+        assert again["meta_info"]["cached_tokens"] == 0, "served KV computed under the unloaded weights"
+        assert again["output_ids"] == reference(models, "a64", ids + [7])
+        eng.scheduler.check_memory()
+        cache.evict(cache.total_size())  # the unloaded load's KV goes as any other cache
+        assert cache.total_size() == 0
+        eng.scheduler.check_memory()
+
+
+def test_load_and_unload_errors_name_the_field_and_change_nothing(models, tmp_path):
+    base_dir, folders = models
+    # slots of rank 16 for a16's modules (q, v, down); at most two adapters in host memory
+    with engine(models, lora_paths=[f"a16={folders['a16']}"], max_loras_per_batch=1, max_loaded_loras=2) as eng:
+        manager = eng.scheduler.model_runner.lora_manager
+        for name, path, message in [
+            ("p", str(tmp_path), "lora_path: .* is not a PEFT LoRA adapter folder"),
+            ("p", folders["a64"], "lora_path: adapter 'p' has rank 64, above --max-lora-rank 16"),
+            ("p", folders["a8"], "lora_path: adapter 'p' targets gate_proj, k_proj, o_proj, up_proj, not among "
+                                 "--lora-target-modules"),
+            ("a16", folders["a16"], "lora_name: an adapter named 'a16' is loaded already"),
+            ("a:b", folders["a16"], "lora_name: 'a:b' is not a usable adapter name"),
+        ]:
+            with pytest.raises(ValueError, match=message):
+                eng.load_lora_adapter(name, path)
+        with pytest.raises(ValueError, match="lora_name: no LoRA adapter 'nope' is loaded \\(loaded: a16\\)"):
+            eng.unload_lora_adapter("nope")
+        assert manager.loaded() == {"a16": folders["a16"]}
+        eng.load_lora_adapter("b", folders["a16"])
+        assert manager.adapters["b"].uid == "b#2"  # the failures took no uid
+        with pytest.raises(ValueError, match="lora_name: 2 adapters are in host memory, --max-loaded-loras 2"):
+            eng.load_lora_adapter("c", folders["a16"])
+        eng.unload_lora_adapter("b")  # no request holds it: freed at once, so one more fits
+        eng.load_lora_adapter("c", folders["a16"])
+        ids = prompts(1, seed=6)[0]
+        assert eng.generate(input_ids=ids, sampling_params=GREEDY, lora_path="c")["output_ids"] == \
+            reference(models, "a16", ids)
+        eng.scheduler.check_memory()
+    with radixserve.Engine(model_path=base_dir, device="cpu", disable_tqdm=True) as eng:
+        with pytest.raises(ValueError, match="LoRA is not enabled"):
+            eng.load_lora_adapter("a8", folders["a8"])
+        with pytest.raises(ValueError, match="LoRA is not enabled"):
+            eng.unload_lora_adapter("a8")
+
+
+def test_http_load_and_unload_lora_adapter_with_sglang_bodies_and_the_openai_sdk(models):
+    import openai
+    from server_harness import ONE_THREAD, ServerProcess
+
+    base_dir, folders = models
+    srv = ServerProcess("--model-path", base_dir, "--device", "cpu", "--max-total-tokens", "4096", "--enable-lora",
+                        "--lora-paths", f"a16={folders['a16']}", "--max-lora-rank", "64", "--lora-target-modules", "all",
+                        env=ONE_THREAD)
+    try:
+        def post(path: str, body: dict) -> httpx.Response:
+            return httpx.post(srv.url + path, json=body, timeout=60)
+
+        def generate(adapter: str, ids: list[int]) -> httpx.Response:
+            return post("/generate", {"input_ids": ids, "sampling_params": GREEDY, "lora_path": adapter})
+
+        def models_listed() -> list[str]:
+            return [c["id"] for c in httpx.get(srv.url + "/v1/models", timeout=10).json()["data"]]
+
+        ids = prompts(1, length=20, seed=7)[0]
+        r = post("/load_lora_adapter", {"lora_name": "x", "lora_path": folders["a8"], "pinned": False})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"success": True, "error_message": None, "loaded_adapters": {
+            "a16": folders["a16"], "x": folders["a8"]}}
+        assert generate("x", ids).json()["output_ids"] == reference(models, "a8", ids)
+        assert models_listed() == ["base", "a16", "x"]
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        sdk = client.completions.create(model="base:x", prompt=ids, max_tokens=N_NEW, temperature=0, logprobs=0,
+                                        extra_body={"ignore_eos": True})
+        native = post("/generate", {"input_ids": ids, "sampling_params": GREEDY, "lora_path": "x",
+                                    "return_logprob": True}).json()["meta_info"]["output_token_logprobs"]
+        assert sdk.choices[0].logprobs.token_logprobs == pytest.approx([lp[0] for lp in native], abs=1e-4)
+
+        for path, body, param in [
+            ("/load_lora_adapter", {"lora_name": "x", "lora_path": folders["a8"]}, "lora_name"),
+            ("/load_lora_adapter", {"lora_name": "y", "lora_path": base_dir + "/missing"}, "lora_path"),
+            ("/load_lora_adapter", {"lora_name": "y"}, "lora_path"),
+            ("/unload_lora_adapter", {"lora_name": "nope"}, "lora_name"),
+        ]:
+            r = post(path, body)
+            body = r.json()
+            assert r.status_code == 400 and body["success"] is False and body["error"]["param"] == param, body
+            assert body["error_message"] == body["error"]["message"]
+
+        r = post("/unload_lora_adapter", {"lora_name": "x"})
+        assert r.status_code == 200 and r.json()["loaded_adapters"] == {"a16": folders["a16"]}
+        r = generate("x", ids)
+        assert r.status_code == 400 and "unknown LoRA adapter 'x'" in r.json()["error"]["message"]
+        assert models_listed() == ["base", "a16"]
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="base:x", prompt=ids, max_tokens=2)
+
+        assert post("/load_lora_adapter", {"lora_name": "x", "lora_path": folders["a64"]}).status_code == 200
+        out = generate("x", ids).json()
+        assert out["meta_info"]["cached_tokens"] == 0 and out["output_ids"] == reference(models, "a64", ids)
         assert srv.wait_idle()["memory_check"] == "ok"
     finally:
         assert srv.stop() == 0

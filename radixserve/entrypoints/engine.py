@@ -127,6 +127,22 @@ class Engine:
         """Take the memory of ``tags`` (None: all) back; outputs are then as before the release."""
         return _state(self.scheduler.resume_memory_occupation(tags))
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
+        """SGLang's: read the PEFT adapter at ``lora_path`` (a local folder)
+        as ``lora_name``, which requests may name at once. ValueError naming
+        the field, nothing changed, for a name in use, ``max_loaded_loras``
+        reached, a folder that cannot be read or does not fit
+        ``max_lora_rank`` / ``lora_target_modules``, or LoRA not enabled.
+        ``pinned`` is accepted and ignored (docs/lora.md)."""
+        return _lora_update(self.scheduler.load_lora_adapter(lora_name, lora_path))
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        """SGLang's: new requests can no longer name ``lora_name``; those
+        that hold it finish first, then its slot and host copy are freed.
+        A later load of the name is a new adapter (none of this one's cached
+        KV is served to it)."""
+        return _lora_update(self.scheduler.unload_lora_adapter(lora_name))
+
     def get_stats(self) -> dict:
         return self.scheduler.get_stats()
 
@@ -268,6 +284,14 @@ def _state(result: tuple[bool, str, dict]) -> dict:
     if not ok:
         raise ValueError(message)
     return state
+
+
+def _lora_update(result: tuple[bool, str, dict]) -> dict:
+    """A load's or unload's answer in SGLang's shape, or its message as a ValueError."""
+    ok, message, loaded = result
+    if not ok:
+        raise ValueError(message)
+    return {"success": True, "error_message": "", "loaded_adapters": loaded}
 
 
 def _nth_sample(sp: SamplingParams, i: int) -> SamplingParams:

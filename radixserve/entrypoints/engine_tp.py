@@ -24,9 +24,11 @@ from radixserve.managers.io_struct import (
     CloseReq,
     FlushCacheReq,
     KVLimitReq,
+    LoadLoRAAdapterReqInput,
     ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReqInput,
     encode,
 )
 from radixserve.managers.schedule_batch import Req
@@ -64,6 +66,7 @@ class TpLeader:
             raise
         self.tp_group = self.scheduler.tp_group
         self._outbox: list[bytes] = []
+        self._stepped: list[Req] = []  # what a step taken inside a control call updated: the next step returns it
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._heartbeat = threading.Thread(target=self._keep_alive, name="tp-heartbeat", daemon=True)
@@ -98,20 +101,33 @@ class TpLeader:
     def resume_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str, dict]:
         return self._everywhere(ResumeMemoryOccupationReqInput(tags), self.scheduler.resume_memory_occupation, tags)
 
+    def load_lora_adapter(self, name: str, path: str) -> tuple[bool, str, dict[str, str]]:
+        return self._everywhere(LoadLoRAAdapterReqInput(name, path), self.scheduler.load_lora_adapter, name, path)
+
+    def unload_lora_adapter(self, name: str) -> tuple[bool, str, dict[str, str]]:
+        return self._everywhere(UnloadLoRAAdapterReqInput(name), self.scheduler.unload_lora_adapter, name)
+
     def _everywhere(self, msg, apply, *args):
         """``apply(*args)`` here while the followers handle ``msg``, at once
-        (not with the next step), and answer alike."""
+        (not with the next step), after the messages queued before it, and
+        answer alike. A follower steps after its messages when it is busy (a
+        call between a stream's tokens): so does rank 0, and its next
+        ``step`` returns what this one updated."""
         with self._lock:
-            self._broadcast([encode(msg)])
+            self._broadcast(self._outbox + [encode(msg)])
+            self._outbox = []
             result = apply(*args)
             self.tp_group.barrier()  # the followers' reply barrier (SchedulerProcess.send_replies)
+            if not self.scheduler.is_idle():
+                self._stepped += self.scheduler.step()
             return result
 
     def step(self) -> list[Req]:
         with self._lock:
             self._broadcast(self._outbox)
             self._outbox = []
-            return self.scheduler.step() if not self.scheduler.is_idle() else []
+            out, self._stepped = self._stepped, []
+            return out + (self.scheduler.step() if not self.scheduler.is_idle() else [])
 
     # -- the group -------------------------------------------------------------------
     def _broadcast(self, messages: list[bytes]) -> None:

@@ -23,7 +23,7 @@ import orjson
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException
 
 import radixserve
@@ -119,6 +119,46 @@ def memory_tags(body: Any) -> list[str] | None | tuple[str, str]:
     if tags is not None and (not isinstance(tags, list) or not all(isinstance(t, str) for t in tags)):
         return "tags", f"tags: a list of tags (kv_cache, weights) or null, got {json.dumps(tags)[:40]}"
     return tags
+
+
+class LoadLoRAAdapterBody(BaseModel):
+    """SGLang's ``/load_lora_adapter`` body; ``pinned`` is accepted and
+    ignored (pinning is not built, docs/lora.md)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class UnloadLoRAAdapterBody(BaseModel):
+    """SGLang's ``/unload_lora_adapter`` body."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    lora_name: str
+
+
+def lora_body(body: Any, model: type[BaseModel]) -> BaseModel:
+    """A LoRA load or unload body, checked; ``ValueError`` naming the field."""
+    if not isinstance(body, dict):
+        raise ValueError("body: a JSON object is expected")
+    try:
+        return model(**body)
+    except ValidationError as exc:
+        raise first_error(exc) from None
+    except TypeError as exc:  # a key that is not a Python identifier
+        raise ValueError(f"body: {exc}") from None
+
+
+def lora_update_response(ok: bool, message: str, loaded: dict[str, str]) -> JSONResponse:
+    """SGLang's answer (``success``, ``error_message``, ``loaded_adapters``),
+    200 or 400; a failure also carries the error in OpenAI's shape, with the
+    field it names."""
+    body = {"success": ok, "error_message": message or None, "loaded_adapters": loaded}
+    if ok:
+        return JSONResponse(body, 200)
+    match = FIELD_PREFIX.match(message)
+    return JSONResponse({**body, **error_body(message, 400, None, match.group(1) if match else None)}, 400)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -268,6 +308,29 @@ def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
     async def resume_memory_occupation(request: Request):
         """SGLang's: take the memory of ``tags`` back; the waiting requests run."""
         return await memory_occupation(request, False)
+
+    async def lora_update(request: Request, load: bool) -> JSONResponse:
+        try:
+            body = lora_body(await read_json(request), LoadLoRAAdapterBody if load else UnloadLoRAAdapterBody)
+        except ValueError as exc:
+            return lora_update_response(False, str(exc), dict(sorted(tm.lora_adapters.items())))
+        if load:
+            ok, message = await tm.load_lora_adapter(body.lora_name, body.lora_path)
+        else:
+            ok, message = await tm.unload_lora_adapter(body.lora_name)
+        return lora_update_response(ok, message, dict(sorted(tm.lora_adapters.items())))
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        """SGLang's: read the PEFT adapter at ``lora_path`` as ``lora_name``
+        on every rank (with --enable-lora); requests may name it at once (docs/lora.md)."""
+        return await lora_update(request, True)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        """SGLang's: requests can no longer name ``lora_name``; those running
+        with it finish first, then the schedulers free it."""
+        return await lora_update(request, False)
 
     @app.api_route("/start_profile", methods=["GET", "POST"])
     async def start_profile(request: Request):

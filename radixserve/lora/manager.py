@@ -7,6 +7,11 @@ Which adapter goes in which slot is the scheduler's decision
 (``slots.LoRASlotTable``), taken alike on every rank; a batch names each
 request's adapter uid and slot, and :meth:`activate` fills the slots whose
 content differs before the forward, on the forward's stream.
+
+Adapters are also loaded and unloaded while serving (:meth:`load`,
+:meth:`unload`). An unloaded adapter's name is gone at once, but its uid
+stays readable (host copy and slot) until the scheduler releases it
+(:meth:`release`), once no request holds it any more.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 from torch import nn
 
 from radixserve.lora.adapter import LoRAAdapter, load_adapter
-from radixserve.lora.options import LoRAOptions
+from radixserve.lora.options import LoRAOptions, check_name
 from radixserve.lora.pool import LoRABatch, LoRALayer, LoRAPart, LoRASegment
 
 logger = logging.getLogger(__name__)
@@ -41,11 +46,13 @@ class LoRAManager:
                  dtype: torch.dtype, device: torch.device):
         self.num_layers, self.dtype, self.device = num_layers, dtype, device
         self.num_slots = options.max_loras_per_batch
-        self.adapters: dict[str, LoRAAdapter] = {}
-        self._by_uid: dict[str, LoRAAdapter] = {}
+        self.max_loaded = options.max_loaded_loras
+        self.adapters: dict[str, LoRAAdapter] = {}  # by name: what requests may name
+        self._by_uid: dict[str, LoRAAdapter] = {}  # every adapter in host memory, unloaded ones not yet released too
+        self.unloading: set[str] = set()  # uids unloaded, released once no request holds them
         self._loads = 0
         for name, path in options.paths.items():
-            self._read(name, path)
+            self._register(self._read(name, path))
         ranks = [a.rank for a in self.adapters.values()]
         if options.max_lora_rank is None and not ranks:
             raise ValueError("max_lora_rank: required when no adapter is given at start-up (--lora-paths)")
@@ -66,11 +73,53 @@ class LoRAManager:
 
     # -- adapters in host memory -----------------------------------------------
     def _read(self, name: str, path: str) -> LoRAAdapter:
+        # every load gets a new uid (the radix cache's namespace): KV of an earlier load is never served
+        return load_adapter(name, path, f"{name}#{self._loads + 1}", self.num_layers, self.dtype)
+
+    def _register(self, adapter: LoRAAdapter) -> None:
         self._loads += 1
-        adapter = load_adapter(name, path, f"{name}#{self._loads}", self.num_layers, self.dtype)
-        self.adapters[name] = adapter
+        self.adapters[adapter.name] = adapter
         self._by_uid[adapter.uid] = adapter
+
+    def load(self, name: str, path: str) -> LoRAAdapter:
+        """Read the PEFT adapter at ``path`` as ``name`` while serving;
+        ValueError naming the field (``lora_name``, ``lora_path``), and
+        nothing changes, for a name in use, a full host memory
+        (``--max-loaded-loras``, unloaded adapters not yet released
+        included), or an adapter that is unreadable or does not fit the slots."""
+        check_name(name, "lora_name")
+        if name in self.adapters:
+            raise ValueError(f"lora_name: an adapter named {name!r} is loaded already (unload it first)")
+        if self.max_loaded is not None and len(self._by_uid) >= self.max_loaded:
+            raise ValueError(f"lora_name: {len(self._by_uid)} adapters are in host memory, --max-loaded-loras "
+                             f"{self.max_loaded} (unloaded ones count until their requests finish); unload one first")
+        try:
+            adapter = self._read(name, path)
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"lora_path: {exc}") from None
+        self._check_fits(adapter, "lora_path")
+        self._register(adapter)
         return adapter
+
+    def unload(self, name: str) -> str:
+        """Forget ``name``: no new request can name it. Its uid (returned)
+        stays readable until :meth:`release`. ValueError naming ``lora_name``."""
+        adapter = self.adapters.pop(name, None)
+        if adapter is None:
+            known = ", ".join(sorted(self.adapters)) or "none"
+            raise ValueError(f"lora_name: no LoRA adapter {name!r} is loaded (loaded: {known})")
+        self.unloading.add(adapter.uid)
+        return adapter.uid
+
+    def release(self, uid: str) -> None:
+        """Drop an unloaded adapter's host copy and empty its slot: no request holds ``uid`` any more."""
+        self.unloading.discard(uid)
+        del self._by_uid[uid]
+        self.slot_uids = [None if owner == uid else owner for owner in self.slot_uids]
+
+    def loaded(self) -> dict[str, str]:
+        """The adapters requests may name: name -> folder."""
+        return {name: a.path for name, a in sorted(self.adapters.items())}
 
     def _check_fits(self, adapter: LoRAAdapter, field: str) -> None:
         if adapter.rank > self.max_rank:

@@ -14,6 +14,8 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
 # What SGLang's --lora-target-modules also accepts for "every supported module".
 ALL_MODULES = "all"
+# The answer to a load or unload, or an adapter named, on a server without --enable-lora.
+LORA_NOT_ENABLED = "LoRA is not enabled on this server (start it with --enable-lora)"
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,10 @@ class LoRASlotTable:
             self._last_use[slot_of[uid]] = self._clock
         return [-1 if u is None else slot_of[u] for u in uids]
 
+    def release(self, uid: str) -> None:
+        """Empty the slot of ``uid`` (an unloaded adapter), if it holds one."""
+        self.owners = [None if owner == uid else owner for owner in self.owners]
+
     def _victim(self, keep: set[str]) -> int:
         free = [i for i, uid in enumerate(self.owners) if uid is None]
         if free:

@@ -258,6 +258,33 @@ class FlushCacheReqOutput:
 
 
 @dataclass
+class LoadLoRAAdapterReqInput:
+    """Read the PEFT adapter at ``lora_path`` as ``lora_name`` on every rank
+    (``/load_lora_adapter``, docs/lora.md). SGLang's body also has ``pinned``,
+    accepted at the edge and not sent (pinning is not built)."""
+
+    lora_name: str
+    lora_path: str
+
+
+@dataclass
+class UnloadLoRAAdapterReqInput:
+    """Unload adapter ``lora_name`` on every rank (``/unload_lora_adapter``);
+    its running requests finish first (docs/lora.md)."""
+
+    lora_name: str
+
+
+@dataclass
+class LoRAUpdateOutput:
+    """The answer to a load or an unload: SGLang's fields, ``loaded_adapters`` name -> folder."""
+
+    success: bool
+    error_message: str
+    loaded_adapters: dict[str, str]
+
+
+@dataclass
 class CloseReq:
     """The engine is stopping: close the scheduler (the cache tiers' writes
     land, KV events go out) and exit. The server's TokenizerManager sends it
@@ -390,7 +417,7 @@ _TYPES = {
         TokenizedGenerateReqInput, AbortReq, FlushCacheReq, FlushCacheReqOutput, CloseReq, GetInternalStateReq,
         GetInternalStateReqOutput, ProfileReq, ProfileReqOutput, KVLimitReq, KVLimitReqOutput, GiveKVReq, SchedulerStats,
         ReleaseMemoryOccupationReqInput, ReleaseMemoryOccupationReqOutput, ResumeMemoryOccupationReqInput,
-        ResumeMemoryOccupationReqOutput,
+        ResumeMemoryOccupationReqOutput, LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput, LoRAUpdateOutput,
         BatchTokenIDOut, BatchStrOut,
     )
 }

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgpack
 
+from radixserve.lora.options import LORA_NOT_ENABLED
 from radixserve.lora.slots import LoRASlotTable
 from radixserve.managers.decode_sampling import DecodeSamplingState
 from radixserve.managers.disagg_decode import DecodeDisaggregation
@@ -199,6 +200,7 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
             out += self._process(previous)
         if self._in_flight and self.running_batch.is_empty() and self.chunked_req is None and not self.waiting:
             out += self._drain()  # no batch follows it soon (it writes finished requests' last KV, or prompts to send)
+        self.release_unloaded_loras()
         if self.args.check_invariants or self.is_idle():
             self.check_memory()
         self._publish_kv_events()
@@ -393,6 +395,41 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
             if "kv_cache" not in self.offload_tags:  # else applied when the KV is resumed
                 self.allocator.apply_limit(self.tree_cache.evict)
         return True, "", self.allocator.limit_state()
+
+    # -- LoRA adapters loaded and unloaded while serving (docs/lora.md) -----------------
+    def load_lora_adapter(self, name: str, path: str) -> tuple[bool, str, dict[str, str]]:
+        """Read the PEFT adapter at ``path`` as ``name`` (every rank alike):
+        ``(ok, message, the adapters loaded: name -> folder)``; nothing changes on failure."""
+        return self._lora_update(lambda manager: manager.load(name, path))
+
+    def unload_lora_adapter(self, name: str) -> tuple[bool, str, dict[str, str]]:
+        """Unload adapter ``name``: new requests cannot name it; the requests
+        that hold it run to their end, then its slot and host copy are freed
+        (``release_unloaded_loras``). Its cached KV is never matched again
+        (its uid is gone) and is evicted as any other."""
+        return self._lora_update(lambda manager: manager.unload(name))
+
+    def _lora_update(self, change) -> tuple[bool, str, dict[str, str]]:
+        manager = self.model_runner.lora_manager
+        if manager is None:
+            return False, LORA_NOT_ENABLED, {}
+        try:
+            change(manager)
+        except ValueError as exc:
+            return False, str(exc), manager.loaded()
+        self.release_unloaded_loras()
+        return True, "", manager.loaded()
+
+    def release_unloaded_loras(self) -> None:
+        """Free the slot and host copy of every unloaded adapter that no request holds any more."""
+        manager = self.model_runner.lora_manager
+        if manager is None or not manager.unloading:
+            return
+        reqs = (self.waiting + self.grammar_queue.reqs + self.live_reqs() + self.in_flight_reqs()
+                + self._finished_outside_batch)
+        for uid in manager.unloading - {r.lora_id for r in reqs}:
+            manager.release(uid)
+            self.lora_slots.release(uid)
 
     def close(self) -> None:
         """Stop publishing KV events (sends what is queued, closes the sockets),

@@ -30,6 +30,8 @@ from radixserve.managers.io_struct import (
     GiveKVReq,
     KVLimitReq,
     KVLimitReqOutput,
+    LoadLoRAAdapterReqInput,
+    LoRAUpdateOutput,
     ProfileReq,
     ReleaseMemoryOccupationReqInput,
     ReleaseMemoryOccupationReqOutput,
@@ -37,6 +39,7 @@ from radixserve.managers.io_struct import (
     ResumeMemoryOccupationReqOutput,
     SchedulerStats,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReqInput,
     decode,
     encode,
     pipeline_sockets,
@@ -189,6 +192,10 @@ class SchedulerProcess:
             ok, message, state = call(msg.tags)
             reply = ReleaseMemoryOccupationReqOutput if release else ResumeMemoryOccupationReqOutput
             self.send_replies([reply(ok, message, {**state, "dp_rank": self.dp_rank})])
+        elif isinstance(msg, LoadLoRAAdapterReqInput):  # every rank reads it: their adapters stay the same
+            self.send_replies([LoRAUpdateOutput(*self.scheduler.load_lora_adapter(msg.lora_name, msg.lora_path))])
+        elif isinstance(msg, UnloadLoRAAdapterReqInput):
+            self.send_replies([LoRAUpdateOutput(*self.scheduler.unload_lora_adapter(msg.lora_name))])
         elif isinstance(msg, GiveKVReq):  # every rank: their pools stay the same
             given = self.scheduler.allocator.give(msg.epages, self.scheduler.tree_cache.evict)
             if self.leader and given:

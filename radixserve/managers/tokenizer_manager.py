@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Callable
 import zmq
 import zmq.asyncio
 
+from radixserve.lora.options import LORA_NOT_ENABLED
 from radixserve.managers.data_parallel_controller import DataParallelController
 from radixserve.managers.io_struct import (
     AbortReq,
@@ -27,6 +28,8 @@ from radixserve.managers.io_struct import (
     FlushCacheReqOutput,
     KVLimitReq,
     KVLimitReqOutput,
+    LoadLoRAAdapterReqInput,
+    LoRAUpdateOutput,
     ProfileReq,
     ProfileReqOutput,
     ReleaseMemoryOccupationReqInput,
@@ -38,6 +41,7 @@ from radixserve.managers.io_struct import (
     GetInternalStateReqOutput,
     SchedulerStats,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReqInput,
     decode,
     encode,
     pipeline_sockets,
@@ -554,6 +558,31 @@ class TokenizerManager:
         """Read or set each replica's elastic KV limit: ``(ok, message,
         per-replica figures in dp-rank order)``."""
         return _per_replica(await self._control(KVLimitReq(apply, limit_bytes), KVLimitReqOutput))
+
+    async def load_lora_adapter(self, name: str, path: str) -> tuple[bool, str]:
+        """Read a LoRA adapter on every replica's ranks (``/load_lora_adapter``):
+        ``(ok, message naming the field)``; once it is loaded requests may name it.
+        No time limit: reading the weights takes what it takes."""
+        if not self.lora_enabled:
+            return False, LORA_NOT_ENABLED
+        replies = await self._control(LoadLoRAAdapterReqInput(name, path), LoRAUpdateOutput, timeout=None)
+        failed = [r for r in replies if not r.success]
+        if not failed:
+            self.lora_adapters[name] = path
+        return not failed, failed[0].error_message if failed else ""
+
+    async def unload_lora_adapter(self, name: str) -> tuple[bool, str]:
+        """Unload a LoRA adapter on every replica (``/unload_lora_adapter``):
+        requests naming it are refused from now on, those sent before finish
+        first (the schedulers free it after them)."""
+        if not self.lora_enabled:
+            return False, LORA_NOT_ENABLED
+        if self.lora_adapters.pop(name, None) is None:
+            known = ", ".join(sorted(self.lora_adapters)) or "none"
+            return False, f"lora_name: no LoRA adapter {name!r} is loaded (loaded: {known})"
+        replies = await self._control(UnloadLoRAAdapterReqInput(name), LoRAUpdateOutput)
+        failed = [r for r in replies if not r.success]
+        return not failed, failed[0].error_message if failed else ""
 
     async def memory_occupation(self, release: bool, tags: list[str] | None) -> tuple[bool, str, list[dict]]:
         """Release or resume the memory of ``tags`` on every replica:
