@@ -41,6 +41,7 @@ def _count(ops: dict, prefix: str) -> int:
 @pytest.mark.parametrize("kernel,arch,kv_cache_dtype", [
     ("decode", 90, "fp8_e4m3"), ("decode", 90, "fp8_e5m2"), ("extend", 90, "fp8_e4m3"),  # Hopper
     ("decode", 89, "fp8_e4m3"), ("extend", 89, "fp8_e4m3"),  # Ada: no wgmma, so ldmatrix feeds both kernels
+    ("prefix", 90, "fp8_e4m3"),  # prefix-grouped decode's shared prefixes
 ])
 def test_fp8_tiles_reach_the_tensor_cores_as_bf16_ones_do(kernel, arch, kv_cache_dtype):
     """Over an fp8 pool, K and V must reach the tensor cores the way bf16

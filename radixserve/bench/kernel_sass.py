@@ -44,8 +44,9 @@ def cuobjdump_path() -> str:
 
 def compile_kernel(kernel: str, kv_dtype: torch.dtype, q_dtype: torch.dtype = torch.bfloat16, arch: int = 90,
                    heads: int = 32, kv_heads: int = 8, head_dim: int = 128):
-    """The decode kernel's stage 1 (``_decode_split_kernel``) or the extend
-    kernel (``_extend_kernel``) compiled for ``sm_<arch>`` with the launch
+    """The decode kernel's stage 1 (``_decode_split_kernel``), the extend
+    kernel (``_extend_kernel``) or prefix-grouped decode's prefix kernel
+    (``_prefix_split_kernel``) compiled for ``sm_<arch>`` with the launch
     config and constexprs their launchers use for a bf16 model and a large batch."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -58,12 +59,29 @@ def compile_kernel(kernel: str, kv_dtype: torch.dtype, q_dtype: torch.dtype = to
     if kernel == "decode":
         fn, cfg = dec._decode_split_kernel, dict(dec.STAGE1_CONFIG)
         pointers = {"Q": q_t, "K_buf": kv_t, "V_buf": kv_t, "Req_to_token": "i32", "Req_pool_indices": "i64",
-                    "Seq_lens": "i64", "Num_kv_splits": "i32", "Mid_o": "fp32", "Mid_lse": "fp32"}
+                    "Seq_lens": "i64", "Starts": "i64", "Num_kv_splits": "i32", "Mid_o": "fp32", "Mid_lse": "fp32",
+                    "Out": q_t, "Mid_po": "fp32", "Mid_plse": "fp32"}
         strides = ["stride_qb", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_r2t",
-                   "stride_mo_b", "stride_mo_h", "stride_mo_s", "stride_ml_b", "stride_ml_h"]
+                   "stride_mo_b", "stride_mo_h", "stride_mo_s", "stride_ml_b", "stride_ml_h", "stride_ob", "stride_oh",
+                   "stride_po_b", "stride_po_h", "stride_po_s", "stride_pl_b", "stride_pl_h"]
         const = dict(GROUP=heads // kv_heads, BLOCK_H=max(16, triton.next_power_of_2(heads // kv_heads)),
-                     BLOCK_N=cfg.pop("BLOCK_N"), **shape, DOT_DTYPE=dec.dot_dtype(q_dtype, kv_dtype), **fp8)
-        unaligned = {"stride_ml_h"}  # mid_lse's head stride is the grid's split count
+                     BLOCK_N=cfg.pop("BLOCK_N"), **shape, DOT_DTYPE=dec.dot_dtype(q_dtype, kv_dtype), **fp8,
+                     HAS_START=False, MERGE_PREFIX=False, PREFIX_SPLITS=dec.PREFIX_SPLITS,
+                     MIN_PREFIX_SPLIT=dec.MIN_PREFIX_SPLIT)
+        unaligned = {"stride_ml_h", "stride_pl_h"}  # the lse buffers' head strides are split counts
+    elif kernel == "prefix":  # prefix-grouped decode's shared-prefix kernel
+        fn, cfg = dec._prefix_split_kernel, dict(dec.PREFIX_CONFIG)
+        group = heads // kv_heads
+        pointers = {"Q": q_t, "K_buf": kv_t, "V_buf": kv_t, "Req_to_token": "i32", "Tiles": "i64",
+                    "Num_tiles": "i64", "Members": "i64", "Mid_po": "fp32", "Mid_plse": "fp32"}
+        strides = ["stride_qb", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_r2t",
+                   "stride_tiles", "stride_po_b", "stride_po_h", "stride_po_s", "stride_pl_b", "stride_pl_h"]
+        dims = {k: shape[k] for k in ("D", "BLOCK_D", "DV", "BLOCK_DV")}
+        const = dict(GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(dec.members_per_tile(group) * group)),
+                     BLOCK_N=cfg.pop("BLOCK_N"), **dims, PREFIX_SPLITS=dec.PREFIX_SPLITS,
+                     MIN_PREFIX_SPLIT=dec.MIN_PREFIX_SPLIT, DOT_PRECISION=shape["DOT_PRECISION"],
+                     DOT_DTYPE=dec.dot_dtype(q_dtype, kv_dtype), **fp8)
+        unaligned = {"stride_pl_h"}
     elif kernel == "extend":
         fn, cfg = ext._extend_kernel, dict(ext.EXTEND_CONFIG)
         pointers = {"Q": q_t, "K": q_t, "V": q_t, "O": q_t, "K_buf": kv_t, "V_buf": kv_t, "Req_to_token": "i32",
@@ -100,7 +118,7 @@ def summary(kv_cache_dtype: str, kernel: str = "decode", arch: int = 90) -> dict
     compiled = compile_kernel(kernel, kv_dtype, arch=arch)
     ops = sass_opcodes(compiled.asm["cubin"])
     return {"bench": "kernel_sass", "kernel": kernel, "kv_cache_dtype": str(kv_dtype), "arch": f"sm_{arch}",
-            "triton": triton.__version__, "config": dec.STAGE1_CONFIG if kernel == "decode" else ext.EXTEND_CONFIG,
+            "triton": triton.__version__, "config": {"decode": dec.STAGE1_CONFIG, "extend": ext.EXTEND_CONFIG, "prefix": dec.PREFIX_CONFIG}[kernel],
             "dot_dtype": str(dec.dot_dtype(torch.bfloat16, kv_dtype)), "shared_bytes": compiled.metadata.shared,
             "instructions": sum(ops.values()), "opcodes": dict(ops.most_common())}
 
@@ -108,7 +126,7 @@ def summary(kv_cache_dtype: str, kernel: str = "decode", arch: int = 90) -> dict
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kv-cache-dtype", nargs="+", default=["bf16", "fp8_e4m3", "fp8_e5m2"])
-    p.add_argument("--kernels", nargs="+", choices=["decode", "extend"], default=["decode", "extend"])
+    p.add_argument("--kernels", nargs="+", choices=["decode", "extend", "prefix"], default=["decode", "extend"])
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper, 89: Ada)")
     args = p.parse_args()
     for kernel in args.kernels:
