@@ -55,12 +55,16 @@ def _hf(folder):
     return model
 
 
+_MODELS: dict = {}
+
+
 @torch.no_grad()
 def hf_peft_greedy(smollm2, adapter: str | None, ids: list[int]) -> list[int]:
     folder, adapters, _ = smollm2
-    model = _hf(folder)
-    if adapter is not None:
-        model = peft.PeftModel.from_pretrained(model, adapters[adapter]).eval()
+    if adapter not in _MODELS:
+        model = _hf(folder)
+        _MODELS[adapter] = model if adapter is None else peft.PeftModel.from_pretrained(model, adapters[adapter]).eval()
+    model = _MODELS[adapter]
     out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False)
     return out[0, len(ids):].tolist()
 

@@ -383,7 +383,7 @@ result = {"kernel": []}
 # Small chunks and tiles, so that prefixes split and groups span several tiles.
 ops.MIN_PREFIX_SPLIT, ops.TILE_QUERY_ROWS = 4, 4
 # MAX_KV_SPLITS 1: one split a request, where the split kernel merges the prefix itself.
-for seed, max_splits in itertools.product(range(3), (ops.MAX_KV_SPLITS, 1)):
+for seed, max_splits in itertools.product(range(2), (ops.MAX_KV_SPLITS, 1)):
     ops.MAX_KV_SPLITS = max_splits
     for page, group in ((1, 1), (4, 3), (2, 2)):
         rng = random.Random(seed * 100 + page * 10 + group)
@@ -448,7 +448,7 @@ def test_triton_grouped_decode_in_the_interpreter(llama):
     batch = shared_prompts(seed=3, families=2, per_family=4, prefix_len=30)
     params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
     result = run_interpreted(_TRITON_SCRIPT, [os.path.dirname(__file__), folder, batch, params])
-    assert len(result["kernel"]) == 36 and sum(groups > 0 for _, groups in result["kernel"]) >= 20
+    assert len(result["kernel"]) == 24 and sum(groups > 0 for _, groups in result["kernel"]) >= 12
     assert max(err for err, _ in result["kernel"]) < 1e-5
     assert result["groups"] == 2, "both families decoded as groups"
     assert result["True"] == result["False"] == [hf_greedy(hf, ids, 6) for ids in batch]
