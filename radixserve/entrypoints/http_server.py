@@ -79,14 +79,7 @@ async def read_json(request: Request) -> Any:
 
 def generate_input(body: Any) -> GenerateReqInput:
     """A /generate body as a checked ``GenerateReqInput``; ``ValueError`` naming the field."""
-    if not isinstance(body, dict):
-        raise ValueError("body: a JSON object is expected")
-    try:
-        return GenerateReqInput(**body)
-    except ValidationError as exc:
-        raise first_error(exc) from None
-    except TypeError as exc:  # a key that is not a Python identifier
-        raise ValueError(f"body: {exc}") from None
+    return checked_body(body, GenerateReqInput)
 
 
 def kv_limit_bytes(body: Any) -> int | None | tuple[str, str]:
@@ -138,8 +131,9 @@ class UnloadLoRAAdapterBody(BaseModel):
     lora_name: str
 
 
-def lora_body(body: Any, model: type[BaseModel]) -> BaseModel:
-    """A LoRA load or unload body, checked; ``ValueError`` naming the field."""
+def checked_body(body: Any, model: type[BaseModel]) -> BaseModel:
+    """A JSON body as ``model`` (a /generate body, a LoRA load or unload),
+    checked; ``ValueError`` naming the field."""
     if not isinstance(body, dict):
         raise ValueError("body: a JSON object is expected")
     try:
@@ -311,7 +305,7 @@ def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
 
     async def lora_update(request: Request, load: bool) -> JSONResponse:
         try:
-            body = lora_body(await read_json(request), LoadLoRAAdapterBody if load else UnloadLoRAAdapterBody)
+            body = checked_body(await read_json(request), LoadLoRAAdapterBody if load else UnloadLoRAAdapterBody)
         except ValueError as exc:
             return lora_update_response(False, str(exc), dict(sorted(tm.lora_adapters.items())))
         if load:
