@@ -188,6 +188,12 @@ class ServerArgs:
     random_seed: int = field(default=0, metadata={"help": "seed of the global RNG"})
     # Tensor parallelism (docs/tensor_parallel.md): one scheduler process per rank.
     tp_size: int = field(default=1, metadata={"help": "tensor-parallel ranks (one process and device each)"})
+    # Pipeline parallelism (docs/pipeline_parallel.md): --pp-size stages of --tp-size ranks each.
+    pp_size: int = field(default=1, metadata={
+        "help": "pipeline stages, each holding a contiguous range of layers (SGLANG_PP_LAYER_PARTITION sets "
+                "their sizes) on --tp-size ranks of its own"})
+    pp_micro_batches: int | None = field(default=None, metadata={
+        "help": "micro-batches in flight through the pipeline (default --pp-size; 1: one batch at a time)"})
     # Mixture of experts (docs/moe.md), SGLang's flags.
     ep_size: int = field(default=1, metadata={
         "help": "expert-parallel ranks among the --tp-size ranks: each holds whole experts of 1/ep-size of them "
@@ -279,8 +285,8 @@ class ServerArgs:
         for name, allowed in (("tool_call_parser", TOOL_CALL_PARSER_NAMES), ("reasoning_parser", REASONING_PARSER_NAMES)):
             if getattr(self, name) is not None:
                 _one_of(name, getattr(self, name), allowed)
-        for name in ("page_size", "max_running_requests", "max_prefill_tokens", "tp_size", "nnodes", "gpu_id_step", "dp_size",
-                     "stream_interval"):
+        for name in ("page_size", "max_running_requests", "max_prefill_tokens", "tp_size", "pp_size", "nnodes",
+                     "gpu_id_step", "dp_size", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunked_prefill_size is not None and (self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1):
@@ -433,8 +439,10 @@ class ServerArgs:
         check_expert_parallel(self.tp_size, self.ep_size, self.moe_a2a_backend)
         if self.base_gpu_id < 0:
             raise ValueError(f"base_gpu_id must be >= 0, got {self.base_gpu_id}")
-        if self.tp_size % self.nnodes:
-            raise ValueError(f"tp_size {self.tp_size} is not divisible by nnodes {self.nnodes}")
+        if (self.tp_size * self.pp_size) % self.nnodes:
+            ranks = f"tp_size {self.tp_size}" + (f" x pp_size {self.pp_size}" if self.pp_size > 1 else "")
+            raise ValueError(f"{ranks} is not divisible by nnodes {self.nnodes}")
+        self._check_pipeline()
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.dp_size > 1 and self.nnodes > 1:
@@ -449,6 +457,24 @@ class ServerArgs:
         if self.dist_timeout is not None and not self.dist_timeout > 0:
             raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
 
+    def _check_pipeline(self) -> None:
+        """What pipeline stages do not combine with (docs/pipeline_parallel.md): each of these
+        takes decisions on one rank's timing or state that the stages would have to share."""
+        if self.pp_micro_batches is not None and self.pp_micro_batches < 1:
+            raise ValueError(f"pp_micro_batches must be >= 1, got {self.pp_micro_batches}")
+        if self.pp_size == 1:
+            return
+        refused = {"dp_size": self.dp_size > 1, "disaggregation_mode": self.disaggregation_mode != "null",
+                   "enable_hierarchical_cache": self.enable_hierarchical_cache,
+                   "enable_elastic_kv": self.enable_elastic_kv, "enable_lora": self.enable_lora,
+                   "enable_prefix_grouped_decode": self.enable_prefix_grouped_decode}
+        for name, on in refused.items():
+            if on:
+                raise ValueError(f"{name}: not supported with pipeline parallelism (--pp-size {self.pp_size})")
+
+    def resolved_pp_micro_batches(self) -> int:
+        return self.pp_micro_batches or self.pp_size
+
     def _check_disaggregation(self) -> None:
         _one_of("disaggregation_mode", self.disaggregation_mode, DISAGGREGATION_MODES)
         try:
@@ -461,25 +487,28 @@ class ServerArgs:
         # maps the KV heads between the tp sizes; a prefill server serves room r on replica r % dp_size, where
         # the decode side looks; its ranks on other nodes register with the bootstrap server of node 0.
 
-    def local_tp_ranks(self) -> range:
-        """The TP ranks this node runs (rank 0, which talks to the tokenizer
-        and detokenizer, is on node 0)."""
-        per_node = self.tp_size // self.nnodes
-        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
+    def local_ranks(self) -> list[tuple[int, int]]:
+        """The ``(pp_rank, tp_rank)`` of each rank this node runs: global
+        ranks ``pp_rank * tp_size + tp_rank`` split evenly over the nodes, so
+        that a stage's ranks share a node where they fit (rank 0, which talks
+        to the tokenizer and detokenizer, is on node 0)."""
+        per_node = self.tp_size * self.pp_size // self.nnodes
+        return [divmod(g, self.tp_size) for g in range(self.node_rank * per_node, (self.node_rank + 1) * per_node)]
 
-    def tp_device(self, tp_rank: int, dp_rank: int = 0) -> str:
-        """The device of TP rank ``tp_rank`` of replica ``dp_rank``: this
-        host's ``i``-th scheduler process (replica by replica) gets
-        ``cuda:<base_gpu_id + i * gpu_id_step>``; or cpu."""
+    def tp_device(self, tp_rank: int, dp_rank: int = 0, pp_rank: int = 0) -> str:
+        """The device of TP rank ``tp_rank`` of stage ``pp_rank`` of replica
+        ``dp_rank``: this host's ``i``-th scheduler process (replica by
+        replica) gets ``cuda:<base_gpu_id + i * gpu_id_step>``; or cpu."""
         device = self.resolved_device()
         if device != "cuda":
             return device
-        local = dp_rank * len(self.local_tp_ranks()) + tp_rank - self.local_tp_ranks().start
-        return f"cuda:{self.base_gpu_id + local * self.gpu_id_step}"
+        local = self.local_ranks()
+        i = dp_rank * len(local) + local.index((pp_rank, tp_rank))
+        return f"cuda:{self.base_gpu_id + i * self.gpu_id_step}"
 
     def processes_per_host(self) -> int:
-        """Scheduler processes on this host: every replica's local TP ranks."""
-        return self.dp_size * len(self.local_tp_ranks())
+        """Scheduler processes on this host: every replica's local ranks."""
+        return self.dp_size * len(self.local_ranks())
 
     def model_name(self) -> str:
         """The name clients use: --served-model-name, else the model path's base name."""
@@ -505,16 +534,18 @@ class ServerArgs:
 
     def resolved_cuda_graph_max_bs(self) -> int:
         """0 when CUDA graphs are off: on CPU, with torch_native attention
-        (its decode reads lengths on the host) or with --disable-cuda-graph."""
-        if self.disable_cuda_graph or self.resolved_device() != "cuda" or self.resolved_attention_backend() != "triton":
+        (its decode reads lengths on the host), with --disable-cuda-graph, or
+        with pipeline stages (which run eagerly for now)."""
+        if (self.disable_cuda_graph or self.resolved_device() != "cuda" or self.resolved_attention_backend() != "triton"
+                or self.pp_size > 1):
             return 0
         return min(self.cuda_graph_max_bs or 256, self.max_running_requests)
 
     def resolved_piecewise_cuda_graph_tokens(self) -> list[int]:
         """The token counts extends are captured for; [] when they run
         eagerly: with --disable-piecewise-cuda-graph or --disable-cuda-graph,
-        off CUDA, or on a decode server (it never prefills)."""
-        if (self.disable_piecewise_cuda_graph or self.disable_cuda_graph
+        off CUDA, on a decode server (it never prefills), or with pipeline stages."""
+        if (self.disable_piecewise_cuda_graph or self.disable_cuda_graph or self.pp_size > 1
                 or self.resolved_device() != "cuda" or self.disaggregation_mode == "decode"):
             return []
         if self.piecewise_cuda_graph_tokens:

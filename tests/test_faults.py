@@ -86,6 +86,23 @@ def _wait_exit(proc: subprocess.Popen, seconds: float) -> int | None:
         return None
 
 
+def check_a_killed_rank_ends_everything(server_args: tuple, victim: str, tmp_path) -> None:
+    """A server of several scheduler ranks (``server_args``) whose rank
+    ``victim`` (``ServerProcess.children``'s name) is killed while requests
+    decode: every request ends with a 503 and the server exits non-zero, its
+    other children with it."""
+    srv = ServerProcess(*server_args, "--dist-timeout", "20", env={"TMPDIR": str(tmp_path)})
+    try:
+        kids = srv.children()
+        results = _in_flight_then(srv, lambda: os.kill(kids[victim], signal.SIGKILL))
+        _assert_answered(results, 30, lambda error: error is not None and error["code"] == 503)
+        code = _wait_exit(srv.proc, 40)
+        assert code is not None and code != 0, "the server exits non-zero"
+        wait_for(lambda: not any(alive(pid) for pid in kids.values()), 30, "every child's exit")
+    finally:
+        srv.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["scheduler", "detokenizer"])
 def test_a_killed_child_ends_every_request_and_the_server(tmp_path, victim):

@@ -229,7 +229,7 @@ def test_models_that_cannot_be_split_fail_at_start_up(overrides, tp_size, messag
     def join(*args, **kwargs):
         raise AssertionError("the rank went to meet the others before checking the split")
 
-    monkeypatch.setattr(model_runner, "init_tp_group", join)
+    monkeypatch.setattr(model_runner, "init_model_parallel", join)
     config = resolve_model("tiny-llama", overrides=overrides)
     with pytest.raises(ValueError, match=message):
         ModelRunner(config, max_total_tokens=64, max_running_requests=1, tp_rank=0, tp_size=tp_size,

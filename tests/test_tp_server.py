@@ -16,7 +16,7 @@ import pytest
 
 import radixserve
 from server_harness import ServerProcess, alive, wait_for
-from test_faults import _assert_answered, _in_flight_then, _wait_exit
+from test_faults import _assert_answered, _in_flight_then, _wait_exit, check_a_killed_rank_ends_everything
 
 pytestmark = pytest.mark.slow
 
@@ -57,16 +57,7 @@ def test_tp2_server_serves_tp1_tokens_streamed_or_not(tp1_outputs):
 
 @pytest.mark.parametrize("victim", ["scheduler", "scheduler-tp1"])
 def test_a_killed_rank_ends_every_request_and_the_server(tmp_path, victim):
-    srv = ServerProcess(*TP2, "--dist-timeout", "20", env={"TMPDIR": str(tmp_path)})
-    try:
-        kids = srv.children()
-        results = _in_flight_then(srv, lambda: os.kill(kids[victim], signal.SIGKILL))
-        _assert_answered(results, 30, lambda error: error is not None and error["code"] == 503)
-        code = _wait_exit(srv.proc, 40)
-        assert code is not None and code != 0, "the server exits non-zero"
-        wait_for(lambda: not any(alive(pid) for pid in kids.values()), 30, "every child's exit")
-    finally:
-        srv.stop()
+    check_a_killed_rank_ends_everything(TP2, victim, tmp_path)
 
 
 def test_a_hung_rank_ends_the_server_after_the_collective_timeout(tmp_path):

@@ -10,7 +10,9 @@ module-global group). It holds two process groups over the same ranks:
 
 ``TPGroup()`` is the trivial group of one rank: every method returns at once,
 no collective runs and torch.distributed is never initialised. The torch
-world is the TP group itself: its ranks are the TP ranks.
+world is the TP group itself: its ranks are the TP ranks; with pipeline
+stages (``--pp-size``), the ranks of every stage, and each stage's TP group
+a subgroup of it (``pp_group.py``).
 
 Where the ranks listen: rank 0's rendezvous store at the ``tcp://HOST:PORT``
 given, and nowhere else (``tcp_store.py``); with every rank on one host, the
@@ -31,6 +33,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from radixserve.distributed.pp_group import PPGroup
 from radixserve.distributed.tcp_store import listening_store
 
 logger = logging.getLogger(__name__)
@@ -142,27 +145,50 @@ def init_tp_group(
     rank_failure: Callable[[], str | None] | None = None,
 ) -> TPGroup:
     """Join the ``tp_size`` ranks rendezvousing at ``init_method`` (e.g.
-    ``tcp://127.0.0.1:29500``) as rank ``tp_rank`` and build the groups.
-    ``nnodes``: the hosts the ranks span (one: every socket at the
-    rendezvous host, see the module docstring).
+    ``tcp://127.0.0.1:29500``) as rank ``tp_rank`` and build the groups:
+    :func:`init_model_parallel` with one pipeline stage."""
+    return init_model_parallel(tp_rank, tp_size, device, init_method, timeout_s, nnodes, rank_failure)[0]
+
+
+def init_model_parallel(
+    tp_rank: int,
+    tp_size: int,
+    device: str | torch.device,
+    init_method: str | None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    nnodes: int = 1,
+    rank_failure: Callable[[], str | None] | None = None,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+) -> tuple[TPGroup, PPGroup]:
+    """Join the ``tp_size * pp_size`` ranks rendezvousing at ``init_method``
+    as TP rank ``tp_rank`` of pipeline stage ``pp_rank`` (global rank
+    ``pp_rank * tp_size + tp_rank``): this rank's TP group (its stage's
+    ranks) and its place in the pipeline (``pp_group.py``). ``nnodes``: the
+    hosts the ranks span (one: every socket at the rendezvous host, see the
+    module docstring).
 
     Every rank calls this once, in its own process. A rank that does not
     arrive, or an address nobody listens on, makes the others fail within
     about ``timeout_s`` (a RuntimeError naming the address) instead of
-    waiting forever; later collectives fail after ``timeout_s`` as well. At
-    ``tp_size == 1`` nothing is initialised and the trivial group is returned.
+    waiting forever; later collectives fail after ``timeout_s`` as well. With
+    a single rank nothing is initialised and the trivial groups are returned.
     Rank 0, while it waits at a ``tcp://`` rendezvous for the others to reach
     it, asks ``rank_failure`` (if given) why one of them never will; an
     answer ends the wait at once with :class:`RankStartFailed` saying it.
     """
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
-    if tp_size == 1:
-        return TPGroup()
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank must be in [0, {pp_size}), got {pp_rank}")
+    world, rank = tp_size * pp_size, pp_rank * tp_size + tp_rank
+    if world == 1:
+        return TPGroup(), PPGroup()
     if not init_method:
-        raise ValueError(f"tp_size {tp_size} needs an init method (e.g. tcp://127.0.0.1:PORT) for the ranks to meet")
+        raise ValueError(f"tp_size {tp_size}" + (f" x pp_size {pp_size}" if pp_size > 1 else "")
+                         + " needs an init method (e.g. tcp://127.0.0.1:PORT) for the ranks to meet")
     if dist.is_initialized():
-        raise RuntimeError("torch.distributed is already initialised in this process: one TP rank per process")
+        raise RuntimeError("torch.distributed is already initialised in this process: one rank per process")
     device = torch.device(device)
     timeout = timedelta(seconds=timeout_s)
     cuda = device.type == "cuda"
@@ -174,26 +200,38 @@ def init_tp_group(
     try:
         # The ranks meet in a store made first: if that fails, init_process_group
         # has not run, and a later group in this process is named as in a fresh one.
-        store = _rendezvous_store(init_method, tp_rank, tp_size, timeout, rank_failure)
+        store = _rendezvous_store(init_method, rank, world, timeout, rank_failure)
         gloo_host = _gloo_host(init_method, nnodes)
-        backend, pg_options = ("nccl", None) if cuda else _gloo_backend(gloo_host)
+        device_backend = ("nccl", None) if cuda else _gloo_backend(gloo_host)
         dist.init_process_group(
-            backend, world_size=tp_size, rank=tp_rank, timeout=timeout, pg_options=pg_options,
+            device_backend[0], world_size=world, rank=rank, timeout=timeout, pg_options=device_backend[1],
             **({"store": store} if store is not None else {"init_method": init_method}), **extra,
         )
         backend, pg_options = _gloo_backend(gloo_host)
-        cpu_group = dist.new_group(backend=backend, pg_options=pg_options, timeout=timeout)
+        cpu_world = dist.new_group(backend=backend, pg_options=pg_options, timeout=timeout)
+        tp_device, tp_cpu = dist.group.WORLD, cpu_world
+        if pp_size > 1:  # every rank builds every stage's groups, in the same order
+            for stage in range(pp_size):
+                ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
+                groups = tuple(dist.new_group(ranks, backend=b, pg_options=o, timeout=timeout)
+                               for b, o in (device_backend, (backend, pg_options)))
+                if stage == pp_rank:
+                    tp_device, tp_cpu = groups
     except RankStartFailed:  # the address is not to blame
         raise
     except (RuntimeError, OSError) as e:  # torch's DistError family, or rank 0 unable to listen at the address
         if dist.is_initialized():
             dist.destroy_process_group()
         raise RuntimeError(
-            f"tensor-parallel rank {tp_rank} of {tp_size} could not join the group at {init_method} "
-            f"within {timeout_s:g} s (a rank did not start, or the address is unreachable): {e}"
+            f"rank {rank} of {world} (TP rank {tp_rank} of {tp_size}, pipeline stage {pp_rank} of {pp_size}) "
+            f"could not join the group at {init_method} within {timeout_s:g} s (a rank did not start, or the "
+            f"address is unreachable): {e}"
         ) from e
-    logger.info("TP rank %d of %d joined at %s (%s)", tp_rank, tp_size, init_method, dist.get_backend())
-    return TPGroup(tp_rank, tp_size, dist.group.WORLD, cpu_group)
+    logger.info("rank %d of %d (TP %d of %d, stage %d of %d) joined at %s (%s)", rank, world, tp_rank, tp_size,
+                pp_rank, pp_size, init_method, dist.get_backend())
+    tp = TPGroup(tp_rank, tp_size, tp_device, tp_cpu) if tp_size > 1 else TPGroup()
+    pp = PPGroup(pp_rank, pp_size, tp_rank, tp_size, dist.group.WORLD, cpu_world) if pp_size > 1 else PPGroup()
+    return tp, pp
 
 
 def _tcp_address(init_method: str) -> tuple[str, int] | None:
@@ -204,26 +242,26 @@ def _tcp_address(init_method: str) -> tuple[str, int] | None:
     return host, int(port)
 
 
-def _rendezvous_store(init_method: str, tp_rank: int, tp_size: int, timeout: timedelta,
+def _rendezvous_store(init_method: str, rank: int, world: int, timeout: timedelta,
                       rank_failure: Callable[[], str | None] | None = None) -> dist.Store | None:
     """A TCP store at ``tcp://HOST:PORT`` that every rank has joined (rank 0
     hosts it, listening at HOST only); None for another kind of init method."""
     address = _tcp_address(init_method)
     if address is None:
         return None
-    if tp_rank != 0:
-        store = dist.TCPStore(*address, tp_size, is_master=False, timeout=timeout, wait_for_workers=True)
+    if rank != 0:
+        store = dist.TCPStore(*address, world, is_master=False, timeout=timeout, wait_for_workers=True)
         store.add(_JOINED, 1)
         return store
     # Not torch's wait_for_workers: it blocks in C++ for the whole timeout, whatever became of the ranks.
-    store = listening_store(*address, timeout, tp_size)
+    store = listening_store(*address, timeout, world)
     deadline = time.monotonic() + timeout.total_seconds()
-    while (joined := store.add(_JOINED, 0)) < tp_size - 1:
+    while (joined := store.add(_JOINED, 0)) < world - 1:
         failure = rank_failure() if rank_failure is not None else None
         if failure is not None:
             raise RankStartFailed(failure)
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{joined} of the other {tp_size - 1} ranks reached it")
+            raise RuntimeError(f"{joined} of the other {world - 1} ranks reached it")
         time.sleep(_JOIN_POLL_S)
     return store
 

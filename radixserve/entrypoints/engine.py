@@ -38,7 +38,7 @@ class Engine:
         if self.server_args.disaggregation_mode != "null":
             raise ValueError("disaggregation_mode: prefill and decode servers are HTTP servers "
                              "(radixserve serve --disaggregation-mode ...); the offline Engine runs both halves")
-        if self.server_args.tp_size > 1:  # rank 0 here, the other ranks in processes (engine_tp.py)
+        if self.server_args.tp_size * self.server_args.pp_size > 1:  # rank 0 here, the others in processes (engine_tp.py)
             from radixserve.entrypoints.engine_tp import TpLeader
 
             self.scheduler = TpLeader(self.server_args)
@@ -152,7 +152,7 @@ class Engine:
         self.scheduler.close()  # its KV event publisher, if any
         if self._grammar_sandbox is not None:
             self._grammar_sandbox.close()
-        if self.server_args.tp_size > 1:
+        if self.server_args.tp_size * self.server_args.pp_size > 1:
             self.scheduler.shutdown()
         if self.scheduler.device.type == "cpu":
             from radixserve.model_executor.cpu_malloc import reuse_freed_memory

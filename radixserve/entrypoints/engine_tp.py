@@ -1,5 +1,6 @@
-"""Tensor parallelism for the offline ``Engine``: rank 0 runs in the Engine's
-process, ranks 1.. in processes of their own running the scheduler loop of
+"""Tensor and pipeline parallelism for the offline ``Engine``: rank 0 (TP
+rank 0 of the first stage) runs in the Engine's process, the other ranks in
+processes of their own running the scheduler loop of
 ``managers/scheduler_process.py`` (without sockets).
 
 The followers handle, each step, the messages rank 0 broadcasts, exactly as
@@ -50,10 +51,11 @@ class TpLeader:
         init = dist_init_method(args)
         ctx = mp.get_context("spawn")
         children = []
-        for rank in range(1, args.tp_size):
+        for pp_rank, rank in (divmod(g, args.tp_size) for g in range(1, args.tp_size * args.pp_size)):
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=run_scheduler_process, name=f"scheduler-tp{rank}", daemon=True,
-                               args=(args, None, None, writer, None, rank, init))
+            name = "scheduler" + (f"-pp{pp_rank}" if pp_rank else "") + (f"-tp{rank}" if rank else "")
+            proc = ctx.Process(target=run_scheduler_process, name=name, daemon=True,
+                               args=(args, None, None, writer, None, rank, init, 0, pp_rank))
             proc.start()
             children.append((proc, reader))
         self.processes = [p for p, _ in children]
@@ -64,7 +66,7 @@ class TpLeader:
         except BaseException:
             self._stop_followers()
             raise
-        self.tp_group = self.scheduler.tp_group
+        self.tp_group, self.pp = self.scheduler.tp_group, self.scheduler.pp
         self._outbox: list[bytes] = []
         self._stepped: list[Req] = []  # what a step taken inside a control call updated: the next step returns it
         self._lock = threading.Lock()
@@ -117,7 +119,8 @@ class TpLeader:
             self._broadcast(self._outbox + [encode(msg)])
             self._outbox = []
             result = apply(*args)
-            self.tp_group.barrier()  # the followers' reply barrier (SchedulerProcess.send_replies)
+            # the followers' reply barrier (SchedulerProcess.send_replies)
+            self.pp.barrier() if self.pp.size > 1 else self.tp_group.barrier()
             if not self.scheduler.is_idle():
                 self._stepped += self.scheduler.step()
             return result
@@ -131,7 +134,10 @@ class TpLeader:
 
     # -- the group -------------------------------------------------------------------
     def _broadcast(self, messages: list[bytes]) -> None:
-        self.tp_group.broadcast_bytes(msgpack.packb(messages))
+        """To the first stage's TP ranks, relayed down the pipeline (``SchedulerProcess.share``)."""
+        packed = msgpack.packb(messages)
+        self.tp_group.broadcast_bytes(packed)
+        self.pp.relay(packed)
 
     def _keep_alive(self) -> None:
         while not self._closed.wait(IDLE_POLL_MS / 1000):

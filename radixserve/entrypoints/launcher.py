@@ -71,12 +71,17 @@ def _wait_ready(procs_pipes: list[tuple[mp.Process, object]]) -> dict:
                 msg = pipe.recv()
                 if msg.get("status") != "ready":
                     raise RuntimeError(f"{proc.name} failed to start: {msg.get('error')}")
+                stage = msg.pop("pp_stage", None)  # each pipeline stage's layers and pool
+                if stage is not None:
+                    info.setdefault("pp_stages", {})[stage["pp_rank"]] = stage
                 info.update({k: v for k, v in msg.items() if k != "status"})
                 waiting.remove((proc, pipe))
             elif not proc.is_alive():
                 raise RuntimeError(exited_silently(proc))
         if time.monotonic() > deadline:
             raise RuntimeError(f"{', '.join(p.name for p, _ in waiting)} did not start within {START_TIMEOUT_S}s")
+    if "pp_stages" in info:
+        info["pp_stages"] = [info["pp_stages"][s] for s in sorted(info["pp_stages"])]
     return info
 
 
@@ -112,9 +117,9 @@ def free_local_port() -> int:
 
 
 def dist_init_method(args: ServerArgs, dp_rank: int = 0) -> str | None:
-    """Where replica ``dp_rank``'s TP ranks meet: ``--dist-init-addr`` (its
-    port plus ``dp_rank``), or a free local port."""
-    if args.tp_size == 1:
+    """Where replica ``dp_rank``'s ranks (TP ranks of every pipeline stage)
+    meet: ``--dist-init-addr`` (its port plus ``dp_rank``), or a free local port."""
+    if args.tp_size * args.pp_size == 1:
         return None
     if args.dist_init_addr:
         host, _, port = args.dist_init_addr.rpartition(":")
@@ -128,19 +133,20 @@ def scheduler_addr(ipc_dir: str, dp_rank: int) -> str:
 
 
 def scheduler_processes(ctx, args: ServerArgs, addr: dict, ipc_dir: str) -> list[tuple[mp.Process, object]]:
-    """This node's scheduler processes (every replica's local TP ranks), each
+    """This node's scheduler processes (every replica's local ranks), each
     with the read end of its ready pipe; each replica's rank 0 gets the
     socket addresses."""
     out = []
     for dp_rank in range(args.dp_size):
         init = dist_init_method(args, dp_rank)
-        for rank in args.local_tp_ranks():
-            first = rank == 0
+        for pp_rank, rank in args.local_ranks():
+            first = pp_rank == rank == 0
             recv, send = (scheduler_addr(ipc_dir, dp_rank), addr["detokenizer"]) if first else (None, None)
             reader, writer = ctx.Pipe(duplex=False)
-            name = "scheduler" + (f"-dp{dp_rank}" if args.dp_size > 1 else "") + (f"-tp{rank}" if args.tp_size > 1 and rank else "")
+            name = "scheduler" + (f"-dp{dp_rank}" if args.dp_size > 1 else "") + (
+                f"-pp{pp_rank}" if args.pp_size > 1 and pp_rank else "") + (f"-tp{rank}" if args.tp_size > 1 and rank else "")
             proc = ctx.Process(target=run_scheduler_process, name=name, daemon=True,
-                               args=(args, recv, send, writer, ipc_dir, rank, init, dp_rank))
+                               args=(args, recv, send, writer, ipc_dir, rank, init, dp_rank, pp_rank))
             out.append((proc, reader))
     return out
 

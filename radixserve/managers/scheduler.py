@@ -29,6 +29,7 @@ from radixserve.managers.schedule_policy import AddResult, PrefillAdder, Schedul
 from radixserve.managers.scheduler_input_mixin import SchedulerInputMixin
 from radixserve.managers.scheduler_memory_mixin import SchedulerMemoryMixin
 from radixserve.managers.scheduler_output_processor_mixin import Launched, SchedulerOutputProcessorMixin
+from radixserve.managers.scheduler_pp_mixin import SchedulerPipelineMixin
 from radixserve.managers.tp_worker import TpModelWorker
 from radixserve.mem_cache import check_memory_invariant
 from radixserve.mem_cache.factory import build_tree_cache
@@ -58,7 +59,7 @@ class SchedulerStats:
     generated: int = 0  # output tokens
 
 
-class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMemoryMixin):
+class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMemoryMixin, SchedulerPipelineMixin):
     """Continuous batching over one ModelRunner.
 
     Each :meth:`step` runs one batch, an extend (new requests and the next
@@ -72,7 +73,9 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
     KV events (``kv_event_publisher``, docs/kv_events.md) go out as one batch
     at the end of each step (and a flush's at once); ``close`` stops the
     publisher. Disaggregation (``disagg``, docs/disaggregation.md): its queues
-    are polled at the start of each step.
+    are polled at the start of each step. Pipeline stages
+    (``scheduler_pp_mixin.py``, docs/pipeline_parallel.md): each step is one
+    micro-batch's turn.
     """
 
     def __init__(self, server_args: ServerArgs, model_runner, tokenizer=None,
@@ -111,7 +114,8 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
         self._finished_outside_batch: list[Req] = []
         # Overlap: the batch queued on the device whose results the next step
         # takes, and finished requests whose last KV slot a queued forward writes.
-        self.overlap = not server_args.disable_overlap_schedule and (
+        # (Pipeline stages overlap by micro-batches instead.)
+        self.overlap = not server_args.disable_overlap_schedule and model_runner.pp_group.size == 1 and (
             self.device.type == "cuda" or os.environ.get(OVERLAP_ON_CPU_ENV) == "1")
         self._in_flight: Launched | None = None
         self._deferred: list[Req] = []
@@ -126,24 +130,26 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
             self.disagg = PrefillDisaggregation(self)
         elif server_args.disaggregation_mode == "decode":
             self.disagg = DecodeDisaggregation(self)
+        self._init_pipeline(model_runner.pp_group, server_args.resolved_pp_micro_batches())
 
     def is_idle(self) -> bool:
         # a request aborted while waiting is only handed back by the next step
         return not (self.waiting or self.grammar_queue or self.running_batch.reqs or self.chunked_req
                     or self._in_flight or self._finished_outside_batch or self.tree_cache.busy()
-                    or self.disagg.queued())
+                    or self.disagg.queued() or self.pipeline_busy())
 
     def live_reqs(self) -> list[Req]:
         """Requests holding KV: running, chunked, finished ones waiting for
         their last forward, and those whose KV is being sent or received."""
         return (self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else []) + self._deferred
-                + self.disagg.holding())
+                + self.disagg.holding() + self.parked_reqs())
 
     def rows_held(self) -> int:
         """Requests that count against ``--max-running-requests``: running,
         finished ones waiting for their last forward, and those whose KV is
-        being sent or received (a chunked prompt is counted by admission)."""
-        return len(self.running_batch) + len(self._deferred) + len(self.disagg.holding())
+        being sent or received, and the other micro-batches' requests (this
+        one's chunked prompt is counted by admission)."""
+        return len(self.running_batch) + len(self._deferred) + len(self.disagg.holding()) + len(self.parked_reqs())
 
     def in_flight_reqs(self) -> list[Req]:
         """The requests of the batch queued on the device, whose results the
@@ -161,7 +167,10 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
     # -- the loop --------------------------------------------------------------
     def step(self) -> list[Req]:
         """Run one batch; returns the requests updated in it (finished ones too).
-        With overlap, a batch's results come back in the next step."""
+        With overlap, a batch's results come back in the next step; on a
+        pipeline stage, in the micro-batch's next turn."""
+        if self.micro_batches:
+            return self.pp_step()
         if "kv_cache" not in self.offload_tags:  # a released pool maps nothing
             # an elastic pool gives back empty pages, keeps its reserve
             self.allocator.rebalance(self.tree_cache.evict, busy=self._in_flight is not None)
@@ -213,11 +222,15 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
 
     def _agree_on_rids(self, rids: list[str]) -> list[str]:
         """Rank 0's ``rids`` on every rank (a decision that depends on timing,
-        such as which grammars have compiled, is rank 0's)."""
-        if self.tp_group.size == 1:
+        such as which grammars have compiled, is rank 0's): broadcast over
+        the first stage's TP group, relayed down the pipeline."""
+        if self.tp_group.size == 1 and self.pp.size == 1:
             return rids
-        packed = msgpack.packb(rids) if self.tp_group.rank == 0 else None
-        return msgpack.unpackb(self.tp_group.broadcast_bytes(packed))
+        packed = None
+        if self.pp.is_first:
+            packed = msgpack.packb(rids) if self.tp_group.rank == 0 else None
+            packed = self.tp_group.broadcast_bytes(packed)
+        return msgpack.unpackb(self.pp.relay(packed))
 
     def _drain(self) -> list[Req]:
         launched, self._in_flight = self._in_flight, None
@@ -257,7 +270,8 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
         chunk = self.chunk_size if not (riders and self.args.mixed_chunk_min_size) else mixed_step_budget(
             riders, self.waiting, self.chunked_req, self.args.mixed_chunk_min_size, self.chunk_size)
         adder = PrefillAdder(
-            self.tree_cache, self.allocator.available_size(), self.running_batch.reqs, self.new_token_ratio,
+            self.tree_cache, self.allocator.available_size(), self.running_batch.reqs + self.parked_reqs(),
+            self.new_token_ratio,
             self.args.max_prefill_tokens, chunk, max(free_rows, 0), self.page_size, riders, self.pools.can_back,
         )
         continuing = self.chunked_req
@@ -368,11 +382,14 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
         """Queue the sampling of a launched forward. A batch with grammars
         gets its token mask here, from the matchers as they are now (see ``step``)."""
         reqs, batch = launched.reqs, launched.forward.batch
-        batch.vocab_mask = self.grammar_queue.vocab_mask(reqs)
-        tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
-        by_ids = [r.token_ids_logprob if r.return_logprob else None for r in reqs]
-        launched.sampled = self.worker.launch_sample(launched.forward, any(r.return_logprob for r in reqs), tops,
-                                                     self.grammar_queue.apply, by_ids)
+        if self.pp.is_last:  # only the last pipeline stage has logits
+            batch.vocab_mask = self.grammar_queue.vocab_mask(reqs)
+            tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
+            by_ids = [r.token_ids_logprob if r.return_logprob else None for r in reqs]
+            launched.sampled = self.worker.launch_sample(launched.forward, any(r.return_logprob for r in reqs), tops,
+                                                         self.grammar_queue.apply, by_ids)
+        if self.micro_batches:
+            self.pp_sample(launched)
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; refused (False) while requests run."""
@@ -443,7 +460,8 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
             self.kv_event_publisher.close()
 
     def get_stats(self) -> dict[str, Any]:
-        return dict(dataclasses.asdict(self.stats), running=len(self.running_batch), waiting=len(self.waiting) + len(self.grammar_queue),
+        running = len(self.running_batch) + sum(len(mb.running_batch) for mb in self.parked())  # every micro-batch's
+        return dict(dataclasses.asdict(self.stats), running=running, waiting=len(self.waiting) + len(self.grammar_queue),
                     kv_free=self.allocator.available_size(), kv_cached=self.tree_cache.total_size(),
                     **self.tree_cache.tier_stats(), **self.grammar_queue.cache_stats(),
                     **self.allocator.pool_stats(), **self.model_runner.expert_load_stats(),

@@ -17,18 +17,18 @@ from radixserve.server_args import ServerArgs
 
 
 def build_model_runner(args: ServerArgs, model_config, tp_rank: int = 0, dist_init_method: str | None = None,
-                       dp_rank: int = 0, **overrides: Any):
-    """The ModelRunner that ``args`` describe, at TP rank ``tp_rank``
-    (``overrides`` replace its keyword arguments: ``max_total_tokens``,
-    ``max_running_requests``, ``max_context_len``)."""
+                       dp_rank: int = 0, pp_rank: int = 0, **overrides: Any):
+    """The ModelRunner that ``args`` describe, at TP rank ``tp_rank`` of
+    pipeline stage ``pp_rank`` (``overrides`` replace its keyword arguments:
+    ``max_total_tokens``, ``max_running_requests``, ``max_context_len``)."""
     from radixserve.distributed import DEFAULT_TIMEOUT_S
     from radixserve.mem_cache.memory_pool import resolve_kv_cache_dtype
     from radixserve.model_executor.model_runner import ModelRunner
 
-    if args.tp_size > 1 and dist_init_method is None:
+    if args.tp_size * args.pp_size > 1 and dist_init_method is None:
         dist_init_method = f"tcp://{args.dist_init_addr}" if args.dist_init_addr else None
     options = dict(
-        device=args.tp_device(tp_rank, dp_rank),
+        device=args.tp_device(tp_rank, dp_rank, pp_rank),
         page_size=args.page_size,
         max_total_tokens=args.max_total_tokens,
         max_running_requests=args.max_running_requests,
@@ -42,6 +42,8 @@ def build_model_runner(args: ServerArgs, model_config, tp_rank: int = 0, dist_in
         quantization=args.quantization,
         tp_rank=tp_rank,
         tp_size=args.tp_size,
+        pp_rank=pp_rank,
+        pp_size=args.pp_size,
         dist_init_method=dist_init_method,
         dist_timeout_s=args.dist_timeout or DEFAULT_TIMEOUT_S,
         nnodes=args.nnodes,
@@ -85,10 +87,11 @@ def eos_token_ids(model_config, tokenizer) -> frozenset[int]:
 
 
 def build_scheduler(args: ServerArgs, tp_rank: int = 0, dist_init_method: str | None = None,
-                    dp_rank: int = 0, **runner_options: Any) -> Scheduler:
+                    dp_rank: int = 0, pp_rank: int = 0, **runner_options: Any) -> Scheduler:
     """Resolve the model, load weights and tokenizer, build the scheduler
-    (of TP rank ``tp_rank`` of replica ``dp_rank``, whose ranks meet at
-    ``dist_init_method``); ``runner_options`` go to ``build_model_runner``."""
+    (of TP rank ``tp_rank`` of pipeline stage ``pp_rank`` of replica
+    ``dp_rank``, whose ranks meet at ``dist_init_method``);
+    ``runner_options`` go to ``build_model_runner``."""
     from radixserve.model_loader import resolve_model
 
     device = args.resolved_device()
@@ -100,9 +103,9 @@ def build_scheduler(args: ServerArgs, tp_rank: int = 0, dist_init_method: str | 
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.processes_per_host()))
     model_config = resolve_model(args.model_path, args.load_format, args.dtype, device, args.tokenizer_path,
                                  args.model_overrides())
-    runner = build_model_runner(args, model_config, tp_rank, dist_init_method, dp_rank, **runner_options)
+    runner = build_model_runner(args, model_config, tp_rank, dist_init_method, dp_rank, pp_rank, **runner_options)
     tokenizer = load_tokenizer(model_config)
-    publisher = kv_event_publisher(args, tp_rank, dp_rank)
+    publisher = kv_event_publisher(args, pp_rank * args.tp_size + tp_rank, dp_rank)
     return Scheduler(args, runner, tokenizer, eos_token_ids(model_config, tokenizer), publisher, dp_rank)
 
 

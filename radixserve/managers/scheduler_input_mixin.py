@@ -81,7 +81,7 @@ class SchedulerInputMixin:
                     req.finished_reason = FinishReason.aborted("aborted by request")
                     self._finished_outside_batch.append(req)
                     return True
-        for req in self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else []):
+        for req in self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else []) + self.parked_reqs():
             if req.rid == rid:
                 req.to_abort = True
                 return True

@@ -8,7 +8,6 @@ import logging
 from dataclasses import dataclass
 
 from radixserve.layers.sampler import SampleOutput
-from radixserve.managers.input_logprobs import record_input_logprobs
 from radixserve.managers.profiler import phase
 from radixserve.managers.schedule_batch import FinishReason, Req
 from radixserve.managers.tp_worker import QueuedForward, QueuedSample
@@ -42,7 +41,7 @@ class SchedulerOutputProcessorMixin:
         reqs, batch, sample = launched.reqs, launched.forward.batch, launched.sampled.sample
         mode = batch.forward_mode
         if mode == ForwardMode.EXTEND:
-            record_input_logprobs(reqs, batch, launched.forward.logits)
+            launched.sampled.record_input_logprobs(reqs)
         # Entries that prefilled part of a prompt (the next chunk may be in flight already).
         partial = [mode == ForwardMode.EXTEND and seq < len(req.fill_ids) for req, seq in zip(reqs, batch.seq_lens_cpu)]
         updated, constrained = [], []

@@ -6,7 +6,14 @@ own Scheduler over its shard of the model. Only rank 0 has sockets: each
 loop iteration it broadcasts the messages it received, as the msgpack bytes
 they arrived in, over the TP group's CPU (gloo) group, and every rank handles
 the same messages in the same order, so all schedulers take the same
-decisions. Only rank 0 answers and sends tokens to the detokenizer."""
+decisions. Only rank 0 answers and sends tokens to the detokenizer.
+
+With pipeline stages (``--pp-size``) the first stage's ranks do this among
+themselves, and each then relays the messages to its counterpart on the next
+stage, which passes them on (``PPGroup.relay``): every scheduler of every
+stage handles the same messages in the same order. Rank 0 (TP rank 0 of the
+first stage) still has the sockets: the last stage sends every micro-batch's
+tokens back to the first (``scheduler_pp_mixin.py``)."""
 
 from __future__ import annotations
 
@@ -44,7 +51,7 @@ from radixserve.managers.io_struct import (
     encode,
     pipeline_sockets,
 )
-from radixserve.managers.profiler import StepProfiler
+from radixserve.managers.profiler import StepProfiler, phase
 from radixserve.managers.schedule_batch import FinishReason, Req
 from radixserve.managers.scheduler import Scheduler
 from radixserve.model_executor.cpu_malloc import HeapTrimmer, heap_figures
@@ -103,15 +110,16 @@ class SchedulerProcess:
         self.scheduler = scheduler
         self.dp_rank = dp_rank
         self.watch = watch
-        self.tp = scheduler.tp_group
-        self.leader = self.tp.rank == 0  # has the sockets; the other ranks follow its broadcasts
+        self.tp, self.pp = scheduler.tp_group, scheduler.pp
+        self.leader = self.tp.rank == 0 and self.pp.is_first  # has the sockets; the other ranks follow it
         if self.leader:
             self.recv, self.send = pipeline_sockets(zmq_context(), recv_addr, send_addr)
         self.sent: dict[str, tuple[int, int]] = {}  # rid -> (output ids sent, logprobs sent)
         self._stats_at = 0.0
         self._last_stats: dict | None = None
         replica = f"DP-{dp_rank}-" if scheduler.args.dp_size > 1 else ""
-        self.profiler = StepProfiler(f"{replica}TP-{self.tp.rank}", scheduler.device,
+        stage = f"PP-{self.pp.rank}-" if self.pp.size > 1 else ""
+        self.profiler = StepProfiler(f"{replica}{stage}TP-{self.tp.rank}", scheduler.device,
                                      scheduler.args.resolved_torch_profiler_dir())
         self.closing = False  # a CloseReq came: close the scheduler and leave the loop
         self.heap = HeapTrimmer()  # the malloc heap's free pages go back when idle, and now and then
@@ -123,9 +131,7 @@ class SchedulerProcess:
             if self.watch is not None and not self.watch.alive():
                 self.watch.exit_orphaned()
             idle = self.scheduler.is_idle() or self.scheduler.held()
-            received = self.receive_all(wait=idle) + self.memory_asked() if self.leader else None
-            if self.tp.size > 1:  # a follower waits here, at most IDLE_POLL_MS while the leader is idle
-                received = msgpack.unpackb(self.tp.broadcast_bytes(msgpack.packb(received) if self.leader else None))
+            received = self.share(self.receive_all(wait=idle) + self.memory_asked() if self.leader else None)
             if idle and not received:
                 if self.leader:  # figures that change while idle (the file tier's writes landing)
                     self.report_stats(only_changes=True)
@@ -147,6 +153,20 @@ class SchedulerProcess:
                 self.heap.idle()
             if self.leader:
                 self.report_stats(became_idle=became_idle)
+
+    @phase("pp.wait_relay")
+    def share(self, received: list[bytes] | None) -> list[bytes]:
+        """The leader's ``received`` on every rank: broadcast over the first
+        stage's TP group, relayed down the pipeline. A follower waits here,
+        at most ``IDLE_POLL_MS`` while the leader is idle."""
+        if self.tp.size == 1 and self.pp.size == 1:
+            return received
+        packed = None
+        if self.pp.is_first:
+            packed = msgpack.packb(received) if self.leader else None
+            if self.tp.size > 1:
+                packed = self.tp.broadcast_bytes(packed)
+        return msgpack.unpackb(self.pp.relay(packed))
 
     def receive_all(self, wait: bool) -> list[bytes]:
         """Every message waiting on the socket, after waiting up to
@@ -214,8 +234,8 @@ class SchedulerProcess:
     def send_replies(self, replies: list) -> None:
         """Control replies (rank 0 answers for every rank, once every rank
         is done: each computes the same replies, so all reach the barrier)."""
-        if replies:
-            self.tp.barrier()  # e.g. every rank's trace written before the answer
+        if replies:  # e.g. every rank's trace written before the answer
+            self.pp.barrier() if self.pp.size > 1 else self.tp.barrier()
         if self.leader:
             for reply in replies:
                 self.send.send(encode(reply))
@@ -300,17 +320,18 @@ class SchedulerProcess:
 
 def run_scheduler_process(server_args: ServerArgs, recv_addr: str | None, send_addr: str | None, ready,
                           ipc_dir: str | None = None, tp_rank: int = 0, dist_init_method: str | None = None,
-                          dp_rank: int = 0) -> None:
-    """Entry point of a scheduler process (TP rank ``tp_rank`` of replica
-    ``dp_rank``; only rank 0 gets socket addresses): load the model, report, loop."""
+                          dp_rank: int = 0, pp_rank: int = 0) -> None:
+    """Entry point of a scheduler process (TP rank ``tp_rank`` of pipeline
+    stage ``pp_rank`` of replica ``dp_rank``; only rank 0 gets socket
+    addresses): load the model, report, loop."""
     name = "scheduler" + (f" DP{dp_rank}" if server_args.dp_size > 1 else "") + (
-        f" TP{tp_rank}" if server_args.tp_size > 1 else "")
+        f" PP{pp_rank}" if server_args.pp_size > 1 else "") + (f" TP{tp_rank}" if server_args.tp_size > 1 else "")
     logging.basicConfig(level=logging.INFO, format=f"[{name}] %(message)s")
     watch = ParentWatch(ipc_dir)
     try:
         from radixserve.managers.scheduler_factory import build_scheduler
 
-        scheduler = build_scheduler(server_args, tp_rank, dist_init_method, dp_rank)
+        scheduler = build_scheduler(server_args, tp_rank, dist_init_method, dp_rank, pp_rank=pp_rank)
         if scheduler.device.type != "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # The host only builds batches from here on: small tensor ops that
             # torch would spread over every core, which this server's other
@@ -326,6 +347,7 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str | None, send_a
             "context_len": runner.max_context_len,
             "vocab_size": scheduler.vocab_size,
             "max_running_requests": scheduler.max_running,
+            **({"pp_stage": runner.stage_info()} if server_args.pp_size > 1 else {}),
         })
     except Exception as exc:
         ready.send({"status": "error", "error": f"{type(exc).__name__}: {exc}"})

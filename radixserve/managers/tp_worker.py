@@ -16,8 +16,11 @@ from typing import Any, Callable
 
 import torch
 
+from radixserve.distributed.pipeline import PPHidden
 from radixserve.layers.logits_processor import LogitsProcessorOutput
 from radixserve.layers.sampler import SampleOutput, Sampler
+from radixserve.managers.input_logprobs import record_input_logprobs
+from radixserve.managers.profiler import phase
 from radixserve.managers.schedule_batch import ModelWorkerBatch
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
@@ -28,7 +31,8 @@ class QueuedForward:
 
     batch: ModelWorkerBatch
     forward_batch: ForwardBatch  # holds the device inputs until the forward is done
-    logits: LogitsProcessorOutput  # read back only for extends (a graph replay reuses a decode's buffer)
+    logits: LogitsProcessorOutput | None  # read back only for extends (a graph replay reuses a decode's buffer);
+    # None on a pipeline stage but the last
 
 
 @dataclass
@@ -46,12 +50,17 @@ class QueuedSample:
             self.done.synchronize()
         return self.next_ids.tolist()
 
+    def record_input_logprobs(self, reqs: list) -> None:
+        """Append the prompt logprobs of an extend's ``reqs`` (``input_logprobs.py``)."""
+        record_input_logprobs(reqs, self.forward.batch, self.forward.logits)
+
 
 class TpModelWorker:
     """One rank's ModelRunner and Sampler, and the device state between batches."""
 
     def __init__(self, model_runner):
         self.model_runner = model_runner
+        self.pp = model_runner.pp_group  # a pipeline stage takes hidden states from the one before, if any
         self.device = model_runner.device
         self.sampler = Sampler()
         self.forward_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -71,8 +80,28 @@ class TpModelWorker:
                 fb.input_ids[-n:] = self.last_token[fb.req_pool_indices[-n:]]
             if before_forward is not None:
                 before_forward()
-            logits = self.model_runner.forward(fb)
+            if not self.pp.is_first:
+                fb.pp_hidden = self._recv_hidden(len(fb.positions))
+            logits = self._forward(fb)
+            if not self.pp.is_last:  # the next stage's input; no logits here
+                self._send_hidden(logits)
+                logits = None
         return QueuedForward(batch, fb, logits)
+
+    @phase("worker.forward")
+    def _forward(self, fb: ForwardBatch):
+        return self.model_runner.forward(fb)
+
+    @phase("pp.wait_hidden")
+    def _recv_hidden(self, tokens: int) -> PPHidden:
+        """The previous stage's hidden states and residual for ``tokens`` tokens."""
+        shape = (tokens, self.model_runner.model_config.hidden_size)
+        dtype, stage = self.model_runner.dtype, self.pp.rank - 1
+        return PPHidden(*(self.pp.recv_tensor(shape, dtype, self.device, stage) for _ in range(2)))
+
+    def _send_hidden(self, hidden: PPHidden) -> None:
+        for t in (hidden.hidden_states, hidden.residual):
+            self.pp.send_tensor(t, self.pp.rank + 1)
 
     def launch_sample(self, fwd: QueuedForward, return_logprob: bool, top_logprobs_nums: list[int],
                       apply_mask: Callable[[torch.Tensor, torch.Tensor], None] | None = None,

@@ -50,8 +50,9 @@ def build_tree_cache(args, model_runner, kv_event_publisher=None, forward_stream
 
 def storage_namespace(model_runner, block_tokens: int, seed: int) -> str:
     """The file tier's directory name for this model's KV: which weights
-    (their folder, or the dummy's seed), dtype, layout, TP rank and block
-    size, so that no other model or layout ever reads these files."""
+    (their folder, or the dummy's seed), dtype, layout, TP rank, pipeline
+    stage's layers and block size, so that no other model or layout ever
+    reads these files."""
     config = model_runner.model_config
     pool = model_runner.token_to_kv_pool
     source = config.weights_dir or config.model_path
@@ -59,5 +60,7 @@ def storage_namespace(model_runner, block_tokens: int, seed: int) -> str:
         source = f"{config.model_path}:dummy:{seed}"
     digest = hashlib.sha256(os.path.abspath(source).encode() if os.path.exists(source) else source.encode())
     name = os.path.basename(str(config.model_path).rstrip("/")) or "model"
-    return (f"{name}-{digest.hexdigest()[:12]}-{str(pool.dtype).removeprefix('torch.')}-L{pool.layer_num}"
+    pp = model_runner.pp
+    layers = f"-layers{pp.start}to{pp.end}" if pp.size > 1 else ""  # names without pipeline parallelism as before
+    return (f"{name}-{digest.hexdigest()[:12]}-{str(pool.dtype).removeprefix('torch.')}-L{pool.layer_num}{layers}"
             f"-H{pool.head_num}-D{pool.head_dim}-tp{model_runner.tp_rank}of{model_runner.tp_size}-b{block_tokens}")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from radixserve.distributed.pipeline import PPHidden
     from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
 
@@ -148,6 +149,10 @@ class ForwardBatch:
 
     # --enable-lora: the batch's rows grouped by adapter slot (lora/pool.py's LoRABatch); None: no adapter
     lora: Any = None
+
+    # --pp-size, a stage other than the first: the previous stage's output, which
+    # its layers take instead of the embedded input_ids (distributed/pipeline.py)
+    pp_hidden: PPHidden | None = None
 
     # Backend-private metadata, filled by attn_backend.init_forward_metadata().
     attn_metadata: Any = None

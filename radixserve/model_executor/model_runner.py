@@ -3,7 +3,8 @@
 Under tensor parallelism (``tp_size > 1``) each rank runs one ModelRunner in
 its own process: it joins the TP group, holds its shard of the weights and a
 KV pool of only its KV heads, and every forward returns the same, full logits
-on every rank (docs/tensor_parallel.md).
+on every rank (docs/tensor_parallel.md). Under pipeline parallelism
+(``pp_size > 1``) it runs one stage: its layers, and a KV pool of only those.
 
 It turns a host-side ``ModelWorkerBatch`` into a device ``ForwardBatch`` and
 runs the model on it. Sampling is the Sampler's job, scheduling the
@@ -30,8 +31,9 @@ import torch
 from torch import nn
 
 from radixserve.configs.model_config import ModelConfig
-from radixserve.distributed import DEFAULT_TIMEOUT_S, TPGroup, check_tp_devices, init_tp_group
+from radixserve.distributed import DEFAULT_TIMEOUT_S, PPGroup, TPGroup, check_tp_devices, init_model_parallel
 from radixserve.distributed.expert_parallel import MoEParallel, check_expert_parallel
+from radixserve.distributed.pipeline import PPHidden, PPStage
 from radixserve.layers.attention import create_attention_backend
 from radixserve.layers.linear import prepack_linears_for_cpu, quantize_linears
 from radixserve.layers.logits_processor import LogitsProcessorOutput
@@ -92,6 +94,14 @@ class ModelRunner:
     ValueError before any rank waits for another. Rank 0 asks
     ``tp_rank_failure`` while it waits for the others (``init_tp_group``'s
     ``rank_failure``). ``shutdown`` leaves the group.
+
+    Pipeline parallelism: stage ``pp_rank`` of ``pp_size`` (``self.pp``, a
+    :class:`PPStage`) loads only its layers (``distributed/pipeline.py``);
+    its KV pool holds those layers, so it fits more tokens than the whole
+    model's. A stage other than the first takes the previous stage's
+    ``PPHidden`` as ``forward_batch.pp_hidden``, and one other than the last
+    returns its own from :meth:`forward`. Stages run eagerly (no CUDA graphs)
+    and without LoRA for now.
     """
 
     def __init__(
@@ -124,16 +134,20 @@ class ModelRunner:
         moe_a2a_backend: str = "none",
         prefix_grouped_decode: bool = False,
         lora: LoRAOptions | None = None,
+        pp_rank: int = 0,
+        pp_size: int = 1,
     ):
         if page_size < 1 or max_running_requests < 1:
             raise ValueError(f"page_size and max_running_requests must be >= 1, got {page_size}, {max_running_requests}")
         self.model_config = model_config
         self.device = torch.device(device)
+        self.pp = PPStage.of(model_config.num_hidden_layers, pp_rank, pp_size)
+        self._check_pipeline(cuda_graph_max_bs, piecewise_cuda_graph_tokens, lora)
         self.owns_tp_group = tp_group is None
         self.ep_size = ep_size
         check_expert_parallel(tp_group.size if tp_group is not None else tp_size, ep_size, moe_a2a_backend)
-        self.tp_group = self._join_tp_group(tp_rank, tp_size, tp_group, dist_init_method, dist_timeout_s, nnodes,
-                                            tp_rank_failure)
+        self.tp_group, self.pp_group = self._join_tp_group(tp_rank, tp_size, tp_group, dist_init_method,
+                                                           dist_timeout_s, nnodes, tp_rank_failure)
         self.moe_parallel = MoEParallel(self.tp_group, ep_size, moe_a2a_backend)  # MoE models' expert split
         self.tp_rank, self.tp_size = self.tp_group.rank, self.tp_group.size
         self.head_layout = model_config.head_layout(self.tp_size, self.tp_rank)
@@ -147,6 +161,8 @@ class ModelRunner:
         check_quantization(quantization, self.device)
         self.quantization = quantization
         self.model = (model if model is not None else self._load_model()).eval()
+        if getattr(self.model, "pp_stage", self.pp) != self.pp:
+            raise ValueError(f"the model given is pipeline stage {self.model.pp_stage}, not {self.pp}")
         if quantization:
             logger.info("%s: %d linear layers quantized", quantization, quantize_linears(self.model))
         if self.device.type == "cpu" and not enable_memory_saver:  # oneDNN's packed weights cannot live in an arena
@@ -173,9 +189,12 @@ class ModelRunner:
             self.piecewise_runner = self._piecewise_runner(piecewise_cuda_graph_tokens)
 
     # -- set-up ------------------------------------------------------------
-    def _join_tp_group(self, tp_rank, tp_size, tp_group, init_method, timeout_s, nnodes, rank_failure) -> TPGroup:
+    def _join_tp_group(self, tp_rank, tp_size, tp_group, init_method, timeout_s, nnodes,
+                       rank_failure) -> tuple[TPGroup, PPGroup]:
         """Check that the model splits over the ranks first, so a bad
-        configuration fails at once on every rank; then join the group."""
+        configuration fails at once on every rank; then join the groups:
+        this stage's TP group and the pipeline (the trivial pipeline with a
+        ``tp_group`` passed in: a stage run alone, by tests)."""
         if tp_group is not None:
             if (tp_rank, tp_size) not in ((0, 1), (tp_group.rank, tp_group.size)):
                 raise ValueError(f"tp_rank {tp_rank} / tp_size {tp_size} contradict the given group's "
@@ -184,12 +203,24 @@ class ModelRunner:
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
         self.model_config.check_tensor_parallel(tp_size, self.ep_size)
-        check_tp_devices(tp_size, self.device, nnodes)
-        if self.device.type == "cuda" and self.device.index is None and tp_size > 1:
-            self.device = torch.device("cuda", tp_rank % (tp_size // nnodes))  # one device per rank of this host
+        world, rank = tp_size * self.pp.size, self.pp.rank * tp_size + tp_rank
+        check_tp_devices(world, self.device, nnodes)
+        if self.device.type == "cuda" and self.device.index is None and world > 1:
+            self.device = torch.device("cuda", rank % (world // nnodes))  # one device per rank of this host
         if tp_group is not None:
-            return tp_group
-        return init_tp_group(tp_rank, tp_size, self.device, init_method, timeout_s, nnodes, rank_failure)
+            return tp_group, PPGroup()
+        return init_model_parallel(tp_rank, tp_size, self.device, init_method, timeout_s, nnodes, rank_failure,
+                                   self.pp.rank, self.pp.size)
+
+    def _check_pipeline(self, cuda_graph_max_bs: int, piecewise_tokens, lora: LoRAOptions | None) -> None:
+        """Refuse what a pipeline stage cannot run yet (graphs are built on CUDA only)."""
+        if self.pp.size == 1:
+            return
+        if self.device.type == "cuda" and (cuda_graph_max_bs > 0 or piecewise_tokens):
+            raise ValueError("pipeline parallelism runs eagerly for now: turn CUDA graphs off "
+                             "(cuda_graph_max_bs 0, no piecewise CUDA graph tokens)")
+        if lora is not None:
+            raise ValueError("pipeline parallelism does not support LoRA yet")
 
     def _lora_manager(self, options: LoRAOptions | None, cuda_graph_max_bs: int, piecewise_tokens) -> LoRAManager | None:
         """The adapters and their device slots (``lora/manager.py``), before the
@@ -210,12 +241,12 @@ class ModelRunner:
     def _load_model(self) -> nn.Module:
         from radixserve.model_loader import get_model  # the loader imports the model registry
 
-        return get_model(self.model_config, self.device, self.tp_group, self.moe_parallel)
+        return get_model(self.model_config, self.device, self.tp_group, self.moe_parallel, self.pp)
 
     def kv_bytes_per_token(self) -> int:
-        """KV bytes per token on this rank (its KV heads only)."""
+        """KV bytes per token on this rank (its KV heads and pipeline stage's layers only)."""
         c = self.model_config
-        return c.num_hidden_layers * self.head_layout.num_kv_heads * c.head_dim * 2 * self.kv_cache_dtype.itemsize
+        return self.pp.num_layers * self.head_layout.num_kv_heads * c.head_dim * 2 * self.kv_cache_dtype.itemsize
 
     def _kv_pool_tokens(self, max_total_tokens: int | None, mem_fraction_static: float) -> int:
         if self.device.type == "cuda":
@@ -227,7 +258,7 @@ class ModelRunner:
             tokens = min(int(available_ram() * CPU_KV_RAM_FRACTION) // self.kv_bytes_per_token(), CPU_MAX_KV_TOKENS)
         if self.elastic_kv is not None and self.elastic_kv.max_gb is not None:  # only address space until used
             tokens = int(self.elastic_kv.max_gb * 2**30) // self.kv_bytes_per_token()
-        tokens = page_floor(self.tp_group.agree_min(tokens), self.page_size)
+        tokens = page_floor(self._agree_min(tokens), self.page_size)
         if tokens < self.page_size:
             raise ValueError(f"no room for a KV cache: {tokens} tokens fit (page_size {self.page_size})")
         return tokens
@@ -255,7 +286,7 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.max_context_len, self.device)
         self.padding_req_row = self.req_to_token_pool.alloc(1)[0]
         shape = (self.max_total_tokens, self.page_size, self.kv_cache_dtype, self.head_layout.num_kv_heads, c.head_dim,
-                 c.num_hidden_layers, self.device)
+                 self.pp.num_layers, self.device)
         if self.elastic_kv is not None:
             from radixserve.mem_cache.elastic_allocator import build_elastic_pool
 
@@ -268,9 +299,11 @@ class ModelRunner:
                 size=self.max_total_tokens, page_size=self.page_size, device=self.device
             )
         logger.info(
-            "KV pool: %d tokens (%.2f GiB, %s, %d KV heads on TP rank %d of %d), %d request rows of %d tokens",
+            "KV pool: %d tokens (%.2f GiB, %s, %d KV heads on TP rank %d of %d, layers %d..%d), "
+            "%d request rows of %d tokens",
             self.max_total_tokens, self.token_to_kv_pool.mem_bytes() / 2**30, self.kv_cache_dtype,
-            self.head_layout.num_kv_heads, self.tp_rank, self.tp_size, self.max_running_requests, self.max_context_len,
+            self.head_layout.num_kv_heads, self.tp_rank, self.tp_size, self.pp.start, self.pp.end - 1,
+            self.max_running_requests, self.max_context_len,
         )
 
     # -- forward -----------------------------------------------------------
@@ -323,8 +356,9 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
-        """Run the model. Outputs are inference-mode tensors: modify them in
+    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput | PPHidden:
+        """Run the model (a pipeline stage other than the last returns its
+        :class:`PPHidden`). Outputs are inference-mode tensors: modify them in
         place only inside ``torch.inference_mode()`` (or copy them)."""
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
             return self.cuda_graph_runner.replay(forward_batch)
@@ -346,7 +380,18 @@ class ModelRunner:
             self._expert_load_histogram = ExpertLoadHistogram()
         return self._expert_load_histogram.update(*load.read())
 
+    def _agree_min(self, value: int) -> int:
+        """The smallest ``value`` over every rank: the TP group's, and every
+        pipeline stage's (whose schedulers hand out the same KV slots)."""
+        return self.pp_group.agree_min(value) if self.pp_group.size > 1 else self.tp_group.agree_min(value)
+
+    def stage_info(self) -> dict:
+        """This pipeline stage's layers and KV pool (``/get_server_info``'s ``pp_stages``)."""
+        return {"pp_rank": self.pp.rank, "layers": [self.pp.start, self.pp.end], "max_total_tokens": self.max_total_tokens,
+                "kv_pool_bytes": self.token_to_kv_pool.mem_bytes(), "kv_bytes_per_token": self.kv_bytes_per_token()}
+
     def shutdown(self) -> None:
-        """Leave the TP group this runner joined (a no-op at tp 1 or for a group passed in)."""
+        """Leave the groups this runner joined (a no-op with one rank or for a group passed in)."""
         if self.owns_tp_group:
             self.tp_group.destroy()
+            self.pp_group.destroy()

@@ -52,13 +52,14 @@ logger = logging.getLogger(__name__)
 def supports_pieces(model: torch.nn.Module) -> bool:
     """Whether ``model`` has the Llama-family layout the runner cuts: a body
     with ``embed_tokens``, ``layers`` split by ``before_attention`` /
-    ``after_attention``, and ``norm``."""
+    ``after_attention``, and ``norm`` (all of it: not a pipeline stage, which
+    lacks some of these)."""
     body = getattr(model, "model", None)
     layers = getattr(body, "layers", None)
     return (
-        all(hasattr(body, name) for name in ("embed_tokens", "norm")) and bool(layers)
+        all(getattr(body, name, None) is not None for name in ("embed_tokens", "norm")) and bool(layers)
         and all(hasattr(layer, "before_attention") and hasattr(layer, "after_attention") for layer in layers)
-        and all(hasattr(model, name) for name in ("lm_head", "logits_processor"))
+        and all(getattr(model, name, None) is not None for name in ("lm_head", "logits_processor"))
     )
 
 

@@ -26,6 +26,7 @@ from transformers import AutoConfig, PretrainedConfig
 from radixserve.configs.model_config import ModelConfig
 from radixserve.distributed import TPGroup
 from radixserve.distributed.expert_parallel import MoEParallel
+from radixserve.distributed.pipeline import PPStage
 from radixserve.model_loader.dummy_configs import DUMMY_MODEL_NAMES, dummy_config, is_dummy_name
 from radixserve.model_loader.weight_utils import fill_dummy_weights, iter_safetensors, safetensors_files
 
@@ -179,22 +180,24 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def get_model(
     model_config: ModelConfig, device: str | torch.device = "cpu", tp_group: TPGroup | None = None,
-    moe_parallel: MoEParallel | None = None,
+    moe_parallel: MoEParallel | None = None, pp_stage: PPStage | None = None,
 ) -> torch.nn.Module:
     """Build the model on ``device`` in ``model_config.dtype`` and fill its weights.
 
     Parameters are allocated directly on the device, and under tensor
     parallelism (``tp_group``) only this rank's shard of each (and under
-    ``moe_parallel``, ``--ep-size``, only its experts). Dummy weights
-    are drawn there too (seed 0, the same model at every tp size);
+    ``moe_parallel``, ``--ep-size``, only its experts); under pipeline
+    parallelism (``pp_stage``) only the stage's layers. Dummy weights are
+    drawn there too (seed 0, the same model at every tp and pp size);
     safetensors weights stream through the model's ``load_weights``, which
-    takes HF names and one whole tensor at a time.
+    takes HF names and one whole tensor at a time, and skips the tensors of
+    other pipeline stages.
     """
     from radixserve.models.registry import ModelRegistry  # models import this module
 
     model_cls = ModelRegistry.resolve(model_config.architectures)
     with _default_dtype(model_config.dtype), torch.device(device):
-        model = model_cls(model_config.hf_config, tp_group=tp_group, moe_parallel=moe_parallel)
+        model = model_cls(model_config.hf_config, tp_group=tp_group, moe_parallel=moe_parallel, pp_stage=pp_stage)
     if model_config.load_format == "dummy":
         fill_dummy_weights(model)
     else:

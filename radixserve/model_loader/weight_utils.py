@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from collections.abc import Iterator
 
 import torch
@@ -70,17 +71,16 @@ def fill_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02)
     Values are generated on each parameter's own device, so nothing crosses
     the host-device link.
 
-    A tensor-parallel shard (a parameter with ``checkpoint_shards``, see
-    ``layers/linear.py``) draws the whole checkpoint tensor, in the same order
-    from the same generator, and keeps its part through its
-    ``weight_loader``: every tp size gets the same model, and tp 1 the values
-    it always had.
+    Each parameter draws from a generator seeded by ``seed`` and its name,
+    so its values do not depend on which other parameters the model holds:
+    a pipeline stage's layers (``model.layers.{i}``, i global) get the
+    values they have in the whole model. A tensor-parallel shard (a
+    parameter with ``checkpoint_shards``, see ``layers/linear.py``) draws
+    the whole checkpoint tensor and keeps its part through its
+    ``weight_loader``: every tp and pp size gets the same model.
     """
-    generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
-        gen = generators.get(param.device)
-        if gen is None:
-            gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        gen = torch.Generator(device=param.device).manual_seed(seed << 32 | zlib.crc32(name.encode()))
         shards = getattr(param, "checkpoint_shards", None)
         if shards is None:
             _fill(param, name, std, gen)

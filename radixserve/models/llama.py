@@ -4,12 +4,15 @@ Qwen2 and Qwen3 reuse these modules through :class:`AttentionOptions` (biases,
 per-head q/k norm); see ``qwen2.py`` and ``qwen3.py``. Under tensor
 parallelism every module takes the rank's :class:`TPGroup` (see
 docs/tensor_parallel.md): attention runs on the rank's heads, the MLP on its
-slice of the intermediate size, and norms and rotary are replicated.
+slice of the intermediate size, and norms and rotary are replicated. Under
+pipeline parallelism the model is one :class:`PPStage`'s part of it
+(``distributed/pipeline.py``): its decoder layers, under their global names.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -19,6 +22,7 @@ from transformers import PretrainedConfig
 
 from radixserve.distributed import TPGroup
 from radixserve.distributed.expert_parallel import MoEParallel
+from radixserve.distributed.pipeline import PPHidden, PPMissingLayer, PPStage
 from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import (
@@ -64,7 +68,9 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     """Self-attention over this rank's heads (``qkv_proj.layout``): the
-    decoder layer calls :meth:`qkv`, then ``attn``, then ``o_proj``."""
+    decoder layer calls :meth:`qkv`, then ``attn``, then ``o_proj``.
+    ``layer_id`` is the layer's index in the KV pool, which holds only the
+    layers of this pipeline stage."""
 
     def __init__(
         self, config: PretrainedConfig, layer_id: int, rotary_emb: RotaryEmbedding, options: AttentionOptions,
@@ -144,24 +150,47 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """``mlp_factory(layer_id)``, if given, builds each layer's MLP (None: the dense one)."""
+    """The decoder layers ``pp_stage`` holds (``layers[i]``, i global; a
+    :class:`PPMissingLayer` in the place of another stage's), the embedding on
+    the first stage (and on the last when the LM head is tied to it), the
+    final norm on the last. ``mlp_factory(layer_id)``, if given, builds each
+    layer's MLP (None: the dense one)."""
 
     def __init__(self, config: PretrainedConfig, options: AttentionOptions, tp_group: TPGroup,
-                 mlp_factory: Callable[[int], nn.Module | None] | None = None):
+                 mlp_factory: Callable[[int], nn.Module | None] | None, pp_stage: PPStage):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group)
+        self.pp_stage = stage = pp_stage
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.embed_tokens = None
+        if stage.is_first or (tied and stage.is_last):
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group)
         rope_theta, rope_scaling = rope_params_from_config(config)
         self.rotary_emb = get_rope(head_dim_of(config), config.max_position_embeddings, rope_theta, rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb, options, tp_group, mlp_factory and mlp_factory(i))
+            LlamaDecoderLayer(config, i - stage.start, self.rotary_emb, options, tp_group,
+                              mlp_factory and mlp_factory(i))
+            if stage.holds(i) else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if stage.is_last else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor | PPHidden:
+        """The final norm's output on the last stage, the :class:`PPHidden`
+        for the next stage on another. A stage other than the first starts
+        from ``forward_batch.pp_hidden`` instead of embedding ``input_ids``."""
+        stage = self.pp_stage
+        if stage.is_first:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        elif forward_batch.pp_hidden is None:
+            raise ValueError(f"pipeline stage {stage.rank} needs the previous stage's output (forward_batch.pp_hidden)")
+        else:
+            hidden_states, residual = forward_batch.pp_hidden.hidden_states, forward_batch.pp_hidden.residual
+        for i in range(stage.start, stage.end):
+            hidden_states, residual = self.layers[i](positions, hidden_states, forward_batch, residual)
+        if not stage.is_last:
+            return PPHidden(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -177,6 +206,7 @@ _STACKED_PARAMS = (
 )
 # Checkpoint entries that are not weights (old HF rotary caches).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+_LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -185,22 +215,32 @@ class LlamaForCausalLM(nn.Module):
     ``tp_group`` is this rank's tensor-parallel group (default: one rank);
     the model then holds, and loads, only the rank's shard of each weight.
     ``moe_parallel`` (``--ep-size``, ``--moe-a2a-backend``) concerns the
-    mixture-of-experts subclasses only (``sparse_moe.py``)."""
+    mixture-of-experts subclasses only (``sparse_moe.py``). ``pp_stage``
+    (default: the whole model) is the pipeline stage this model is: it holds
+    that stage's layers, and the LM head (``lm_head``, ``logits_processor``;
+    None elsewhere) only on the last stage, where :meth:`forward` returns the
+    logits; another stage's returns a :class:`PPHidden`."""
 
     def __init__(self, config: PretrainedConfig, tp_group: TPGroup | None = None,
-                 moe_parallel: MoEParallel | None = None):
+                 moe_parallel: MoEParallel | None = None, pp_stage: PPStage | None = None):
         super().__init__()
         _check_config(config)
         tp_group = tp_group or TPGroup()
+        self.pp_stage = pp_stage or PPStage(0, config.num_hidden_layers)
+        if self.pp_stage.end > config.num_hidden_layers:
+            raise ValueError(f"pipeline stage layers {self.pp_stage.start}..{self.pp_stage.end - 1} "
+                             f"beyond the model's {config.num_hidden_layers}")
         self.config = config
         self.model = LlamaModel(config, self.attention_options(config), tp_group,
-                                self.mlp_factory(config, tp_group, moe_parallel))
+                                self.mlp_factory(config, tp_group, moe_parallel, self.pp_stage), self.pp_stage)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group)
-        self.logits_processor = LogitsProcessor(config.vocab_size, tp_group)
+        self.lm_head = self.logits_processor = None
+        if self.pp_stage.is_last:
+            if self.tie_word_embeddings:
+                self.lm_head = self.model.embed_tokens
+            else:
+                self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group)
+            self.logits_processor = LogitsProcessor(config.vocab_size, tp_group)
 
     @classmethod
     def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
@@ -208,25 +248,30 @@ class LlamaForCausalLM(nn.Module):
         return AttentionOptions(qkv_bias=bias, o_bias=bias)
 
     def mlp_factory(
-        self, config: PretrainedConfig, tp_group: TPGroup, moe_parallel: MoEParallel | None
+        self, config: PretrainedConfig, tp_group: TPGroup, moe_parallel: MoEParallel | None, pp_stage: PPStage
     ) -> Callable[[int], nn.Module | None] | None:
-        """What builds each layer's MLP; None: every layer's is dense (:class:`LlamaMLP`)."""
+        """What builds the MLP of each layer ``pp_stage`` holds; None: every layer's is dense (:class:`LlamaMLP`)."""
         return None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
-    ) -> LogitsProcessorOutput:
+    ) -> LogitsProcessorOutput | PPHidden:
         hidden_states = self.model(input_ids, positions, forward_batch)
+        if isinstance(hidden_states, PPHidden):
+            return hidden_states
         return self.logits_processor(input_ids, hidden_states, self.lm_head, forward_batch)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, each whole as in the checkpoint (a parameter's
-        ``weight_loader`` keeps this rank's shard); raises ValueError on a name
-        this model does not have, a shape mismatch, or a parameter left unloaded."""
+        ``weight_loader`` keeps this rank's shard; the tensors of another
+        pipeline stage are skipped); raises ValueError on a name this model
+        does not have, a shape mismatch, or a parameter left unloaded."""
         params = dict(self.named_parameters())
         loaded: set[tuple[str, object]] = set()
         for hf_name, tensor in weights:
             if hf_name.endswith(_IGNORED_SUFFIXES) or (self.tie_word_embeddings and hf_name == "lm_head.weight"):
+                continue
+            if self.held_elsewhere(hf_name):
                 continue
             name, shard = self.param_name(hf_name)
             if name not in params:
@@ -242,6 +287,15 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"{type(self).__name__}: {len(missing)} weights missing from the checkpoint: {missing[:8]}")
 
+    def held_elsewhere(self, hf_name: str) -> bool:
+        """Whether checkpoint tensor ``hf_name`` belongs to another pipeline stage."""
+        if m := _LAYER_TENSOR.match(hf_name):
+            return not self.pp_stage.holds(int(m[1]))
+        if hf_name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is None
+        if hf_name.startswith(("model.norm.", "lm_head.")):
+            return not self.pp_stage.is_last
+        return False
 
     def param_name(self, hf_name: str) -> tuple[str, object]:
         """The parameter and shard id a checkpoint tensor loads into."""

@@ -21,6 +21,7 @@ from transformers import PretrainedConfig
 
 from radixserve.distributed import TPGroup
 from radixserve.distributed.expert_parallel import MoEParallel
+from radixserve.distributed.pipeline import PPStage
 from radixserve.layers.moe.layer import ExpertLoad, FusedMoE
 from radixserve.models.llama import LlamaForCausalLM, LlamaMLP
 
@@ -80,15 +81,16 @@ def moe_intermediate_size(config: PretrainedConfig) -> int:
 class MoEForCausalLM(LlamaForCausalLM):
     """A Llama-like model whose MoE layers are :class:`SparseMoeBlock`.
 
-    ``expert_load`` counts the tokens each expert got (``layers/moe/layer.py``)."""
+    ``expert_load`` counts the tokens each expert got (``layers/moe/layer.py``)
+    in the MoE layers of this pipeline stage, the first of them row 0."""
 
     def mlp_factory(
-        self, config: PretrainedConfig, tp_group: TPGroup, moe_parallel: MoEParallel | None
+        self, config: PretrainedConfig, tp_group: TPGroup, moe_parallel: MoEParallel | None, pp_stage: PPStage
     ) -> Callable[[int], nn.Module | None]:
         parallel = moe_parallel or MoEParallel(tp_group)
         if parallel.tp_group is not tp_group and parallel.tp_group != tp_group:
             raise ValueError("moe_parallel must be over the model's TP group")
-        sparse = [i for i in range(config.num_hidden_layers) if self.is_sparse_layer(config, i)]
+        sparse = [i for i in range(pp_stage.start, pp_stage.end) if self.is_sparse_layer(config, i)]
         self.expert_load = ExpertLoad(len(sparse), num_experts_of(config))
         index = {layer: n for n, layer in enumerate(sparse)}
 
