@@ -9,7 +9,8 @@ time, the fp8 time with and without the quantization kernel, and the TFLOP/s
 and weight-read TB/s of each, plus a line with the square 8192³ matmul in
 bf16 and fp8 (the machine's ceilings, measured in the same run). Defaults are
 llama-3.1-8b's shapes. Each time is the best of ``--repeats`` CUDA-event
-timings of ``--inner`` back-to-back calls. GPU only (fp8 tensor cores).
+timings of a CUDA graph of ``--inner`` back-to-back calls, as decode steps
+run. GPU only (fp8 tensor cores).
 """
 
 from __future__ import annotations
@@ -24,15 +25,21 @@ from radixserve.layers.quantization import FP8_DTYPE, fp8_linear, quantize_fp8_r
 
 
 def cuda_time(fn, repeats: int, inner: int) -> float:
-    """Best seconds per call of ``fn`` over ``repeats`` timings of ``inner`` calls."""
+    """Best seconds per call of ``fn`` over ``repeats`` replays of a CUDA
+    graph of ``inner`` calls: the device's time, as in a decode step's
+    graph, without the host's launch cost (which dominates at a few rows)."""
     fn()
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
     best = float("inf")
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(inner):
-            fn()
+        graph.replay()
         end.record()
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3 / inner)
@@ -63,7 +70,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name, default in (("hidden", 4096), ("intermediate", 14336), ("q-heads", 32), ("kv-heads", 8), ("head-dim", 128)):
         parser.add_argument(f"--{name}", type=int, default=default)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 1024, 4096, 8192])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096, 8192])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--inner", type=int, default=20)
     args = parser.parse_args(argv)
