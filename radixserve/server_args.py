@@ -194,6 +194,9 @@ class ServerArgs:
                 "their sizes) on --tp-size ranks of its own"})
     pp_micro_batches: int | None = field(default=None, metadata={
         "help": "micro-batches in flight through the pipeline (default --pp-size; 1: one batch at a time)"})
+    pp_max_micro_batch_size: int | None = field(default=None, metadata={
+        "help": "the most requests one micro-batch runs (default --max-running-requests divided by the "
+                "micro-batches), so that a burst of requests spreads over them"})
     # Mixture of experts (docs/moe.md), SGLang's flags.
     ep_size: int = field(default=1, metadata={
         "help": "expert-parallel ranks among the --tp-size ranks: each holds whole experts of 1/ep-size of them "
@@ -460,8 +463,9 @@ class ServerArgs:
     def _check_pipeline(self) -> None:
         """What pipeline stages do not combine with (docs/pipeline_parallel.md): each of these
         takes decisions on one rank's timing or state that the stages would have to share."""
-        if self.pp_micro_batches is not None and self.pp_micro_batches < 1:
-            raise ValueError(f"pp_micro_batches must be >= 1, got {self.pp_micro_batches}")
+        for name in ("pp_micro_batches", "pp_max_micro_batch_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.pp_size == 1:
             return
         refused = {"dp_size": self.dp_size > 1, "disaggregation_mode": self.disaggregation_mode != "null",
@@ -474,6 +478,9 @@ class ServerArgs:
 
     def resolved_pp_micro_batches(self) -> int:
         return self.pp_micro_batches or self.pp_size
+
+    def resolved_pp_max_micro_batch_size(self) -> int:
+        return self.pp_max_micro_batch_size or max(1, self.max_running_requests // self.resolved_pp_micro_batches())
 
     def _check_disaggregation(self) -> None:
         _one_of("disaggregation_mode", self.disaggregation_mode, DISAGGREGATION_MODES)

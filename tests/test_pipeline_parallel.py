@@ -130,6 +130,21 @@ def test_pp2_engine_aborts_mid_flight_and_returns_the_memory(pp1):
         eng.scheduler.check_memory()
 
 
+def test_a_burst_of_requests_spreads_over_the_micro_batches():
+    """Eight requests at once into two micro-batches (each could take all
+    eight: the cap is 16 / 2): each takes its share, four, rather than the
+    first taking the whole burst."""
+    with radixserve.Engine(**TINY, pp_size=2, max_total_tokens=2048, max_running_requests=16) as eng:
+        params = {"temperature": 0, "max_new_tokens": 50, "ignore_eos": True}
+        streams = [eng.generate(input_ids=p, sampling_params=params, stream=True) for p in PROMPTS + PROMPTS[:2]]
+        for it in streams:
+            next(it)
+        sched = eng.scheduler
+        assert sorted([len(sched.running_batch)] + [len(mb.running_batch) for mb in sched.parked()]) == [4, 4]
+        for it in streams:
+            it.close()
+
+
 @pytest.mark.slow
 def test_smollm2_at_pp3_matches_hf_with_structured_output():
     """SmolLM2-135M's 30 layers over 3 stages: chat prompts give HF's greedy

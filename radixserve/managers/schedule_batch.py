@@ -317,12 +317,14 @@ class ScheduleBatch:
         """Add requests (prefilled ones joining the running batch)."""
         self.reqs = self.reqs + reqs
 
-    def retract_decode(self) -> tuple[list[Req], Req | None]:
+    def retract_decode(self, others_hold: bool = False) -> tuple[list[Req], Req | None]:
         """Make room for one more token per request: evict cached KV, then
         retract requests (fewest outputs first, longest prompts first among
         equals), removing them with their KV given to the cache. Returns the
         retracted requests (to re-queue) and, if one request alone has
-        outgrown the pool, that request, removed too and finished by length."""
+        outgrown the pool, that request, removed too and finished by length.
+        With ``others_hold`` (other micro-batches' requests hold KV) no
+        request is alone: the last one is retracted too, to wait for theirs."""
         pools = self.pools
 
         def short() -> int:
@@ -334,7 +336,7 @@ class ScheduleBatch:
             pools.tree_cache.evict(short())
         retracted = []
         # a run-time limit never cuts a request short: the last one waits too, for the limit to rise
-        while short() > 0 and (len(self.reqs) > 1 or (self.reqs and pools.allocator.limit_binds())):
+        while short() > 0 and (len(self.reqs) > 1 or (self.reqs and (others_hold or pools.allocator.limit_binds()))):
             victim = min(self.reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
             self.filter_batch(lambda r: r is not victim)  # noqa: B023 (called here, in this iteration)
             pools.tree_cache.cache_finished_req(victim)

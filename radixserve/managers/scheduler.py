@@ -131,6 +131,7 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
         elif server_args.disaggregation_mode == "decode":
             self.disagg = DecodeDisaggregation(self)
         self._init_pipeline(model_runner.pp_group, server_args.resolved_pp_micro_batches())
+        self.micro_batch_cap = server_args.resolved_pp_max_micro_batch_size()  # requests per micro-batch
 
     def is_idle(self) -> bool:
         # a request aborted while waiting is only handed back by the next step
@@ -266,6 +267,8 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
         if self.allocator.over_limit() or self.offload_tags:  # a KV limit lowered below use, or memory released
             return None
         free_rows = self.max_running - self.rows_held()  # the chunked request, if any, is in can_run
+        if self.micro_batches:  # this micro-batch's share, so that a burst spreads over the micro-batches
+            free_rows = min(free_rows, self.micro_batch_share() - len(self.running_batch))
         riders = len(self.running_batch) if self.args.enable_mixed_chunk else 0  # see PrefillAdder
         chunk = self.chunk_size if not (riders and self.args.mixed_chunk_min_size) else mixed_step_budget(
             riders, self.waiting, self.chunked_req, self.args.mixed_chunk_min_size, self.chunk_size)
@@ -330,7 +333,7 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
     # -- memory for a batch ------------------------------------------------------
     def _ensure_decode_memory(self) -> None:
         """Make room for one more token per running request (``retract_decode``)."""
-        retracted, cut = self.running_batch.retract_decode()
+        retracted, cut = self.running_batch.retract_decode(others_hold=bool(self.parked_reqs()))
         if retracted:
             self.stats.retractions += len(retracted)
             self.waiting = retracted + self.waiting

@@ -79,11 +79,11 @@ class SchedulerOutputProcessorMixin:
         return updated
 
     def _agree_on_stop_regex(self, reqs: list[Req]) -> None:
-        """Under TP: a stop_regex search runs against a clock on every rank,
+        """Under TP or PP: a stop_regex search runs against a clock on every rank,
         so whether it ran out of time is rank 0's call. A request it timed
         out on rank 0 ends on every rank; one it timed out only here is
         checked again with a longer limit (rank 0 found its answer in time)."""
-        if self.tp_group.size == 1:
+        if self.tp_group.size == 1 and self.pp.size == 1:
             return
         watched = [r for r in reqs if r.stop_patterns and r.output_ids]
         if not watched:  # the same on every rank: then no rank waits for the others

@@ -142,6 +142,12 @@ class SchedulerPipelineMixin:
         """The running and chunked requests of the parked micro-batches."""
         return [r for mb in self.parked() for r in mb.running_batch.reqs + ([mb.chunked_req] if mb.chunked_req else [])]
 
+    def micro_batch_share(self) -> int:
+        """How many requests this micro-batch may run: an even share of the
+        running and waiting requests, at most ``--pp-max-micro-batch-size``."""
+        demand = len(self.running_batch) + len(self.parked_reqs()) + len(self.waiting)
+        return min(self.micro_batch_cap, max(1, -(-demand // len(self.micro_batches))))
+
     def pipeline_busy(self) -> bool:
         """A batch of any micro-batch is in the pipeline, or a parked one has requests."""
         return self._pp_launched is not None or any(mb.launched is not None for mb in self.parked()) or bool(
