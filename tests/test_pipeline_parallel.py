@@ -85,6 +85,16 @@ def test_pp2_engine_matches_hf(tiny):
     _check_pp2_against_hf(*tiny)
 
 
+def test_pp2_with_pages_and_mixed_chunks_matches_pp1():
+    """Pages of 4 tokens, and decodes riding in prefill chunks (each
+    micro-batch's running requests ride its own chunks)."""
+    options = dict(chunked_prefill_size=8, max_total_tokens=2048, max_running_requests=8, page_size=4,
+                   enable_mixed_chunk=True)
+    ref, out = _run(**options), _run(**options, pp_size=2)
+    assert out["greedy"] == ref["greedy"] and out["sampled"] == ref["sampled"]
+    assert _close(out["logprobs"], ref["logprobs"]) and out["cached"] == ref["cached"]
+
+
 @pytest.mark.slow
 def test_pp2_tp2_engine_matches_hf(llama):
     _check_pp2_against_hf(*llama, tp=2)
