@@ -138,7 +138,9 @@ def test_a_killed_server_leaves_no_process_behind(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_with_requests_in_flight_ends_them_and_exits_0(tmp_path):
-    srv = ServerProcess(*REAL, env={"TMPDIR": str(tmp_path)})
+    """The requests still running after the grace period end with a 503; the
+    scheduler is then asked to close (its cache tiers' writes land), not killed."""
+    srv = ServerProcess(*REAL, env={"TMPDIR": str(tmp_path)}, log_path=tmp_path / "server.log")
     kids = srv.children()
     try:
         results = _in_flight_then(srv, lambda: srv.proc.send_signal(signal.SIGTERM))
@@ -147,6 +149,7 @@ def test_sigterm_with_requests_in_flight_ends_them_and_exits_0(tmp_path):
         assert _wait_exit(srv.proc, 30) == 0
         wait_for(lambda: not any(alive(p) for p in kids.values()), 10, "every child's exit after the server's")
         assert ipc_dirs(tmp_path) == []
+        assert "[scheduler] closed" in (tmp_path / "server.log").read_text()
     finally:
         srv.stop()
 

@@ -442,9 +442,10 @@ class TokenizerManager:
 
     def close_schedulers(self) -> None:
         """Ask every replica's scheduler to close (each rank's cache tiers
-        finish their writes, KV events go out) and exit; the server is stopping."""
-        if self.dead is not None:
-            return
+        finish their writes, KV events go out) and exit; the server is
+        stopping. Also once requests were ended for the shutdown (``dead``
+        set by :meth:`fail_all`): the schedulers still run (the caller checks
+        that no child died), and without the request they would be killed."""
         for sock in self.sends:
             try:
                 sock.send(encode(CloseReq()), zmq.NOBLOCK)
