@@ -59,7 +59,7 @@ def test_modes_take_dp_and_several_nodes():
         assert args.dp_size == 2
         args = ServerArgs.from_kwargs(model_path="tiny-llama", load_format="dummy", device="cpu", tp_size=2, nnodes=2,
                                       node_rank=1, dist_init_addr="127.0.0.1:29500", disaggregation_mode=mode)
-        assert args.local_tp_ranks() == range(1, 2)  # tests/test_disagg_nodes.py serves through such servers
+        assert args.local_ranks() == [(0, 1)]  # (pp rank, tp rank); tests/test_disagg_nodes.py serves through such servers
 
 
 @pytest.mark.parametrize("backend,why", [("mooncake", "needs CUDA and RDMA"), ("nixl", "needs CUDA and RDMA"),
