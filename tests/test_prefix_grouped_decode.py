@@ -352,8 +352,8 @@ def test_engine_retraction_leaves_groups_and_keeps_tokens(llama, tables, overlap
     off, _ = run_engine(llama[0], batch, False, overlap, params, **kw)
     retract = ScheduleBatch.retract_decode
 
-    def marked(self):
-        retracted, cut = retract(self)
+    def marked(self, **kwargs):
+        retracted, cut = retract(self, **kwargs)
         tables.extend(["retracted"] * bool(retracted))
         return retracted, cut
 
