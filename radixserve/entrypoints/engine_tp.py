@@ -119,8 +119,7 @@ class TpLeader:
             self._broadcast(self._outbox + [encode(msg)])
             self._outbox = []
             result = apply(*args)
-            # the followers' reply barrier (SchedulerProcess.send_replies)
-            self.pp.barrier() if self.pp.size > 1 else self.tp_group.barrier()
+            self.scheduler.barrier_all_ranks()  # the followers' reply barrier (SchedulerProcess.send_replies)
             if not self.scheduler.is_idle():
                 self._stepped += self.scheduler.step()
             return result

@@ -134,6 +134,10 @@ class SchedulerPipelineMixin:
         self.chunked_req, self._pp_launched = mb.chunked_req, mb.launched
         self._slot = slot
 
+    def barrier_all_ranks(self) -> None:
+        """Wait for every rank of every stage (the TP group's, without stages)."""
+        (self.pp if self.pp.size > 1 else self.tp_group).barrier()
+
     def parked(self) -> list[MicroBatch]:
         """The micro-batches whose state is not the Scheduler's now."""
         return [mb for i, mb in enumerate(self.micro_batches) if i != self._slot]

@@ -235,7 +235,7 @@ class SchedulerProcess:
         """Control replies (rank 0 answers for every rank, once every rank
         is done: each computes the same replies, so all reach the barrier)."""
         if replies:  # e.g. every rank's trace written before the answer
-            self.pp.barrier() if self.pp.size > 1 else self.tp.barrier()
+            self.scheduler.barrier_all_ranks()
         if self.leader:
             for reply in replies:
                 self.send.send(encode(reply))
