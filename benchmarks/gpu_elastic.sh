@@ -18,9 +18,7 @@ PARTS=${PARTS:-tests rates w1} W1_REPEATS=${W1_REPEATS:-2} W1_ARGS=${W1_ARGS:---
 TT_ARGS=${TT_ARGS:-} BUDGET=${BUDGET:-560} RESERVE=10
 PY=${PYTHON:-python3}
 # shellcheck source=benchmarks/script_lib.sh
-source "$(dirname "$0")/script_lib.sh"  # OUT, LOGDIR, the checkout's root, FAILED, log, cap, fail
-
-has() { [[ " $PARTS " == *" $1 "* ]]; }
+source "$(dirname "$0")/script_lib.sh"  # OUT, LOGDIR, the checkout's root, FAILED, log, cap, fail, has
 
 if has tests; then
     log "GPU tests"

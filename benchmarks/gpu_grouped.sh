@@ -23,12 +23,9 @@ W4_CONFIGS=${W4_CONFIGS:-"--schedule-policy lpm
 --schedule-policy lpm --enable-prefix-grouped-decode"}
 PY=${PYTHON:-python3}
 # shellcheck source=benchmarks/script_lib.sh
-source "$(dirname "$0")/script_lib.sh"  # OUT, LOGDIR, the checkout's root, FAILED, log, cap, fail
+source "$(dirname "$0")/script_lib.sh"  # OUT, LOGDIR, the checkout's root, FAILED, log, cap, fail, has
 # shellcheck source=benchmarks/server_lib.sh
 source benchmarks/server_lib.sh  # SERVER_PID, stop_server, wait_healthy
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's radixserve, also for scripts run by path
-
-has() { [[ " $PARTS " == *" $1 "* ]]; }
 
 if has tests; then
     log "GPU tests"

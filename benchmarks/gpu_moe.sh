@@ -15,9 +15,8 @@ set -uo pipefail
 PARTS=${PARTS:-tests w2 w3 w1} BUDGET=${BUDGET:-560} RESERVE=5
 PY=${PYTHON:-python3}
 # shellcheck source=benchmarks/script_lib.sh
-source "$(dirname "$0")/script_lib.sh"  # OUT, LOGDIR, the checkout's root, FAILED, log, cap, fail
+source "$(dirname "$0")/script_lib.sh"  # OUT, LOGDIR, the checkout's root, FAILED, log, cap, fail, has
 
-has() { [[ " $PARTS " == *" $1 "* ]]; }
 json() { grep '^{' "$1" | tee -a "$2"; }
 
 if has tests; then

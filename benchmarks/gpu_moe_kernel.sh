@@ -21,7 +21,6 @@ RESERVE=5
 PY=${PYTHON:-python3}
 # shellcheck source=benchmarks/script_lib.sh
 source "$(dirname "$0")/script_lib.sh"  # OUT, LOGDIR, the checkout's root, FAILED, log, cap, fail
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT/configs"
 
 run_tests() {

@@ -172,7 +172,7 @@ class ServerArgs:
     # Multi-LoRA serving (docs/lora.md), SGLang's flags.
     enable_lora: bool = field(default=False, metadata={
         "help": "serve LoRA adapters over the base model; requests name one with lora_path (or an OpenAI model "
-                "'BASE:ADAPTER'). Turns CUDA graphs off (LoRA runs its torch path)"})
+                "'BASE:ADAPTER')"})
     lora_paths: list[str] | None = field(default=None, metadata={
         "help": "adapters to load at start-up (PEFT folders), each NAME=PATH, a PATH (named by its folder) or "
                 "JSON {\"lora_name\": ..., \"lora_path\": ...}; implies --enable-lora", "nargs": "+"})
@@ -183,6 +183,9 @@ class ServerArgs:
     lora_target_modules: list[str] | None = field(default=None, metadata={
         "help": "the projections that take LoRA (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or "
                 "all; default: those the --lora-paths adapters target)", "nargs": "+"})
+    lora_backend: str | None = field(default=None, metadata={
+        "help": "how adapters' deltas run: triton (segmented GEMMs, under CUDA graphs; CUDA only) or torch_native "
+                "(a loop over adapters, graphs off); default: triton on CUDA, torch_native elsewhere"})
     max_loaded_loras: int | None = field(default=None, metadata={
         "help": "the most adapters held in host memory (at least --max-loras-per-batch; default: no limit)"})
     random_seed: int = field(default=0, metadata={"help": "seed of the global RNG"})
@@ -355,18 +358,18 @@ class ServerArgs:
         if self.kv_events_config:
             raise ValueError("enable_lora: not with --kv-events-config (its block hashes do not tell adapters apart "
                              "yet)")
-        if not self.disable_cuda_graph:  # graphs would capture one batch's segments: LoRA runs eagerly
+        if options.backend == "torch_native" and not self.disable_cuda_graph:  # graphs would freeze one batch's loop
             if self.resolved_device() == "cuda":
-                logging.getLogger(__name__).warning("--enable-lora: CUDA graphs are turned off (LoRA runs its torch "
-                                                    "path eagerly, docs/lora.md)")
+                logging.getLogger(__name__).warning("--lora-backend torch_native: CUDA graphs are turned off (it "
+                                                    "loops over a batch's adapters on the host, docs/lora.md)")
             self.disable_cuda_graph = True
 
     def lora_options(self) -> "LoRAOptions | None":
         """The LoRA flags checked (``lora/options.py``), or None without ``--enable-lora``."""
-        from radixserve.lora.options import LoRAOptions, parse_lora_paths, parse_target_modules
+        from radixserve.lora.options import LORA_BACKENDS, LoRAOptions, parse_lora_paths, parse_target_modules
 
         if not self.enable_lora:
-            for name in ("max_lora_rank", "lora_target_modules", "max_loaded_loras"):
+            for name in ("max_lora_rank", "lora_target_modules", "max_loaded_loras", "lora_backend"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name}: needs --enable-lora")
             return None
@@ -382,7 +385,14 @@ class ServerArgs:
         if self.max_loaded_loras is not None and self.max_loaded_loras < max(self.max_loras_per_batch, len(paths)):
             raise ValueError(f"max_loaded_loras must be at least --max-loras-per-batch ({self.max_loras_per_batch}) "
                              f"and the number of --lora-paths ({len(paths)}), got {self.max_loaded_loras}")
-        return LoRAOptions(paths, self.max_loras_per_batch, self.max_lora_rank, modules, self.max_loaded_loras)
+        on_cuda = self.resolved_device() == "cuda"
+        backend = self.lora_backend or ("triton" if on_cuda else "torch_native")
+        _one_of("lora_backend", backend, LORA_BACKENDS)
+        if backend == "triton" and not on_cuda:
+            raise ValueError(f"lora_backend: triton runs on CUDA only (device {self.resolved_device()}); "
+                             "use torch_native")
+        return LoRAOptions(paths, self.max_loras_per_batch, self.max_lora_rank, modules, self.max_loaded_loras,
+                           backend)
 
     def _check_hicache(self) -> None:
         _one_of("hicache_write_policy", self.hicache_write_policy, HICACHE_WRITE_POLICIES)

@@ -206,16 +206,20 @@ def test_bad_adapter_names_and_flags_are_refused_by_name(models, tmp_path):
         (dict(lora_paths=["a=/x"], enable_hierarchical_cache=True), "enable_lora: not with --enable-hierarchical"),
         (dict(lora_paths=["a=/x"], disaggregation_mode="prefill"), "enable_lora: not with --disaggregation-mode"),
         (dict(lora_paths=["a=/x"], kv_events_config='{"publisher": "zmq"}'), "enable_lora: not with --kv-events"),
+        (dict(lora_paths=["a=/x"], lora_backend="csgmv"), "lora_backend must be one of triton, torch_native"),
+        (dict(lora_paths=["a=/x"], lora_backend="triton", device="cpu"), "lora_backend: triton runs on CUDA only"),
+        (dict(lora_backend="triton"), "lora_backend: needs --enable-lora"),
     ]:
         with pytest.raises(ValueError, match=message):
             ServerArgs(**kwargs)
 
 
-def test_lora_paths_take_sglang_forms_and_lora_turns_cuda_graphs_off():
+def test_lora_paths_take_sglang_forms_and_the_torch_backend_turns_cuda_graphs_off():
     entries = ["a=/p/one", "/p/two/", json.dumps({"lora_name": "c", "lora_path": "/p/three", "pinned": False})]
     assert parse_lora_paths(entries) == {"a": "/p/one", "two": "/p/two/", "c": "/p/three"}
     assert parse_target_modules(["all"]) == frozenset(ADAPTERS["a8"][3])
-    args = ServerArgs(lora_paths="a=/p/one")
+    args = ServerArgs(lora_paths="a=/p/one", device="cpu")  # the CPU's backend: torch_native
+    assert args.lora_options().backend == "torch_native"
     assert args.enable_lora and args.disable_cuda_graph and args.resolved_cuda_graph_max_bs() == 0
     assert args.resolved_piecewise_cuda_graph_tokens() == []
     import argparse

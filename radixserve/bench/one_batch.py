@@ -246,10 +246,11 @@ def static_batch(runner, prompts: torch.Tensor, output_len: int):
 
 
 @torch.inference_mode()
-def run_case(runner, sampler, prompts: torch.Tensor, output_len: int) -> tuple[Timing, torch.Tensor]:
+def run_case(runner, sampler, prompts: torch.Tensor, output_len: int, lora=None) -> tuple[Timing, torch.Tensor]:
     """Prefill ``prompts`` [bs, input_len] as one EXTEND, then decode greedily
     to ``output_len`` tokens a request, each step a ``ScheduleBatch`` as the
-    Scheduler builds it (its KV allocation is part of the step's time).
+    Scheduler builds it (its KV allocation is part of the step's time), each
+    request under its adapter of ``lora`` (``lora_adapters.spread``'s, or None).
     Returns the timing and the ``[bs, output_len]`` generated ids."""
     from radixserve.managers.schedule_batch import ScheduleBatch
     from radixserve.model_executor.forward_batch_info import ForwardMode
@@ -261,6 +262,8 @@ def run_case(runner, sampler, prompts: torch.Tensor, output_len: int) -> tuple[T
         extend = ScheduleBatch(reqs, ForwardMode.EXTEND, pools, vocab)
         extend.prepare_for_extend()
         batch = extend.get_model_worker_batch()
+        if lora is not None:
+            batch.lora_ids, batch.lora_slots = lora
         info = batch.sampling_info
         next_ids = _forward_and_sample(runner, sampler, batch, reqs)
         _sync(dev)
@@ -272,6 +275,8 @@ def run_case(runner, sampler, prompts: torch.Tensor, output_len: int) -> tuple[T
             decode = ScheduleBatch(reqs, ForwardMode.DECODE, pools, vocab)
             decode.prepare_for_decode()
             batch = decode.get_model_worker_batch(info)
+            if lora is not None:
+                batch.lora_ids, batch.lora_slots = lora
             batch.input_ids = next_ids  # stays on the device: no host sync between steps
             next_ids = _forward_and_sample(runner, sampler, batch, reqs)
             _sync(dev)
@@ -288,15 +293,15 @@ def _forward_and_sample(runner, sampler, batch, reqs) -> torch.Tensor:
 
 
 def warm_and_run(runner, sampler, prompts: torch.Tensor, output_len: int,
-                 repeats: int = 1) -> tuple[Timing, torch.Tensor]:
+                 repeats: int = 1, lora=None) -> tuple[Timing, torch.Tensor]:
     """One untimed run with the same shapes (fewer decode steps), then the
     measured one. A prefill-only case (``output_len`` 1) is measured
     ``repeats`` times and reports the median (one prefill is a few ms: a
     single timing is noise)."""
-    run_case(runner, sampler, prompts, min(output_len, WARMUP_MAX_OUTPUT_LEN))
+    run_case(runner, sampler, prompts, min(output_len, WARMUP_MAX_OUTPUT_LEN), lora)
     if output_len > 1:
-        return run_case(runner, sampler, prompts, output_len)
-    runs = [run_case(runner, sampler, prompts, output_len) for _ in range(repeats)]
+        return run_case(runner, sampler, prompts, output_len, lora)
+    runs = [run_case(runner, sampler, prompts, output_len, lora) for _ in range(repeats)]
     return Timing(float(np.median([t.prefill_s for t, _ in runs])), decode_s=[]), runs[0][1]
 
 
@@ -388,12 +393,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--compare-hf", action="store_true", help="also run HF transformers on the same shapes")
     add("--output-json", help="append the JSON lines to this file")
     add("--torch-threads", type=int, help="torch.set_num_threads for both backends (default: torch's own)")
+    add("--lora-adapters", type=int, nargs="+", metavar="N",
+        help="serve random LoRA adapters (bench.lora_adapters) and run every case with N distinct ones in the batch, "
+             "for each N given (0: none, on the same LoRA-enabled runner)")
+    add("--lora-rank", type=int, default=16, help="rank of the --lora-adapters, on every linear layer")
     args = parser.parse_args(argv)
     for name in ("input_len", "output_len", "torch_threads", "prefill_repeats"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.batch_sizes and min(args.batch_sizes) < 1:
         parser.error("--batch-sizes must all be >= 1")
+    if args.lora_adapters and (min(args.lora_adapters) < 0 or args.lora_rank < 1):
+        parser.error("--lora-adapters must all be >= 0 and --lora-rank >= 1")
     try:
         args.workload_spec = workload_from_args(args)
     except ValueError as e:
@@ -536,14 +547,20 @@ def main(argv: list[str] | None = None, tp_rank: int = 0, init: str | None = Non
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     wl, spec = args.workload_spec, WORKLOADS[args.workload]
-    server_args = ServerArgs(**{name: getattr(args, name) for name in _ENGINE_OPTIONS})  # validates them
-    model_path = server_args.model_path or wl.model_path
-    device = torch.device(server_args.resolved_device())
-    model_config = resolve_model(model_path, server_args.load_format, server_args.dtype, str(device))
+    engine = {name: getattr(args, name) for name in _ENGINE_OPTIONS}
+    model_path = engine["model_path"] or wl.model_path
+    device = torch.device(ServerArgs(**engine).resolved_device())  # validates them
+    model_config = resolve_model(model_path, engine["load_format"], engine["dtype"], str(device))
+    lora = {}
+    if args.lora_adapters:
+        from radixserve.bench.lora_adapters import server_options
+
+        lora = server_options(model_config, args.lora_adapters, args.lora_rank)
+    server_args = ServerArgs(**engine, **lora)
     runner = build_runner(server_args, model_config, wl, tp_rank, init)
     if tp_rank > 0:
         _run_cases(runner, Sampler(), wl, {c: make_prompts(*c, model_config.vocab_size, args.seed) for c in wl.cases},
-                   args.prefill_repeats)
+                   args.prefill_repeats, args.lora_adapters)
         runner.shutdown()
         return []
     report = Report({
@@ -559,11 +576,14 @@ def main(argv: list[str] | None = None, tp_rank: int = 0, init: str | None = Non
     prompts = {case: make_prompts(*case, model_config.vocab_size, args.seed) for case in wl.cases}
 
     ours = {}
-    for case, (timing, allreduce_ms) in _run_cases(runner, Sampler(), wl, prompts, args.prefill_repeats).items():
+    results = _run_cases(runner, Sampler(), wl, prompts, args.prefill_repeats, args.lora_adapters)
+    for (case, adapters), (timing, allreduce_ms) in results.items():
         ours[case] = report.case("radixserve", *case, timing, attention_backend=server_args.resolved_attention_backend(),
                                  cuda_graph=runner.cuda_graph_runner is not None,
                                  piecewise_cuda_graph=runner.piecewise_runner is not None, page_size=server_args.page_size,
-                                 kv_pool_tokens=runner.max_total_tokens, allreduce_ms_per_step=allreduce_ms)
+                                 kv_pool_tokens=runner.max_total_tokens, allreduce_ms_per_step=allreduce_ms,
+                                 **({"lora_adapters": adapters, "lora_rank": args.lora_rank} if adapters is not None
+                                    else {}))
     runner.shutdown()
     for p in followers:
         p.join(timeout=60)
@@ -580,13 +600,17 @@ def main(argv: list[str] | None = None, tp_rank: int = 0, init: str | None = Non
     return report.records
 
 
-def _run_cases(runner, sampler, wl: Workload, prompts: dict, repeats: int) -> dict:
-    """Each case's timing and, under TP, its all-reduce cost per decode step
-    (every rank runs this, in the same order)."""
+def _run_cases(runner, sampler, wl: Workload, prompts: dict, repeats: int, lora_counts: list[int] | None) -> dict:
+    """Each (case, distinct adapters) timing and, under TP, its all-reduce
+    cost per decode step (every rank runs this, in the same order)."""
+    from radixserve.bench.lora_adapters import spread
+
     out = {}
     for case in wl.cases:
-        timing, _ = warm_and_run(runner, sampler, prompts[case], wl.output_len, repeats)
-        out[case] = timing, allreduce_ms_per_step(runner, case[0])
+        for count in lora_counts or [None]:
+            lora = spread(runner.lora_manager, case[0], count) if count else None
+            timing, _ = warm_and_run(runner, sampler, prompts[case], wl.output_len, repeats, lora)
+            out[case, count] = timing, allreduce_ms_per_step(runner, case[0])
     return out
 
 

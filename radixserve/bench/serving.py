@@ -63,6 +63,10 @@ class ClientConfig:
     sampling: dict = field(default_factory=dict)  # extra sampling params (temperature, ignore_eos, ...)
     request_timeout: float = 3600.0
     incremental: bool = False  # the server streams what is new (--incremental-streaming-output; from /get_server_info)
+    lora_names: list[str] = field(default_factory=list)  # conversation i uses lora_names[i % n] (none: the base model)
+
+    def lora(self, conv_id: int) -> str | None:
+        return self.lora_names[conv_id % len(self.lora_names)] if self.lora_names else None
 
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -86,11 +90,13 @@ def render_prompt(segments: list, backend, tokenizer) -> Any:
     return "".join(text(s) for s in segments)
 
 
-async def send_request(client, cfg: ClientConfig, backend, prompt, max_tokens: int, record: RequestRecord) -> Chunk:
-    """Stream one request into ``record``; returns the last reply (its text / ids).
-    Events read in one go from the socket share their arrival time."""
+async def send_request(client, cfg: ClientConfig, backend, prompt, max_tokens: int, record: RequestRecord,
+                       lora: str | None = None) -> Chunk:
+    """Stream one request (under LoRA adapter ``lora``) into ``record``; returns
+    the last reply (its text / ids). Events read in one go from the socket
+    share their arrival time."""
     last, reply_text, tokens = Chunk(), "", 0
-    body = backend.payload(prompt, max_tokens, cfg.sampling, cfg.model)
+    body = backend.payload(prompt, max_tokens, cfg.sampling, cfg.model, lora)
     record.start = time.perf_counter()
     try:
         async with client.post(cfg.base_url + backend.path, json=body, headers=cfg.headers()) as resp:
@@ -183,7 +189,7 @@ async def run_conversation(client, cfg: ClientConfig, backend, tokenizer, conv: 
         else:
             async with sem or contextlib.nullcontext():
                 state.sent += 1
-                last = await send_request(client, cfg, backend, prompt, turn.output_len, record)
+                last = await send_request(client, cfg, backend, prompt, turn.output_len, record, cfg.lora(conv_id))
                 state.answered += 1
         state.records.append(record)
         on_done()
@@ -403,6 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="the workers behind a router at --base-url: read their counters before and after each rate and "
            "report requests and hit rate per worker")
     a("--model", default="", help="model name for the OpenAI routes (default: the server's first)")
+    a("--lora-name", nargs="+", default=[], metavar="NAME",
+      help="LoRA adapters loaded on the server: conversation i uses the (i mod n)-th, so they spread evenly")
     a("--tokenizer", help="tokenizer folder (default: the server's tokenizer_path)")
     a("--no-tokenizer", action="store_true", help="never load a tokenizer (token-id prompts only)")
     a("--vocab-size", type=int, help="draw random ids below this (default: the server's vocab_size)")
@@ -480,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     sampling = {"temperature": args.temperature, "ignore_eos": not args.disable_ignore_eos,
                 **json.loads(args.extra_request_body)}
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-    cfg = ClientConfig(base_url, args.backend, args.model, args.api_key, sampling, args.request_timeout)
+    cfg = ClientConfig(base_url, args.backend, args.model, args.api_key, sampling, args.request_timeout,
+                       lora_names=args.lora_name)
     config = {k: v for k, v in vars(args).items() if k not in ("output_json", "plot", "compare", "api_key")}
     config["request_rate"] = ["inf" if math.isinf(r) else r for r in args.request_rate]
     output: dict = {"config": config, "runs": []}

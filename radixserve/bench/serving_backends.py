@@ -29,9 +29,10 @@ class NativeBackend:
     chat = False  # the prompt is a list of messages
     cumulative = True  # each event repeats the whole reply so far (text and output_ids)
 
-    def payload(self, prompt, max_tokens: int, sampling: dict, model: str) -> dict:
+    def payload(self, prompt, max_tokens: int, sampling: dict, model: str, lora: str | None = None) -> dict:
         key = "text" if isinstance(prompt, str) else "input_ids"
-        return {key: prompt, "sampling_params": {"max_new_tokens": max_tokens, **sampling}, "stream": True}
+        body = {key: prompt, "sampling_params": {"max_new_tokens": max_tokens, **sampling}, "stream": True}
+        return body if lora is None else {**body, "lora_path": lora}
 
     def parse(self, data: dict, prev_tokens: int) -> Chunk:
         if "error" in data:
@@ -51,7 +52,9 @@ class OpenAICompletionsBackend:
     cumulative = False  # each event brings a text delta
     prompt_field = "prompt"
 
-    def payload(self, prompt, max_tokens: int, sampling: dict, model: str) -> dict:
+    def payload(self, prompt, max_tokens: int, sampling: dict, model: str, lora: str | None = None) -> dict:
+        if lora is not None:  # SGLang's "BASE:ADAPTER" (the adapter's name alone without a base name)
+            model = f"{model}:{lora}" if model else lora
         return {"model": model, self.prompt_field: prompt, "max_tokens": max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}, **_openai_sampling(sampling)}
 

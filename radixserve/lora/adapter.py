@@ -41,21 +41,22 @@ class LoRAConfig:
 @dataclass
 class LoRAAdapter:
     """One adapter in host memory: ``weights[(layer, module)] = (A, B)``,
-    whole (every rank takes its shard when it fills a slot)."""
+    whole, until the rank's LoRA manager lays its shard out as a slot holds
+    it (``packed``) and drops them."""
 
     name: str
     path: str
     uid: str  # unique per load: the radix cache's namespace and the slot's tag
     config: LoRAConfig
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # emptied once packed
+    packed: torch.Tensor | None = None  # laid out as a slot of this rank holds it (LoRAManager)
 
     @property
     def rank(self) -> int:
         return self.config.r
 
-    @property
-    def target_modules(self) -> frozenset[str]:
-        return frozenset(module for _, module in self.weights)
+    def __post_init__(self) -> None:
+        self.target_modules = frozenset(module for _, module in self.weights)  # kept once the weights are packed
 
 
 def read_config(path: str) -> LoRAConfig:

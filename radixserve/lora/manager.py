@@ -16,14 +16,21 @@ stays readable (host copy and slot) until the scheduler releases it
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import logging
 import re
+
+import numpy as np
 import torch
 from torch import nn
 
 from radixserve.lora.adapter import LoRAAdapter, load_adapter
 from radixserve.lora.options import LoRAOptions, check_name
 from radixserve.lora.pool import LoRABatch, LoRALayer, LoRAPart, LoRASegment
+
+if TYPE_CHECKING:
+    from radixserve.lora.triton_ops import StaticKernelTable
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +53,8 @@ class LoRAManager:
                  dtype: torch.dtype, device: torch.device):
         self.num_layers, self.dtype, self.device = num_layers, dtype, device
         self.num_slots = options.max_loras_per_batch
+        self.kernels = options.backend == "triton"
+        self.slot_scaling = torch.zeros(self.num_slots, dtype=torch.float32, device=device)  # the kernels read it
         self.max_loaded = options.max_loaded_loras
         self.adapters: dict[str, LoRAAdapter] = {}  # by name: what requests may name
         self._by_uid: dict[str, LoRAAdapter] = {}  # every adapter in host memory, unloaded ones not yet released too
@@ -66,6 +75,14 @@ class LoRAManager:
         for adapter in self.adapters.values():
             self._check_fits(adapter, "lora_paths")
         self.layers = self._attach(model, tp_rank)
+        # One flat row per slot holds every layer's A and B (LoRALayer.bind): a slot fills in one copy.
+        self.pool = torch.zeros(self.num_slots, sum(layer.numel for layer in self.layers), dtype=dtype, device=device)
+        at = 0
+        for layer in self.layers:
+            layer.bind(self.pool[:, at : at + layer.numel])
+            at += layer.numel
+        for adapter in self.adapters.values():
+            self._pack(adapter, "lora_paths")
         self.slot_uids: list[str | None] = [None] * self.num_slots  # what each device slot holds
         self.active: LoRABatch | None = None
         logger.info("LoRA: %d adapters, %d slots of rank %d on %d layers (%s)", len(self.adapters), self.num_slots,
@@ -98,6 +115,7 @@ class LoRAManager:
         except (ValueError, OSError) as exc:
             raise ValueError(f"lora_path: {exc}") from None
         self._check_fits(adapter, "lora_path")
+        self._pack(adapter, "lora_path")
         self._register(adapter)
         return adapter
 
@@ -130,6 +148,16 @@ class LoRAManager:
             raise ValueError(f"{field}: adapter {adapter.name!r} targets {', '.join(extra)}, not among "
                              f"--lora-target-modules ({', '.join(sorted(self.target_modules))})")
 
+    def _pack(self, adapter: LoRAAdapter, field: str) -> None:
+        """Lay ``adapter`` out as a slot holds it on this rank (host memory,
+        pinned for an asynchronous copy on CUDA), in place of its weights."""
+        packed = torch.zeros(self.pool.shape[1], dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        at = 0
+        for layer in self.layers:
+            layer.pack(packed[at : at + layer.numel], adapter.weights, f"{field}: adapter {adapter.name!r}")
+            at += layer.numel
+        adapter.packed, adapter.weights = packed, {}
+
     def resolve(self, name: str) -> str:
         """The uid of the adapter loaded as ``name``; ValueError naming ``lora_path``."""
         adapter = self.adapters.get(name)
@@ -153,8 +181,8 @@ class LoRAManager:
             row = kind in ("self_attn.o_proj", "mlp.down_proj")
             in_size = module.input_size_per_rank if row else module.input_size
             out_size = module.output_size if row else module.weight.shape[0]
-            hook = LoRALayer(layer_id, parts, row, in_size, out_size, self.num_slots, self.max_rank, tp_rank,
-                             self.dtype, self.device, self._batch)
+            hook = LoRALayer(layer_id, parts, row, in_size, module.input_size, out_size, self.max_rank, tp_rank,
+                             self.device, self._batch, self.slot_scaling)
             module.lora = hook
             layers.append(hook)
         missing = sorted({m for m in self.target_modules for i in range(self.num_layers) if (i, m) not in found})
@@ -181,11 +209,13 @@ class LoRAManager:
     # -- a forward -------------------------------------------------------------------
     def prepare(self, lora_ids: list[str | None] | None, lora_slots: list[int] | None,
                 tokens: list[int]) -> LoRABatch | None:
-        """The segments of a batch whose request ``i`` has ``tokens[i]`` rows
-        (contiguous, in batch order), adapter ``lora_ids[i]`` in slot
-        ``lora_slots[i]``; None when no request has an adapter."""
+        """The segments (or the kernels' table) of a batch whose request ``i``
+        has ``tokens[i]`` rows (contiguous, in batch order), adapter
+        ``lora_ids[i]`` in slot ``lora_slots[i]``; None when no request has an adapter."""
         if not lora_ids or all(uid is None for uid in lora_ids):
             return None
+        if self.kernels:
+            return self._prepare_table(lora_ids, lora_slots, tokens)
         starts = [0]
         for n in tokens:
             starts.append(starts[-1] + n)
@@ -197,13 +227,37 @@ class LoRAManager:
         for slot in sorted(by_slot):
             reqs = by_slot[slot]
             uid = lora_ids[reqs[0]]
-            adapter = self._by_uid.get(uid)
-            if adapter is None:
-                raise RuntimeError(f"LoRA adapter {uid} is not loaded but a batch uses it")
+            adapter = self._adapter(uid)
             if self.slot_uids[slot] != uid:
                 batch.loads.append((slot, uid))
             batch.segments.append(LoRASegment(slot, self._rows(reqs, starts), adapter.rank, adapter.config.scaling))
         return batch
+
+    def _adapter(self, uid: str) -> LoRAAdapter:
+        adapter = self._by_uid.get(uid)
+        if adapter is None:
+            raise RuntimeError(f"LoRA adapter {uid} is not loaded but a batch uses it")
+        return adapter
+
+    def _prepare_table(self, lora_ids: list[str | None], lora_slots: list[int], tokens: list[int]) -> LoRABatch:
+        batch = LoRABatch(row_slots=np.repeat(np.asarray(lora_slots, dtype=np.int64), tokens))
+        for uid, slot in dict(zip(lora_ids, lora_slots)).items():
+            if uid is not None:
+                self._adapter(uid)
+                if self.slot_uids[slot] != uid:
+                    batch.loads.append((slot, uid))
+        return batch
+
+    def static_table(self, max_rows: int) -> StaticKernelTable:
+        """A CUDA graph runner's table for up to ``max_rows`` rows (the triton backend)."""
+        from radixserve.lora.triton_ops import StaticKernelTable
+
+        return StaticKernelTable(max_rows, self.num_slots, self.device)
+
+    def capture_with(self, table: StaticKernelTable, num_rows: int) -> None:
+        """Make the layers launch the kernels over ``table`` (sized for
+        ``num_rows``) while a graph is captured; :meth:`activate` ends it."""
+        self.active = LoRABatch(table=table.view(num_rows))
 
     def _rows(self, reqs: list[int], starts: list[int]) -> slice | torch.Tensor:
         if all(starts[a + 1] == starts[b] for a, b in zip(reqs, reqs[1:])):
@@ -216,8 +270,8 @@ class LoRAManager:
         apply (None: the base model only). Call on the forward's stream."""
         for slot, uid in batch.loads if batch is not None else ():
             if self.slot_uids[slot] != uid:
-                weights = self._by_uid[uid].weights
-                for layer in self.layers:
-                    layer.fill(slot, weights)
+                adapter = self._by_uid[uid]
+                self.pool[slot].copy_(adapter.packed, non_blocking=True)
+                self.slot_scaling[slot].fill_(adapter.config.scaling)
                 self.slot_uids[slot] = uid
         self.active = batch

@@ -14,6 +14,8 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
 # What SGLang's --lora-target-modules also accepts for "every supported module".
 ALL_MODULES = "all"
+# --lora-backend: the segmented Triton GEMMs (CUDA, under graphs) or the torch loop (any device)
+LORA_BACKENDS = ("triton", "torch_native")
 # The answer to a load or unload, or an adapter named, on a server without --enable-lora.
 LORA_NOT_ENABLED = "LoRA is not enabled on this server (start it with --enable-lora)"
 
@@ -29,6 +31,7 @@ class LoRAOptions:
     max_lora_rank: int | None = None
     target_modules: frozenset[str] | None = None
     max_loaded_loras: int | None = None
+    backend: str = "torch_native"  # one of LORA_BACKENDS
 
 
 def parse_lora_paths(entries: list[str] | None) -> dict[str, str]:

@@ -14,15 +14,21 @@ row-parallel (o_proj, down_proj):
   B [slots, out, R]         whole: the partial deltas are summed by the base layer's all-reduce
 ```
 
-A batch's rows are grouped by slot into segments (``LoRABatch``); a layer adds
-``scaling * (x[rows] @ A_p.T) @ B_p.T`` to each part's output columns of each
-segment's rows, nothing to rows without an adapter. On the GPU this is the
-same torch code (no segmented kernels yet, docs/lora.md).
+A layer adds ``scaling * (x[rows] @ A_p.T) @ B_p.T`` to each part's output
+columns of each adapter's rows, nothing to rows without an adapter, in one of
+two ways (``--lora-backend``):
+
+- ``triton`` (CUDA): the batch's table (``triton_ops.LoRAKernelTable``, its
+  rows sorted by slot and cut into blocks) and two segmented GEMMs per layer
+  for all adapters and parts, which CUDA graphs capture;
+- ``torch_native``: the rows grouped by slot into segments, a loop over
+  segments and parts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -51,45 +57,74 @@ class LoRASegment:
 
 @dataclass
 class LoRABatch:
-    """One forward's LoRA: the segments, sorted by slot, and the slots to
-    fill first (``(slot, adapter uid)``: adapters not in their slot yet)."""
+    """One forward's LoRA: the segments sorted by slot (``torch_native``) or
+    each row's slot (``triton``, -1: none) from which the kernels' table is
+    built for the rows the forward runs; and the slots to fill first
+    (``(slot, adapter uid)``: adapters not in their slot yet)."""
 
     segments: list[LoRASegment] = field(default_factory=list)
     loads: list[tuple[int, str]] = field(default_factory=list)
+    row_slots: Any = None  # numpy int array, one per row (triton)
+    table: Any = None  # triton_ops.LoRAKernelTable on the device, once built
 
 
 class LoRALayer:
     """The LoRA of one linear layer: its slots' weights and the delta. The
     layer calls :meth:`add_delta` after its GEMM (``LinearBase.lora``);
-    ``batch()`` returns the forward's ``LoRABatch`` (the manager's)."""
+    ``batch()`` returns the forward's ``LoRABatch`` and ``scaling`` is
+    each slot's scaling on the device (the manager's).
 
-    def __init__(self, layer_id: int, parts: list[LoRAPart], row_parallel: bool, in_size: int, out_size: int,
-                 num_slots: int, max_rank: int, tp_rank: int, dtype: torch.dtype, device: torch.device, batch):
-        self.layer_id, self.parts, self.row_parallel = layer_id, parts, row_parallel
-        self.max_rank, self.tp_rank, self.batch = max_rank, tp_rank, batch
-        a_rows = max_rank if row_parallel else len(parts) * max_rank
-        self.A = torch.zeros(num_slots, a_rows, in_size, dtype=dtype, device=device)
-        self.B = torch.zeros(num_slots, out_size, max_rank, dtype=dtype, device=device)
+    ``A`` and ``B`` are views (:meth:`bind`) into the manager's pool, one
+    flat row per slot holding every layer's weights, so that filling a slot
+    is one copy of an adapter packed for this rank (:meth:`pack`)."""
 
-    def fill(self, slot: int, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy an adapter's weights of this layer (``weights``, whole, on the
-        host) into ``slot``, this rank's shard of them; zero what it lacks."""
-        self.A[slot].zero_()
-        self.B[slot].zero_()
+    def __init__(self, layer_id: int, parts: list[LoRAPart], row_parallel: bool, in_size: int, whole_in: int,
+                 out_size: int, max_rank: int, tp_rank: int, device: torch.device, batch, scaling: torch.Tensor):
+        self.layer_id, self.parts, self.row_parallel, self.whole_in = layer_id, parts, row_parallel, whole_in
+        self.max_rank, self.tp_rank, self.batch, self.scaling = max_rank, tp_rank, batch, scaling
+        self.a_shape = (max_rank if row_parallel else len(parts) * max_rank, in_size)
+        self.b_shape = (out_size, max_rank)
+        self.A = self.B = None
+        # The kernels' parts: the output columns each one's delta adds to
+        self.part_bounds = torch.tensor([[p.offset, p.offset + p.size] for p in parts], dtype=torch.int32, device=device)
+
+    @property
+    def numel(self) -> int:
+        return self.a_shape[0] * self.a_shape[1] + self.b_shape[0] * self.b_shape[1]
+
+    def _split(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``flat`` [..., numel] as this layer's ``A`` [..., *a_shape] and ``B`` [..., *b_shape]."""
+        n = self.a_shape[0] * self.a_shape[1]
+        return flat[..., :n].unflatten(-1, self.a_shape), flat[..., n:].unflatten(-1, self.b_shape)
+
+    def bind(self, flat: torch.Tensor) -> None:
+        """Take this layer's slots in the pool: ``flat`` [slots, numel]."""
+        self.A, self.B = self._split(flat)
+
+    def pack(self, flat: torch.Tensor, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+             where: str) -> None:
+        """Write an adapter's weights of this layer (``weights``, whole, on
+        the host), this rank's shard of them, into ``flat`` [numel] (zeros),
+        as a slot holds them. ValueError (naming ``where``) for a shape that
+        does not fit the model."""
+        A, B = self._split(flat)
+        in_size, out_size = self.a_shape[1], self.b_shape[0]
         for i, part in enumerate(self.parts):
             ab = weights.get((self.layer_id, part.module))
             if ab is None:
                 continue
             a, b = ab
             r = a.shape[0]
+            want_out = out_size if self.row_parallel else part.start + part.size
+            if a.shape[1] != self.whole_in or b.shape[0] < want_out or (self.row_parallel and b.shape[0] != out_size):
+                raise ValueError(f"{where}: layer {self.layer_id} {part.module}: lora_A {tuple(a.shape)} and lora_B "
+                                 f"{tuple(b.shape)} do not fit the model's projection")
             if self.row_parallel:
-                cols = self.A.shape[2]
-                self.A[slot, :r].copy_(a[:, self.tp_rank * cols : (self.tp_rank + 1) * cols], non_blocking=True)
-                self.B[slot, :, :r].copy_(b, non_blocking=True)
+                A[:r].copy_(a[:, self.tp_rank * in_size : (self.tp_rank + 1) * in_size])
+                B[:, :r].copy_(b)
             else:
-                self.A[slot, i * self.max_rank : i * self.max_rank + r].copy_(a, non_blocking=True)
-                rows = b[part.start : part.start + part.size]
-                self.B[slot, part.offset : part.offset + part.size, :r].copy_(rows, non_blocking=True)
+                A[i * self.max_rank : i * self.max_rank + r].copy_(a)
+                B[part.offset : part.offset + part.size, :r].copy_(b[part.start : part.start + part.size])
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base layer's output for ``x``, this rank's part of it)
@@ -97,6 +132,12 @@ class LoRALayer:
         batch = self.batch()
         if batch is None:
             return y
+        if batch.row_slots is not None or batch.table is not None:  # the triton backend (a graph's: the table)
+            from radixserve.lora.triton_ops import build_table, lora_delta
+
+            if batch.table is None:  # an eager forward's: built at its first layer
+                batch.table = build_table(batch.row_slots, x.shape[0]).to(x.device)
+            return lora_delta(x, y, self.A, self.B, batch.table, self.scaling, self.part_bounds, self.max_rank)
         R = self.max_rank
         for seg in batch.segments:
             xs, r = x[seg.rows], seg.rank

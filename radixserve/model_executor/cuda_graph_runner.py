@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -57,6 +57,7 @@ class ModelRunnerView(Protocol):
     token_to_kv_pool: MHATokenToKVPool
     attn_backend: AttentionBackendProtocol
     prefix_grouped_decode: bool  # --enable-prefix-grouped-decode
+    lora_manager: Any  # lora.manager.LoRAManager with the triton backend, or None
 
 
 def default_batch_sizes(max_bs: int) -> list[int]:
@@ -112,6 +113,8 @@ class CudaGraphRunner:
         self.prefix_groups = None
         if model_runner.prefix_grouped_decode and getattr(model_runner.attn_backend, "graphs_prefix_groups", False):
             self.prefix_groups = PrefixGroupTable.static(n, model_runner.padding_req_row, dev)
+        # --enable-lora: the segmented LoRA kernels' table is an input of every graph
+        self.lora = None if model_runner.lora_manager is None else model_runner.lora_manager.static_table(n)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capturer = GraphCapturer(model_runner.device, model_runner.tp_size)
@@ -119,6 +122,8 @@ class CudaGraphRunner:
         with torch.inference_mode():
             for bs in reversed(self.batch_sizes):
                 self._capture(bs)
+        if self.lora is not None:
+            model_runner.lora_manager.activate(None)
         logger.info(
             "captured CUDA graphs for decode batch sizes %s in %.1f s",
             self.batch_sizes, time.perf_counter() - start,
@@ -150,6 +155,8 @@ class CudaGraphRunner:
 
     def _capture(self, bs: int) -> None:
         fb = self._static_batch(bs)
+        if self.lora is not None:
+            self.runner.lora_manager.capture_with(self.lora, bs)
         self.graphs[bs], self.outputs[bs] = self.capturer.capture(lambda: self._run_once(fb))
 
     def replay(self, fb: ForwardBatch) -> LogitsProcessorOutput:
@@ -164,6 +171,8 @@ class CudaGraphRunner:
         self.out_cache_loc[:bs].copy_(fb.out_cache_loc)
         if self.prefix_groups is not None:
             self.prefix_groups.fill(fb.prefix_groups, bs, padded)
+        if self.lora is not None:
+            self.lora.fill(None if fb.lora is None else fb.lora.row_slots, padded)
         if padded > bs:
             self.req_pool_indices[bs:padded].fill_(self.runner.padding_req_row)
             self.seq_lens[bs:padded].fill_(1)

@@ -79,7 +79,8 @@ class ModelRunner:
     moves the weights into a virtual arena whose memory can be released and
     resumed (``weight_arena.py``; on a CPU they are then not prepacked).
     ``lora`` (``--enable-lora``) hooks LoRA adapter slots into the linear
-    layers (``lora_manager``, docs/lora.md); it needs CUDA graphs off.
+    layers (``lora_manager``, docs/lora.md); under CUDA graphs with the triton
+    backend only.
     ``model`` may be passed ready-made (tests); otherwise it is loaded with
     ``radixserve.model_loader.get_model``.
 
@@ -227,8 +228,10 @@ class ModelRunner:
         KV pool is sized so that the slots' memory is counted."""
         if options is None:
             return None
-        if self.device.type == "cuda" and (cuda_graph_max_bs > 0 or piecewise_tokens):
-            raise ValueError("enable_lora: LoRA runs eagerly (its torch path); turn CUDA graphs off")
+        if options.backend == "triton" and self.device.type != "cuda":
+            raise ValueError(f"lora_backend: triton runs on CUDA only; this runner's device is {self.device}")
+        if options.backend != "triton" and self.device.type == "cuda" and (cuda_graph_max_bs > 0 or piecewise_tokens):
+            raise ValueError(f"lora_backend: {options.backend} runs eagerly; turn CUDA graphs off or use triton")
         return LoRAManager(self.model, self.model_config.num_hidden_layers, options, self.tp_rank, self.dtype,
                            self.device)
 
@@ -360,12 +363,12 @@ class ModelRunner:
         """Run the model (a pipeline stage other than the last returns its
         :class:`PPHidden`). Outputs are inference-mode tensors: modify them in
         place only inside ``torch.inference_mode()`` (or copy them)."""
+        if self.lora_manager is not None:  # fills the slots it needs, here on the forward's stream
+            self.lora_manager.activate(forward_batch.lora)
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
             return self.cuda_graph_runner.replay(forward_batch)
         if self.piecewise_runner is not None and self.piecewise_runner.can_run(forward_batch):
             return self.piecewise_runner.forward(forward_batch)
-        if self.lora_manager is not None:  # fills the slots it needs, here on the forward's stream
-            self.lora_manager.activate(forward_batch.lora)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 

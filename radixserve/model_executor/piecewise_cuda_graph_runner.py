@@ -74,13 +74,20 @@ class PiecewiseCudaGraphRunner:
         self.token_sizes = sorted(set(token_sizes))
         self.max_tokens = self.token_sizes[-1]
         self._init_buffers()
+        manager = model_runner.lora_manager
+        # --enable-lora: the segmented LoRA kernels' table is an input of every piece
+        self.lora = manager.static_table(self.max_tokens) if use_graphs and manager is not None else None
         self.pieces: dict[int, list[Callable[[], None]]] = {}
         start = time.perf_counter()
         if use_graphs:
             capturer = GraphCapturer(model_runner.device, model_runner.tp_size)
             with torch.inference_mode():
                 for t in reversed(self.token_sizes):  # largest first: the pool is sized once
+                    if self.lora is not None:
+                        manager.capture_with(self.lora, t)
                     self.pieces[t] = [capturer.capture(fn, warmups=1)[0].replay for fn in self._piece_fns(t)]
+            if self.lora is not None:
+                manager.activate(None)
             # Capturing ran every piece on whatever the buffers held: start clean.
             for buf in (self.input_ids, self.positions, self.residual, self.attn_out):
                 buf.zero_()
@@ -142,8 +149,10 @@ class PiecewiseCudaGraphRunner:
     def forward(self, fb: ForwardBatch) -> LogitsProcessorOutput:
         """The model's forward of the EXTEND ``fb``: pieces replayed at the
         padded size, attention eager on the real rows. No host sync."""
-        n = fb.num_tokens
-        pieces = self.pieces[self.padded_size(n)]
+        n, t = fb.num_tokens, self.padded_size(fb.num_tokens)
+        pieces = self.pieces[t]
+        if self.lora is not None:
+            self.lora.fill(None if fb.lora is None else fb.lora.row_slots, t)
         self.input_ids[:n].copy_(fb.input_ids)
         self.positions[:n].copy_(fb.positions)
         self.runner.attn_backend.init_forward_metadata(fb)

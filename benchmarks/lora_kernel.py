@@ -1,0 +1,76 @@
+"""The segmented LoRA kernels (radixserve/lora/triton_ops.py) against the base
+GEMM they ride on, at llama-3.1-8b's projections, on one GPU: each kernel
+alone over a sweep of launch parameters, and the default choice
+(``kernel_config``), with rows spread evenly over ADAPTERS rank-16 adapters.
+Times are per call, the best of CUDA graphs of REPEATS calls. Prints JSON lines.
+
+    python benchmarks/lora_kernel.py [--rows 1 32 256 4096] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import numpy as np
+import torch
+
+from radixserve.bench.fp8_gemm import cuda_time
+from radixserve.lora.triton_ops import KernelConfig, build_table, expand, kernel_config, lora_delta, shrink
+
+HIDDEN, INTER, KV, R, ADAPTERS, REPEATS = 4096, 14336, 1024, 16, 8, 20
+# name: (K, parts as (offset, size))
+SHAPES = {
+    "qkv": (HIDDEN, [(0, HIDDEN), (HIDDEN, KV), (HIDDEN + KV, KV)]),
+    "o": (HIDDEN, [(0, HIDDEN)]),
+    "gate_up": (HIDDEN, [(0, INTER), (INTER, INTER)]),
+    "down": (INTER, [(0, HIDDEN)]),
+}
+
+
+def graph_time_us(fn) -> float:
+    return cuda_time(fn, repeats=5, inner=REPEATS) * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 32, 64, 256, 4096])
+    p.add_argument("--sweep", action="store_true", help="time each kernel over the launch parameters too")
+    args = p.parse_args()
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    for name, (k, parts) in SHAPES.items():
+        out = parts[-1][0] + parts[-1][1]
+        W = torch.randn(out, k, device=dev, dtype=dt) / k**0.5
+        A = torch.randn(ADAPTERS, len(parts) * R, k, device=dev, dtype=dt) / k**0.5
+        B = torch.randn(ADAPTERS, out, R, device=dev, dtype=dt) * 0.01
+        scaling = torch.ones(ADAPTERS, device=dev)
+        bounds = torch.tensor([[o, o + s] for o, s in parts], dtype=torch.int32, device=dev)
+        for rows in args.rows:
+            x = torch.randn(rows, k, device=dev, dtype=dt)
+            y = torch.empty(rows, out, device=dev, dtype=dt)
+            table = build_table(np.arange(rows) % ADAPTERS, rows).to(dev)
+            base = graph_time_us(lambda: torch.matmul(x, W.t(), out=y))
+            default = kernel_config(table.blocks.shape[0], A.shape[1], k)
+            t = shrink(x, A, table, default)
+            line = {"shape": name, "rows": rows, "base_us": round(base, 2), "config": default.__dict__,
+                    "lora_us": round(graph_time_us(lambda: lora_delta(x, y, A, B, table, scaling, bounds, R)), 2),
+                    "shrink_us": round(graph_time_us(lambda: shrink(x, A, table, default)), 2),
+                    "expand_us": round(graph_time_us(lambda: expand(t, B, y, table, scaling, bounds, R, default)), 2)}
+            line["lora_pct_of_base"] = round(100 * line["lora_us"] / base, 1)
+            if args.sweep:
+                line["shrink_sweep"] = {
+                    f"s{s}k{bk}w{w}": round(graph_time_us(lambda: shrink(x, A, table, KernelConfig(s, bk, w))), 2)
+                    for s, bk, w in itertools.product((1, 2, 4, 8, 16), (64, 128, 256), (2, 4))
+                    if s * bk <= max(k, bk)}
+                tt = {s: shrink(x, A, table, KernelConfig(s)) for s in (1, 8)}
+                line["expand_sweep"] = {
+                    f"s{s}n{bn}w{w}": round(graph_time_us(
+                        lambda: expand(tt[s], B, y, table, scaling, bounds, R, KernelConfig(s, expand_block_n=bn,
+                                                                                           expand_warps=w))), 2)
+                    for s, bn, w in itertools.product((1, 8), (32, 64, 128, 256), (2, 4, 8))}
+            print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()

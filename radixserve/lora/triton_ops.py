@@ -1,0 +1,251 @@
+"""Segmented LoRA GEMMs in Triton (``--lora-backend triton``): the delta of
+every adapter in a batch in two launches per linear layer, whatever the
+number of adapters, and no host sync, so CUDA graphs capture them.
+
+The batch's rows that have an adapter are sorted by slot and cut into blocks
+of at most ``BLOCK_M`` rows of one slot (``LoRAKernelTable``, built on the
+host by :func:`build_table`). A block is one program row of both kernels:
+
+1. **shrink**: ``t[rows] = x[rows] @ A[slot].T``, all parts at once (q|k|v
+   or gate|up: ``A`` stacks their ``R`` rows each), split along K into
+   ``SPLIT_K`` partial sums when the batch has few blocks (each partial in
+   its own plane of ``t``: no atomics, the same sums every run);
+2. **expand**: ``y[rows, cols] += scaling[slot] * t[rows, part(col)] @ B[slot, cols].T``,
+   summing the partials once per program, which then walks several column
+   tiles; each output column takes the rank columns of the part it belongs to.
+
+Region map of a table (``BLOCK_M`` = 4; batch rows r0..r7, ``-`` no adapter)::
+
+    row slots   r0:1  r1:-  r2:0  r3:1  r4:1  r5:1  r6:1  r7:0
+    rows        | 2  7 | 0  3  4  5 | 6 |          (sorted by slot, stable)
+    blocks      (0, 0, 2) (1, 2, 6) (1, 6, 7) (-1, ..) ...   (slot, start, end)
+
+Blocks past the batch's own are ``slot = -1`` and return at once: a CUDA
+graph captured for ``T`` rows launches ``blocks_for(T, slots)`` programs per
+column tile, enough for any batch of at most ``T`` rows.
+
+Rank ``r < R`` adapters leave rows ``r..R-1`` of ``A`` and columns of ``B``
+zero (``LoRALayer.fill``), so the kernels read ``R`` and add nothing more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+_SHRINK_BLOCK_N = 16
+_MAX_SPLIT_K = 8
+_TARGET_PROGRAMS = 264  # two shrink programs per SM of an H100 / H200
+_EXPAND_PROGRAMS = 528  # four expand programs per SM
+_MAX_EXPAND_TILES = 16
+
+
+def block_m_for(num_rows: int) -> int:
+    """Rows per block for a forward of ``num_rows`` rows: 16 (tl.dot's least)
+    for decode batches, larger for prefills, which re-read each adapter's
+    weights once per block."""
+    return 16 if num_rows <= 512 else 64
+
+
+@dataclass
+class LoRAKernelTable:
+    """Which rows each program of the kernels takes (see the module's region map)."""
+
+    rows: torch.Tensor  # [>= rows with an adapter] int32, batch rows sorted by slot
+    blocks: torch.Tensor  # [num_blocks, 3] int32: slot (-1: none), start, end in ``rows``
+    block_m: int
+
+    def to(self, device: torch.device) -> "LoRAKernelTable":
+        return LoRAKernelTable(self.rows.to(device, non_blocking=True), self.blocks.to(device, non_blocking=True),
+                               self.block_m)
+
+
+def blocks_for(num_rows: int, num_slots: int) -> int:
+    """The most blocks a forward of ``num_rows`` rows over ``num_slots`` slots cuts into."""
+    return triton.cdiv(num_rows, block_m_for(num_rows)) + num_slots
+
+
+def build_table(row_slots: np.ndarray, num_rows: int, num_blocks: int | None = None) -> LoRAKernelTable:
+    """The host table of a forward of ``num_rows`` rows whose row ``i`` takes
+    slot ``row_slots[i]`` (-1: none; rows past ``row_slots`` take none), in
+    blocks of ``block_m_for(num_rows)``; padded to ``num_blocks`` with ``slot = -1``."""
+    block_m = block_m_for(num_rows)
+    have = np.flatnonzero(row_slots >= 0)
+    order = have[np.argsort(row_slots[have], kind="stable")]
+    slots, starts, counts = np.unique(row_slots[order], return_index=True, return_counts=True)
+    per_slot = -(-counts // block_m)
+    index = np.arange(per_slot.sum()) - np.repeat(np.cumsum(per_slot) - per_slot, per_slot)  # block within its slot
+    first = np.repeat(starts, per_slot) + block_m * index
+    ends = np.minimum(first + block_m, np.repeat(starts + counts, per_slot))
+    blocks = np.stack([np.repeat(slots, per_slot), first, ends], axis=1).astype(np.int32).reshape(-1, 3)
+    if num_blocks is not None:
+        blocks = np.concatenate([blocks, np.full((num_blocks - len(blocks), 3), -1, dtype=np.int32)])
+    return LoRAKernelTable(torch.from_numpy(order.astype(np.int32)), torch.from_numpy(blocks), block_m)
+
+
+class StaticKernelTable:
+    """A CUDA graph's table: buffers for up to ``max_rows`` rows, into which
+    :meth:`fill` copies each batch's table before a replay."""
+
+    def __init__(self, max_rows: int, num_slots: int, device: torch.device):
+        self.num_slots = num_slots
+        self.rows = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        most = max(blocks_for(n, num_slots) for n in (min(max_rows, 512), max_rows))
+        self.blocks = torch.full((most, 3), -1, dtype=torch.int32, device=device)
+
+    def view(self, num_rows: int) -> LoRAKernelTable:
+        """The table a graph of ``num_rows`` rows captures."""
+        return LoRAKernelTable(self.rows, self.blocks[: blocks_for(num_rows, self.num_slots)], block_m_for(num_rows))
+
+    def fill(self, row_slots: np.ndarray | None, num_rows: int) -> None:
+        """Copy in the table of a batch whose rows take ``row_slots`` (None:
+        no adapter) for a graph of ``num_rows`` rows: two host-to-device copies."""
+        nb = blocks_for(num_rows, self.num_slots)
+        table = build_table(np.full(0, -1) if row_slots is None else row_slots, num_rows, nb)
+        if table.rows.numel():
+            self.rows[: table.rows.shape[0]].copy_(table.rows, non_blocking=True)
+        self.blocks[:nb].copy_(table.blocks, non_blocking=True)
+
+
+@triton.jit
+def _block(Blocks, Rows, BLOCK_M: tl.constexpr):
+    """This program's block: its slot (-1: none), its batch rows and which of the BLOCK_M are real."""
+    slot = tl.load(Blocks + tl.program_id(0) * 3)
+    start = tl.load(Blocks + tl.program_id(0) * 3 + 1)
+    end = tl.load(Blocks + tl.program_id(0) * 3 + 2)
+    offs_m = start + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < end
+    return slot, tl.load(Rows + offs_m, mask=mask_m, other=0).to(tl.int64), mask_m  # no block: end -1, no row
+
+
+@triton.jit
+def _shrink_kernel(X, A, T, Rows, Blocks, num_rows, N, K, stride_xm, stride_as, stride_an,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    slot, rows, mask_m = _block(Blocks, Rows, BLOCK_M)
+    if slot < 0:
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    split = tl.program_id(2)
+    k_span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    a_base = A + slot.to(tl.int64) * stride_as
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(split * k_span, tl.minimum(K, (split + 1) * k_span), BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(X + rows[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        a = tl.load(a_base + offs_n[:, None] * stride_an + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
+                    other=0.0)
+        acc += tl.dot(x, tl.trans(a))
+    out = T + split.to(tl.int64) * num_rows * N + rows[:, None] * N + offs_n[None, :]
+    tl.store(out, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _expand_kernel(T, B, Y, Rows, Blocks, Scaling, PartBounds, num_rows, N, OUT, stride_ym, stride_bs, stride_bo,
+                   R: tl.constexpr, R_PAD: tl.constexpr, PARTS: tl.constexpr, PR_PAD: tl.constexpr,
+                   SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, BLOCK_M: tl.constexpr):
+    # One program: a block's rows times TILES column tiles. Its rank columns
+    # of every part are read (and the K-partials summed) once, as one
+    # [BLOCK_M, PR_PAD] tile; each column tile then takes B's rank columns of
+    # its own part only (``jp``: the part of rank column j), so one dot adds
+    # each column's own part's delta.
+    slot, rows, mask_m = _block(Blocks, Rows, BLOCK_M)
+    if slot < 0:
+        return
+    offs_j = tl.arange(0, PR_PAD)
+    jp, jr = offs_j // R_PAD, offs_j % R_PAD
+    mask_j = (jp < PARTS) & (jr < R)
+    t = tl.zeros([BLOCK_M, PR_PAD], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        t += tl.load(T + s * num_rows * N + rows[:, None] * N + (jp * R + jr)[None, :],
+                     mask=mask_m[:, None] & mask_j[None, :], other=0.0)
+    b_base = B + slot.to(tl.int64) * stride_bs
+    t = t.to(B.dtype.element_ty)
+    scale = tl.load(Scaling + slot)
+    for c in range(TILES):
+        offs_n = (tl.program_id(1) * TILES + c) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < OUT
+        part = tl.full([BLOCK_N], -1, dtype=tl.int32)
+        for p in tl.static_range(PARTS):
+            lo = tl.load(PartBounds + 2 * p)
+            hi = tl.load(PartBounds + 2 * p + 1)
+            part = tl.where((offs_n >= lo) & (offs_n < hi), p, part)
+        b = tl.load(b_base + offs_n[:, None] * stride_bo + jr[None, :],
+                    mask=mask_n[:, None] & (part[:, None] == jp[None, :]) & mask_j[None, :], other=0.0)
+        acc = tl.dot(t, tl.trans(b))
+        y_ptrs = Y + rows[:, None] * stride_ym + offs_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+        y = tl.load(y_ptrs, mask=mask, other=0.0)
+        tl.store(y_ptrs, (y.to(tl.float32) + scale * acc).to(y.dtype), mask=mask)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of one layer's two kernels."""
+
+    split_k: int
+    shrink_block_k: int = 128
+    shrink_warps: int = 4
+    expand_block_n: int = 128
+    expand_warps: int = 4
+    expand_tiles: int = 0  # column tiles per expand program; 0: enough programs to fill the device
+
+
+def kernel_config(num_blocks: int, n: int, k: int, block_k: int = 128) -> KernelConfig:
+    """Split K so the shrink has enough programs to fill the device when
+    the batch has few blocks (decode), each with at least one K tile."""
+    programs = num_blocks * triton.cdiv(n, _SHRINK_BLOCK_N)
+    split = triton.cdiv(_TARGET_PROGRAMS, max(1, programs))
+    return KernelConfig(max(1, min(split, _MAX_SPLIT_K, triton.cdiv(k, block_k))), block_k)
+
+
+def lora_delta(x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: torch.Tensor, table: LoRAKernelTable,
+               scaling: torch.Tensor, part_bounds: torch.Tensor, rank: int,
+               config: KernelConfig | None = None) -> torch.Tensor:
+    """``y`` plus each block's delta, in place (see the module's docstring).
+
+    ``x`` [T, K] and ``y`` [T, OUT] rows are the batch's; ``A`` [S, P*R, K],
+    ``B`` [S, OUT, R] (strided over S); ``scaling`` [S] float32;
+    ``part_bounds`` [P, 2] int32 (the columns of ``y`` each part adds to;
+    part p's rank columns of ``t`` are ``p*R .. p*R+R-1``). ``config``:
+    launch parameters (default :func:`kernel_config`'s)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    num_blocks = table.blocks.shape[0]
+    if num_blocks == 0 or x.shape[0] == 0:
+        return y
+    config = config or kernel_config(num_blocks, A.shape[1], x.shape[1])
+    t = shrink(x, A, table, config)
+    return expand(t, B, y, table, scaling, part_bounds, rank, config)
+
+
+def shrink(x: torch.Tensor, A: torch.Tensor, table: LoRAKernelTable, config: KernelConfig) -> torch.Tensor:
+    """``t`` [split_k, T, P*R] float32: the partial sums of ``x[rows] @ A[slot].T`` (rows in no block: garbage)."""
+    num_rows, k = x.shape
+    n, split = A.shape[1], config.split_k
+    t = torch.empty(split, num_rows, n, dtype=torch.float32, device=x.device)
+    _shrink_kernel[(table.blocks.shape[0], triton.cdiv(n, _SHRINK_BLOCK_N), split)](
+        x, A, t, table.rows, table.blocks, num_rows, n, k, x.stride(0), A.stride(0), A.stride(1),
+        BLOCK_N=_SHRINK_BLOCK_N, BLOCK_K=config.shrink_block_k, SPLIT_K=split, BLOCK_M=table.block_m,
+        num_warps=config.shrink_warps)
+    return t
+
+
+def expand(t: torch.Tensor, B: torch.Tensor, y: torch.Tensor, table: LoRAKernelTable, scaling: torch.Tensor,
+           part_bounds: torch.Tensor, rank: int, config: KernelConfig) -> torch.Tensor:
+    """``y[rows, part p] += scaling[slot] * sum(t)[rows, p*R : p*R+R] @ B[slot, part p].T``, in place."""
+    split, num_rows, n = t.shape
+    out, parts, num_blocks = y.shape[1], part_bounds.shape[0], table.blocks.shape[0]
+    n_tiles = triton.cdiv(out, config.expand_block_n)
+    tiles = config.expand_tiles or min(_MAX_EXPAND_TILES, max(1, n_tiles * num_blocks // _EXPAND_PROGRAMS))
+    r_pad = max(16, triton.next_power_of_2(rank))
+    _expand_kernel[(num_blocks, triton.cdiv(n_tiles, tiles))](
+        t, B, y, table.rows, table.blocks, scaling, part_bounds, num_rows, n, out, y.stride(0), B.stride(0), B.stride(1),
+        R=rank, R_PAD=r_pad, PARTS=parts, PR_PAD=triton.next_power_of_2(parts) * r_pad, SPLIT_K=split,
+        BLOCK_N=config.expand_block_n, TILES=tiles, BLOCK_M=table.block_m, num_warps=config.expand_warps)
+    return y

@@ -1,0 +1,126 @@
+"""The segmented LoRA GEMMs (``radixserve.lora.triton_ops``) against a float32
+reference, on random batches: rows of several adapters in any order, rows
+without one, ranks below the slots' rank, parts with gaps between them, a
+K long enough to split, and a CUDA graph's static table filled with smaller
+batches. On the CPU the kernels run in Triton's interpreter, in one
+subprocess; ``tests/test_gpu_lora.py`` runs the same cases on CUDA in bf16.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from triton_interpreter import run_interpreted
+
+# (name, rows, K, parts as (offset, size), OUT, R, slots, share of rows without an adapter)
+CASES = [
+    ("one row", 1, 40, [(0, 24)], 24, 16, 2, 0.0),
+    ("q|k|v of a decode batch", 37, 48, [(0, 32), (32, 16), (48, 16)], 64, 16, 3, 0.3),
+    ("gap: q and v only", 20, 32, [(0, 32), (48, 16)], 64, 8, 2, 0.2),
+    ("rank 24 slots, split K", 9, 300, [(0, 40)], 40, 24, 4, 0.0),
+    ("rows past several blocks", 70, 64, [(0, 80), (80, 80)], 160, 16, 3, 0.1),
+    ("prefill blocks", 600, 32, [(0, 16)], 16, 16, 3, 0.1),
+    ("no adapter in the batch", 5, 32, [(0, 16)], 16, 16, 2, 1.0),
+]
+
+
+def make_case(rows, k, parts, out, R, slots, none_share, *, seed, device="cpu", dtype=torch.float32):
+    """(x, y, A, B, scaling, part_bounds, row_slots, ranks): slot s's adapter has rank ranks[s] <= R."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    ranks = [int(rng.integers(1, R + 1)) for _ in range(slots)]
+    ranks[0] = R
+    A = torch.zeros(slots, len(parts) * R, k)
+    B = torch.zeros(slots, out, R)
+    for s, r in enumerate(ranks):
+        for p, (off, size) in enumerate(parts):
+            A[s, p * R : p * R + r] = torch.randn(r, k, generator=gen) / k**0.5
+            B[s, off : off + size, :r] = torch.randn(size, r, generator=gen)
+    row_slots = rng.integers(0, slots, rows)
+    row_slots[rng.random(rows) < none_share] = -1
+    x = torch.randn(rows, k, generator=gen)
+    y = torch.randn(rows, out, generator=gen)
+    scaling = torch.rand(slots, generator=gen) + 0.5
+    bounds = torch.tensor([[off, off + size] for off, size in parts], dtype=torch.int32)
+    move = lambda t: t.to(device, dtype)  # noqa: E731
+    return (move(x), move(y), move(A), move(B), scaling.to(device), bounds.to(device), row_slots, ranks)
+
+
+def reference(x, y, A, B, scaling, parts, row_slots, ranks, R):
+    """``y + scaling * (x A_p^T) B_p^T`` per row and part, in float32, reading only each adapter's rank."""
+    x, y, A, B = (t.float().cpu() for t in (x, y, A, B))
+    out = y.clone()
+    for i, s in enumerate(row_slots):
+        if s < 0:
+            continue
+        r = ranks[s]
+        for p, (off, size) in enumerate(parts):
+            a, b = A[s, p * R : p * R + r], B[s, off : off + size, :r]
+            out[i, off : off + size] += float(scaling[s]) * ((x[i] @ a.T) @ b.T)
+    return out
+
+
+SCRIPT = r"""
+import json, sys
+import numpy as np
+import torch
+sys.path.insert(0, json.loads(sys.argv[1]))
+from test_lora_kernels import CASES, make_case, reference
+from radixserve.lora.triton_ops import KernelConfig, StaticKernelTable, build_table, lora_delta
+
+errors = {}
+for seed, (name, rows, k, parts, out, R, slots, none_share) in enumerate(CASES):
+    x, y, A, B, scaling, bounds, row_slots, ranks = make_case(rows, k, parts, out, R, slots, none_share, seed=seed)
+    ref = reference(x, y, A, B, scaling, parts, row_slots, ranks, R)
+    got = lora_delta(x, y.clone(), A, B, build_table(row_slots, rows), scaling, bounds, R)
+    # a graph's static table, sized for more rows, filled after a larger batch
+    static = StaticKernelTable(rows + 20, slots, torch.device("cpu"))
+    static.fill(np.random.default_rng(seed).integers(0, slots, rows + 20), rows + 20)
+    static.fill(row_slots, rows + 3)
+    big = torch.cat([y, torch.zeros(3, out)])
+    graph = lora_delta(torch.cat([x, torch.zeros(3, k)]), big, A, B, static.view(rows + 3), scaling, bounds, R)
+    # small column tiles, several per expand program (a partial group at the end), K split in two
+    tiled = lora_delta(x, y.clone(), A, B, build_table(row_slots, rows), scaling, bounds, R,
+                       KernelConfig(split_k=2, shrink_block_k=16, expand_block_n=16, expand_tiles=3))
+    scale = float(ref.abs().max())
+    errors[name] = [float((got - ref).abs().max()) / scale, float((graph[:rows] - ref).abs().max()) / scale,
+                    float(graph[rows:].abs().max()), float((tiled - ref).abs().max()) / scale]
+print(json.dumps(errors))
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted(SCRIPT, os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_kernels_match_reference(interpreted, case):
+    eager, graph, padding, tiled = interpreted[case]
+    assert eager < 1e-5, f"eager table: relative error {eager}"
+    assert tiled < 1e-5, f"column tiles grouped per program: relative error {tiled}"
+    assert graph < 1e-5, f"static table: relative error {graph}"
+    assert padding == 0.0, "padding rows of a graph gained a delta"
+
+
+def test_table_layout():
+    """Rows sorted by slot (stable), blocks of at most BLOCK_M rows of one slot, rows without an adapter left out."""
+    from radixserve.lora.triton_ops import block_m_for, blocks_for, build_table
+
+    BLOCK_M = block_m_for(21)
+    row_slots = np.array([1, -1, 0] + [1] * (BLOCK_M + 2) + [0, -1])
+    table = build_table(row_slots, len(row_slots))
+    rows, blocks = table.rows.tolist(), table.blocks.tolist()
+    ones = [i for i, s in enumerate(row_slots) if s == 1]
+    assert rows == [2, len(row_slots) - 2] + ones
+    assert blocks == [[0, 0, 2], [1, 2, 2 + BLOCK_M], [1, 2 + BLOCK_M, len(rows)]]
+    assert len(blocks) <= blocks_for(len(row_slots), 2)
+    empty = build_table(np.array([-1, -1]), 2)
+    assert empty.rows.numel() == 0 and tuple(empty.blocks.shape) == (0, 3)
+    padded = build_table(row_slots, 600, blocks_for(600, 2))  # a prefill's blocks are larger
+    assert padded.block_m > BLOCK_M and padded.blocks.tolist()[:2] == [[0, 0, 2], [1, 2, len(rows)]]
+    assert padded.blocks.tolist()[2:] == [[-1, -1, -1]] * (blocks_for(600, 2) - 2)
