@@ -3,10 +3,10 @@
 the benchmarks' adapters (W8, ``bench.one_batch --lora-adapters``), where
 no trained adapter of that model is at hand.
 
-    python -m radixserve.bench.lora_adapters --model-path llama-3.1-8b --count 8 --rank 16 --dest /tmp/adapters
+    python -m radixserve.bench.lora_adapters --model-path llama-3.1-8b --count 8 --rank 16 --dest adapters
 
-writes ``/tmp/adapters/lora0`` .. ``lora7`` and prints their
-``--lora-paths`` entries (``lora0=/tmp/adapters/lora0 ...``).
+writes ``adapters/lora0`` .. ``lora7`` and prints their
+``--lora-paths`` entries (``lora0=adapters/lora0 ...``).
 """
 
 from __future__ import annotations
