@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from radixserve.distributed.group_ops import StagePosition
+
 PP_LAYER_PARTITION_ENV = "SGLANG_PP_LAYER_PARTITION"  # e.g. "5,6,6,5": layers per stage, as in SGLang
 
 
@@ -59,7 +61,7 @@ def _partition_from_env(num_layers: int, pp_size: int) -> list[int] | None:
 
 
 @dataclass(frozen=True)
-class PPStage:
+class PPStage(StagePosition):
     """One pipeline stage: rank ``rank`` of ``size``, holding the decoder
     layers ``[start, end)`` (global indices). ``PPStage(0, num_layers)`` is the
     whole model, as without pipeline parallelism."""
@@ -77,14 +79,6 @@ class PPStage:
     def of(cls, num_layers: int, pp_rank: int = 0, pp_size: int = 1) -> PPStage:
         """Stage ``pp_rank`` of ``pp_size`` of a model of ``num_layers`` layers (:func:`pp_layer_range`)."""
         return cls(*pp_layer_range(num_layers, pp_rank, pp_size), pp_rank, pp_size)
-
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.rank == self.size - 1
 
     @property
     def num_layers(self) -> int:

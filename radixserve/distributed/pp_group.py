@@ -27,9 +27,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from radixserve.distributed.group_ops import CpuGroupOps, StagePosition
+
 
 @dataclass
-class PPGroup:
+class PPGroup(StagePosition, CpuGroupOps):
     """Stage ``rank`` of ``size``, as TP rank ``tp_rank`` of ``tp_size`` (see the module docstring)."""
 
     rank: int = 0
@@ -45,14 +47,6 @@ class PPGroup:
             raise ValueError(f"pp_rank must be in [0, {self.size}), got {self.rank}")
         if self.size > 1 and (self.device_group is None or self.cpu_group is None):
             raise ValueError("a pipeline of several stages needs its process groups (init_model_parallel)")
-
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.rank == self.size - 1
 
     def peer(self, stage: int) -> int:
         """The global rank of this TP rank's counterpart on ``stage``."""
@@ -110,21 +104,3 @@ class PPGroup:
         for work, _ in self._sends:
             work.wait()
         self._sends = []
-
-    # -- the whole world ----------------------------------------------------------------------
-    def agree_min(self, value: int) -> int:
-        """The smallest ``value`` over every rank of every stage."""
-        if self.size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
-        return int(t.item())
-
-    def barrier(self) -> None:
-        if self.size > 1:
-            dist.barrier(group=self.cpu_group)
-
-    def destroy(self) -> None:
-        """Leave torch.distributed (every group of this rank, its TP group's too)."""
-        if self.size > 1 and dist.is_initialized():
-            dist.destroy_process_group()

@@ -33,6 +33,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from radixserve.distributed.group_ops import CpuGroupOps
 from radixserve.distributed.pp_group import PPGroup
 from radixserve.distributed.tcp_store import listening_store
 
@@ -50,7 +51,7 @@ class RankStartFailed(RuntimeError):
 
 
 @dataclass(frozen=True)
-class TPGroup:
+class TPGroup(CpuGroupOps):
     """Rank ``rank`` of ``size`` tensor-parallel ranks (see the module docstring)."""
 
     rank: int = 0
@@ -79,21 +80,6 @@ class TPGroup:
         _all_gather_single(gathered, x, group=self.device_group)
         return torch.cat(gathered.chunk(self.size), dim=dim)
 
-    def agree_min(self, value: int) -> int:
-        """The smallest ``value`` over the ranks (a decision every rank must
-        share, e.g. the KV pool size when free memory differs per device)."""
-        return self.agree_mins([value])[0]
-
-    def agree_mins(self, values: list[int]) -> list[int]:
-        """Each of ``values``' smallest over the ranks, in one collective
-        (e.g. how many of each queue's asynchronous copies or transfers have
-        finished on every rank, so that all ranks act on the same ones)."""
-        if self.size == 1:
-            return list(values)
-        t = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
-        return t.tolist()
-
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
         """Rank ``src``'s ``data`` on every rank, over the CPU group (others pass None)."""
         if self.size == 1:
@@ -109,15 +95,6 @@ class TPGroup:
             buf = torch.empty(n, dtype=torch.uint8)
         dist.broadcast(buf, src=src, group=self.cpu_group)
         return buf.numpy().tobytes()
-
-    def barrier(self) -> None:
-        if self.size > 1:
-            dist.barrier(group=self.cpu_group)
-
-    def destroy(self) -> None:
-        """Leave torch.distributed (the groups are unusable afterwards)."""
-        if self.size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def check_tp_devices(tp_size: int, device: str | torch.device, nnodes: int = 1) -> None:

@@ -214,22 +214,18 @@ class LoRAManager:
         ``lora_ids[i]`` in slot ``lora_slots[i]``; None when no request has an adapter."""
         if not lora_ids or all(uid is None for uid in lora_ids):
             return None
+        adapters = {slot: self._adapter(uid) for uid, slot in zip(lora_ids, lora_slots) if uid is not None}
+        batch = LoRABatch(loads=[(slot, a.uid) for slot, a in sorted(adapters.items()) if self.slot_uids[slot] != a.uid])
         if self.kernels:
-            return self._prepare_table(lora_ids, lora_slots, tokens)
-        starts = [0]
-        for n in tokens:
-            starts.append(starts[-1] + n)
+            batch.row_slots = np.repeat(np.asarray(lora_slots, dtype=np.int64), tokens)
+            return batch
+        starts = np.concatenate([[0], np.cumsum(tokens)]).tolist()
         by_slot: dict[int, list[int]] = {}
-        for i, (uid, slot) in enumerate(zip(lora_ids, lora_slots)):
-            if uid is not None:
+        for i, slot in enumerate(lora_slots):
+            if slot >= 0:
                 by_slot.setdefault(slot, []).append(i)
-        batch = LoRABatch()
-        for slot in sorted(by_slot):
-            reqs = by_slot[slot]
-            uid = lora_ids[reqs[0]]
-            adapter = self._adapter(uid)
-            if self.slot_uids[slot] != uid:
-                batch.loads.append((slot, uid))
+        for slot, reqs in sorted(by_slot.items()):
+            adapter = adapters[slot]
             batch.segments.append(LoRASegment(slot, self._rows(reqs, starts), adapter.rank, adapter.config.scaling))
         return batch
 
@@ -238,15 +234,6 @@ class LoRAManager:
         if adapter is None:
             raise RuntimeError(f"LoRA adapter {uid} is not loaded but a batch uses it")
         return adapter
-
-    def _prepare_table(self, lora_ids: list[str | None], lora_slots: list[int], tokens: list[int]) -> LoRABatch:
-        batch = LoRABatch(row_slots=np.repeat(np.asarray(lora_slots, dtype=np.int64), tokens))
-        for uid, slot in dict(zip(lora_ids, lora_slots)).items():
-            if uid is not None:
-                self._adapter(uid)
-                if self.slot_uids[slot] != uid:
-                    batch.loads.append((slot, uid))
-        return batch
 
     def static_table(self, max_rows: int) -> StaticKernelTable:
         """A CUDA graph runner's table for up to ``max_rows`` rows (the triton backend)."""

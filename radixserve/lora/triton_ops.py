@@ -94,6 +94,7 @@ class StaticKernelTable:
     def __init__(self, max_rows: int, num_slots: int, device: torch.device):
         self.num_slots = num_slots
         self.rows = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        # the most blocks of any graph's rows: blocks grow 4x larger past 512 rows, so the count is not monotonic
         most = max(blocks_for(n, num_slots) for n in (min(max_rows, 512), max_rows))
         self.blocks = torch.full((most, 3), -1, dtype=torch.int32, device=device)
 
