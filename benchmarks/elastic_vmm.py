@@ -18,6 +18,13 @@ of ``--page-mb`` in each), measured two ways.
   keeps no margin (no ``cudaMemGetInfo`` before a map), ``runs`` is the
   engine now (``map_many`` / ``unmap_many`` in the mapper's batches),
   ``runs_no_span`` the same with the range calls off.
+- **Fresh or reused** (``elastic_vmm_fresh``): the same steps while one pass
+  maps every page, ``--ahead`` pages every ``--pace-ms`` (as a pool grows
+  during a run), three times: a new arena (address range and memory never
+  mapped by this process), the same arena again (both reused), and a second
+  new arena (a new range over memory this process has unmapped). Which of
+  them slows the steps says whether the cost of growing is the first
+  mapping of a range or of memory.
 
     PYTHONPATH=. python benchmarks/elastic_vmm.py                 # on a GPU: every row, about a minute
     PYTHONPATH=. python benchmarks/elastic_vmm.py --device cpu --pages 16 --buffers 8 --graph-mb 16
@@ -271,7 +278,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--measure-s", type=float, default=3.0, help="seconds of steps in each interference row")
     parser.add_argument("--ahead", type=int, default=8, help="pages the background thread asks the mapper at a time")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="interference variants, comma-separated")
-    parser.add_argument("--skip", default="", help="'rates' and/or 'interference'")
+    parser.add_argument("--pace-ms", type=float, default=100.0, help="fresh rows: ms between asks of --ahead pages")
+    parser.add_argument("--skip", default="", help="'rates', 'interference' and/or 'fresh'")
     args = parser.parse_args(argv)
     unknown = set(filter(None, args.variants.split(","))) - set(VARIANTS)
     if unknown:
@@ -312,6 +320,8 @@ def main(argv: list[str] | None = None) -> None:
                       "zero": zero, "margin": margin, **rate_row(arena, pages, run, device)})
         if "interference" not in args.skip:
             interference(arena, pages, args, device, keep_free, probed, common)
+        if "fresh" not in args.skip:
+            fresh_or_reused(arena.page_bytes, args, device, keep_free, common)
     finally:
         sync(device)
         arena.close()
@@ -352,6 +362,62 @@ def interference(arena: VirtualArena, pages: list[int], args: argparse.Namespace
     again = summarize(timed_steps(step, args.measure_s).get("alone", []))
     emit({**base, "variant": "alone_again", **again,
           "drift_pct": slowdown_pct(alone.get("mean_ms", 0), again.get("mean_ms"))})
+
+
+def paced_pass(arena: VirtualArena, step: CopyStep, ahead: int, pace_s: float) -> dict:
+    """Steps while a thread maps all of ``arena``'s pages, ``ahead`` every
+    ``pace_s`` seconds; unmapped again after the steps stop."""
+    mapper = PageMapper(arena, background=True, map_batch=MAP_BATCH)
+    done, errors = threading.Event(), []
+
+    def grow() -> None:
+        try:
+            for chunk in chunks(list(range(arena.num_pages)), ahead):
+                mapper.map_ahead(chunk)
+                mapper.drain()
+                time.sleep(pace_s)
+        except BaseException as exc:  # noqa: BLE001 -- raised in the main thread below
+            errors.append(exc)
+        done.set()
+
+    worker = threading.Thread(target=grow, name="elastic-vmm-grow")
+    start = time.perf_counter()
+    worker.start()
+    times: list[float] = []
+    while not done.is_set():
+        times += timed_steps(step, 0.05).get("alone", [])
+    worker.join()
+    elapsed = time.perf_counter() - start
+    mapper.unmap(list(arena.stats.mapped))
+    mapper.close()
+    if errors:
+        raise RuntimeError("the mapping thread failed") from errors[0]
+    return {**summarize(times), "seconds": round(elapsed, 3), "map_s": round(arena.stats.map_s, 3)}
+
+
+def fresh_or_reused(page_bytes: list[int], args: argparse.Namespace, device: torch.device, keep_free: int,
+                    common: dict) -> None:
+    step, step_ms = calibrated_step(args.graph_mb, args.step_ms, device)
+    base = {"bench": "elastic_vmm_fresh", **common, "graph_mb": args.graph_mb, "copies": step.copies,
+            "ahead": args.ahead, "pace_ms": args.pace_ms}
+    alone = summarize(timed_steps(step, args.measure_s).get("alone", []))
+    emit({**base, "case": "alone", "calibrated_ms": round(step_ms, 3), **alone})
+    first = make_arena(page_bytes, args.pages, device, keep_free)
+    second = None
+    try:
+        for case, arena in (("new_range_new_memory", first), ("same_range_reused_memory", first),
+                            ("new_range_reused_memory", None)):
+            if arena is None:
+                arena = second = make_arena(page_bytes, args.pages, device, keep_free)
+            arena.stats.map_s = 0.0
+            row = paced_pass(arena, step, args.ahead, args.pace_ms / 1e3)
+            row["slowdown_pct"] = slowdown_pct(alone.get("mean_ms", 0), row.get("mean_ms"))
+            emit({**base, "case": case, **row})
+    finally:
+        sync(device)
+        for arena in (first, second):
+            if arena is not None:
+                arena.close()
 
 
 if __name__ == "__main__":

@@ -45,3 +45,15 @@ def test_offline_throughput_figures_follow_from_the_tokens_and_the_walls(capsys,
     assert hf["generated_tokens_incl_padding"] >= out_tokens
     assert 2 <= ours["forward_ct"] <= out_tokens  # batched: fewer steps than tokens
     assert summary["speedup_output_tok_s"] == HF_S / OURS_S
+
+
+def test_warm_give_back_makes_the_timed_run_map_its_pool_again(capsys):
+    args = ["--workload", "W1", "--model-path", "tiny-llama", "--num-prompts", "6", "--input-len-range", "200", "300",
+            "--output-len-range", "2", "4", "--disable-tqdm", "--enable-elastic-kv", "--elastic-kv-page-mb", "0.0625",
+            "--warm-runs", "1", "--elastic-kv-max-reserve-pages", "1000"]  # what the warm run mapped stays
+    kept, = bench.main(args)
+    given, = bench.main(args + ["--warm-give-back"])
+    capsys.readouterr()
+    assert given["output_tokens"] == kept["output_tokens"]
+    # the warm run's pages stay mapped (they are reused), unless given back: then the timed run maps them again
+    assert kept["elastic_kv_maps"] == 0 < given["elastic_kv_maps"]

@@ -206,14 +206,19 @@ def test_the_benchmark_helpers(elastic_vmm):
 
 def test_the_benchmark_runs_on_the_cpu_arena(elastic_vmm, capsys):
     elastic_vmm.main(["--device", "cpu", "--pages", "4", "--buffers", "2", "--page-mb", "0.25", "--graph-mb", "1",
-                      "--step-ms", "1", "--measure-s", "0.2", "--ahead", "2", "--variants", "per_page,runs"])
+                      "--step-ms", "1", "--measure-s", "0.2", "--ahead", "2", "--variants", "per_page,runs",
+                      "--pace-ms", "5"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["bench"] for r in rows[:3]] == ["elastic_vmm_setup", "elastic_vmm_rate", "elastic_vmm_rate"]
     assert [r["run"] for r in rows[1:3]] == [1, 4] and all(r["map_gb_per_s"] > 0 for r in rows[1:3])
-    interference = {r["variant"]: r for r in rows[3:]}
+    interference = {r["variant"]: r for r in rows if r["bench"] == "elastic_vmm_interference"}
     assert list(interference) == ["alone", "per_page", "runs", "alone_again"]
     assert interference["alone"]["steps"] > 0
     for name in ("per_page", "runs"):
         row = interference[name]
         assert row["cycles"] >= 1 and row["refused_maps"] == 0 and row["all"]["steps"] > 0
     assert interference["runs"]["map_batch"] > 1 and interference["per_page"]["map_batch"] == 1
+    fresh = {r["case"]: r for r in rows if r["bench"] == "elastic_vmm_fresh"}
+    assert list(fresh) == ["alone", "new_range_new_memory", "same_range_reused_memory", "new_range_reused_memory"]
+    for case in list(fresh)[1:]:  # each pass mapped all 4 pages while steps ran
+        assert fresh[case]["steps"] > 0 and fresh[case]["map_s"] > 0

@@ -114,9 +114,11 @@ def _params(wl: Workload, max_new_tokens: int) -> dict:
 
 
 def run_radixserve(engine, wl: Workload, reqs: list[Request], profile: str | None = None, warm_runs: int = 0,
-                   ) -> tuple[list[list[int]], float, dict]:
+                   give_back: bool = False) -> tuple[list[list[int]], float, dict]:
     """Warm up (and run the whole workload ``warm_runs`` times untimed: an
-    elastic pool then keeps up to its reserve of pages mapped), then time
+    elastic pool then keeps up to its reserve of pages mapped; with
+    ``give_back`` it then gives back all it can, a KV limit of nothing for a
+    moment, so the timed run maps again memory this process had), then time
     one ``generate`` over all requests. Returns the
     output ids, the wall time and the scheduler's counters for the timed run.
     With ``profile``, the timed run runs under cProfile (slower), whose top
@@ -128,6 +130,9 @@ def run_radixserve(engine, wl: Workload, reqs: list[Request], profile: str | Non
         engine.flush_cache()
         engine.generate(input_ids=[r.input_ids for r in reqs], sampling_params=params)
     engine.flush_cache()  # the timed run starts from an empty cache
+    if give_back:
+        engine.set_kv_limit(0)
+        engine.set_kv_limit(None)
     before = engine.get_stats()
     start = time.perf_counter()
     profiler = cProfile.Profile() if profile else None
@@ -222,6 +227,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--hf-batch-size", type=int, default=16)
     add("--output-json", help="append the JSON lines to this file")
     add("--warm-runs", type=int, default=0, help="untimed runs of the whole workload before the timed one")
+    add("--warm-give-back", action="store_true",
+        help="--enable-elastic-kv: after the warm runs, unmap every page the pool can give back")
     add("--profile", metavar="PATH", help="run radixserve's timed run under cProfile, its top functions to PATH")
     add("--torch-threads", type=int, help="torch.set_num_threads for both backends (default: torch's own)")
     args = parser.parse_args(argv)
@@ -262,7 +269,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     reqs = make_requests(wl, model_config.vocab_size, _special_ids(engine), args.seed)
     common = (args.workload, wl, full_size, model, device, model_config.dtype, reqs)
 
-    ours, wall, counters = run_radixserve(engine, wl, reqs, args.profile, args.warm_runs)
+    ours, wall, counters = run_radixserve(engine, wl, reqs, args.profile, args.warm_runs, args.warm_give_back)
     records = [_record(
         "radixserve", *common, sum(map(len, ours)), wall, **counters,
         max_running_requests=server_args.max_running_requests, chunked_prefill_size=server_args.resolved_chunked_prefill_size(),
