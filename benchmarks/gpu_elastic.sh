@@ -3,8 +3,12 @@
 #   tests   the elastic pool's GPU tests (and the memory-occupation ones) -> gpu-tests.txt
 #   rates   bench.elastic_kv: map and unmap GB/s, an allocation's latency with and without
 #           pages mapped ahead (llama-3.1-8b's KV geometry) -> rates.jsonl
+#   fresh   benchmarks/elastic_vmm.py's fresh-or-reused rows, a launch-bound and a memory-bound
+#           step: does growing cost the first mapping of a range, or of memory? -> fresh.jsonl
 #   w1      W1 (qwen3-0.6b, bench.offline_throughput), static then elastic, W1_REPEATS times
 #           each, alternating -> w1.jsonl (each line's "enable_elastic_kv" says which)
+#   w1-reuse  W1 elastic after a warm run whose pages were given back (--warm-give-back):
+#           the timed run maps again memory the process had -> w1.jsonl ("warm_give_back": true)
 #   lone | static-pair | elastic-pair   benchmarks/two_tenants.py's phases -> two_tenants.jsonl
 #
 #   OUT=/some/dir PARTS="tests rates w1" benchmarks/gpu_elastic.sh
@@ -32,17 +36,30 @@ if has rates; then
         fail "rates" "$LOGDIR/rates.log"
     cat "$OUT/rates.jsonl"
 fi
+if has fresh; then
+    for graph in "--graph-mb 0.25 --step-ms 1.6" "--graph-mb 256"; do
+        log "fresh or reused: $graph"
+        # shellcheck disable=SC2086
+        timeout "$(cap 120)" "$PY" benchmarks/elastic_vmm.py --skip rates,interference $graph >>"$OUT/fresh.jsonl" \
+            2>"$LOGDIR/fresh.log" || fail "fresh $graph" "$LOGDIR/fresh.log"
+    done
+    cut -c1-300 "$OUT/fresh.jsonl"
+fi
+w1_runs=()
 if has w1; then
-    for ((i = 0; i < W1_REPEATS; i++)); do
-        for flags in "" "--enable-elastic-kv"; do
-            log "W1 ${flags:-static}"
-            # shellcheck disable=SC2086  # flag lists
-            timeout "$(cap 120)" "$PY" -m radixserve.bench.offline_throughput --workload W1 --load-format dummy \
-                $W1_ARGS $flags >"$LOGDIR/w1.out" 2>"$LOGDIR/w1.log" || fail "W1 ${flags:-static}" "$LOGDIR/w1.log"
-            grep '^{' "$LOGDIR/w1.out" | "$PY" -c "import json, sys
+    for ((i = 0; i < W1_REPEATS; i++)); do w1_runs+=("" "--enable-elastic-kv"); done
+fi
+has w1-reuse && w1_runs+=("--enable-elastic-kv --warm-runs 1 --warm-give-back")
+if ((${#w1_runs[@]})); then
+    for flags in "${w1_runs[@]}"; do
+        log "W1 ${flags:-static}"
+        # shellcheck disable=SC2086  # flag lists
+        timeout "$(cap 120)" "$PY" -m radixserve.bench.offline_throughput --workload W1 --load-format dummy \
+            $W1_ARGS $flags >"$LOGDIR/w1.out" 2>"$LOGDIR/w1.log" || fail "W1 ${flags:-static}" "$LOGDIR/w1.log"
+        grep '^{' "$LOGDIR/w1.out" | "$PY" -c "import json, sys
 for line in sys.stdin:
-    d = json.loads(line); d['enable_elastic_kv'] = bool(sys.argv[1]); print(json.dumps(d))" "$flags" | tee -a "$OUT/w1.jsonl"
-        done
+    d = json.loads(line); d['enable_elastic_kv'] = bool(sys.argv[1]); d['warm_give_back'] = 'give-back' in sys.argv[1]
+    print(json.dumps(d))" "$flags" | tee -a "$OUT/w1.jsonl"
     done
 fi
 tt=()
