@@ -110,3 +110,24 @@ def test_one_batch_at_tp2_runs_every_rank_and_times_the_all_reduces():
     ours = [r for r in records if r.get("backend") == "radixserve"]
     assert [r["batch_size"] for r in ours] == [1, 3]
     assert all(r["tp_size"] == 2 and r["allreduce_ms_per_step"] > 0 and r["decode_steps"] == 3 for r in ours)
+
+
+def test_kernel_profile_tables_the_decode_steps_of_each_case(tmp_path, capsys):
+    path = tmp_path / "kernels.jsonl"
+    main(["--workload", "W2", "--model-path", "tiny-llama", "--batch-sizes", "1", "2", "--input-len", "8",
+          "--output-len", "5", "--kernel-profile", str(path)])
+    capsys.readouterr()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for bs in (1, 2):
+        case = [r for r in rows if r["batch_size"] == bs]
+        assert {r["bench"] for r in case} == {"one_batch_kernels"} and {r["profiled_steps"] for r in case} == {3}
+        *ops, total = case
+        assert total["name"] == "(all)" and total["share"] == 1.0 and ops == sorted(ops, key=lambda r: -r["us_per_step"])
+        assert sum(r["us_per_step"] for r in ops) <= total["us_per_step"] + 0.01 * len(ops)
+        names = {r["name"] for r in ops}
+        # a decode step's work, and nothing of the prefill: 3 steps of a 2-layer model
+        assert "mkldnn::_linear_pointwise" in names and not any(n.startswith("ProfilerStep") for n in names)
+        calls = {r["name"]: r["calls_per_step"] for r in ops}
+        assert calls["mkldnn::_linear_pointwise"] == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the LM head
+        # decode attends once a layer for the whole batch (C kernel or SDPA); the prefill once a request and layer
+        assert calls.get("aten::scaled_dot_product_attention", 2) == 2

@@ -58,6 +58,7 @@ H200_COPY_BANDWIDTH = 4.25e12  # B/s, device copy (read + write)
 H200_GEMV_BANDWIDTH = 3.7e12  # B/s of weights, bf16 GEMV
 H200_BF16_FLOPS = 805e12  # bf16 8192^3 matmul
 WARMUP_MAX_OUTPUT_LEN = 4  # the untimed run of a case decodes at most this many tokens
+PROFILED_STEPS = 8  # --kernel-profile: decode steps recorded per case
 
 
 @dataclass(frozen=True)
@@ -246,12 +247,16 @@ def static_batch(runner, prompts: torch.Tensor, output_len: int):
 
 
 @torch.inference_mode()
-def run_case(runner, sampler, prompts: torch.Tensor, output_len: int, lora=None) -> tuple[Timing, torch.Tensor]:
+def run_case(runner, sampler, prompts: torch.Tensor, output_len: int, lora=None,
+             on_step=None) -> tuple[Timing, torch.Tensor]:
     """Prefill ``prompts`` [bs, input_len] as one EXTEND, then decode greedily
     to ``output_len`` tokens a request, each step a ``ScheduleBatch`` as the
     Scheduler builds it (its KV allocation is part of the step's time), each
     request under its adapter of ``lora`` (``lora_adapters.spread``'s, or None).
-    Returns the timing and the ``[bs, output_len]`` generated ids."""
+    ``on_step()``, if given, runs after the prefill and after each decode step
+    (a profiler's ``step``). Returns the timing and the ``[bs, output_len]``
+    generated ids."""
+    on_step = on_step or (lambda: None)
     from radixserve.managers.schedule_batch import ScheduleBatch
     from radixserve.model_executor.forward_batch_info import ForwardMode
 
@@ -268,6 +273,7 @@ def run_case(runner, sampler, prompts: torch.Tensor, output_len: int, lora=None)
         next_ids = _forward_and_sample(runner, sampler, batch, reqs)
         _sync(dev)
         timing = Timing(time.perf_counter() - start, decode_s=[])
+        on_step()
         generated = [next_ids]
         for _ in range(output_len - 1):
             start = time.perf_counter()
@@ -281,6 +287,7 @@ def run_case(runner, sampler, prompts: torch.Tensor, output_len: int, lora=None)
             next_ids = _forward_and_sample(runner, sampler, batch, reqs)
             _sync(dev)
             timing.decode_s.append(time.perf_counter() - start)
+            on_step()
             generated.append(next_ids)
     return timing, torch.stack(generated, dim=1).cpu()
 
@@ -397,6 +404,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="serve random LoRA adapters (bench.lora_adapters) and run every case with N distinct ones in the batch, "
              "for each N given (0: none, on the same LoRA-enabled runner)")
     add("--lora-rank", type=int, default=16, help="rank of the --lora-adapters, on every linear layer")
+    add("--kernel-profile", metavar="PATH",
+        help="after each decode case, profile a few more steps and append where their time goes (kernels on a GPU, "
+             "operators on a CPU) to PATH as JSON lines (bench.kernel_profile)")
     args = parser.parse_args(argv)
     for name in ("input_len", "output_len", "torch_threads", "prefill_repeats"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -560,7 +570,7 @@ def main(argv: list[str] | None = None, tp_rank: int = 0, init: str | None = Non
     runner = build_runner(server_args, model_config, wl, tp_rank, init)
     if tp_rank > 0:
         _run_cases(runner, Sampler(), wl, {c: make_prompts(*c, model_config.vocab_size, args.seed) for c in wl.cases},
-                   args.prefill_repeats, args.lora_adapters)
+                   args.prefill_repeats, args.lora_adapters, args.kernel_profile, None)
         runner.shutdown()
         return []
     report = Report({
@@ -576,7 +586,9 @@ def main(argv: list[str] | None = None, tp_rank: int = 0, init: str | None = Non
     prompts = {case: make_prompts(*case, model_config.vocab_size, args.seed) for case in wl.cases}
 
     ours = {}
-    results = _run_cases(runner, Sampler(), wl, prompts, args.prefill_repeats, args.lora_adapters)
+    profiled = {k: report.common[k] for k in ("workload", "model", "device", "dtype", "quantization", "tp_size")}
+    results = _run_cases(runner, Sampler(), wl, prompts, args.prefill_repeats, args.lora_adapters,
+                         args.kernel_profile, {"bench": "one_batch_kernels", **profiled})
     for (case, adapters), (timing, allreduce_ms) in results.items():
         ours[case] = report.case("radixserve", *case, timing, attention_backend=server_args.resolved_attention_backend(),
                                  cuda_graph=runner.cuda_graph_runner is not None,
@@ -600,9 +612,12 @@ def main(argv: list[str] | None = None, tp_rank: int = 0, init: str | None = Non
     return report.records
 
 
-def _run_cases(runner, sampler, wl: Workload, prompts: dict, repeats: int, lora_counts: list[int] | None) -> dict:
+def _run_cases(runner, sampler, wl: Workload, prompts: dict, repeats: int, lora_counts: list[int] | None,
+               kernel_profile: str | None, profile_fields: dict | None) -> dict:
     """Each (case, distinct adapters) timing and, under TP, its all-reduce
-    cost per decode step (every rank runs this, in the same order)."""
+    cost per decode step (every rank runs this, in the same order). With
+    ``kernel_profile``, each decode case then runs again under the profiler;
+    the rank given ``profile_fields`` writes its table."""
     from radixserve.bench.lora_adapters import spread
 
     out = {}
@@ -611,7 +626,26 @@ def _run_cases(runner, sampler, wl: Workload, prompts: dict, repeats: int, lora_
             lora = spread(runner.lora_manager, case[0], count) if count else None
             timing, _ = warm_and_run(runner, sampler, prompts[case], wl.output_len, repeats, lora)
             out[case, count] = timing, allreduce_ms_per_step(runner, case[0])
+            if kernel_profile and wl.output_len >= 3:
+                case_info = {**(profile_fields or {}), "batch_size": case[0], "input_len": case[1], "lora_adapters": count}
+                _profile_case(runner, sampler, prompts[case], wl.output_len, lora, kernel_profile,
+                              case_info if profile_fields is not None else None)
     return out
+
+
+def _profile_case(runner, sampler, prompts: torch.Tensor, output_len: int, lora, path: str,
+                  case_fields: dict | None) -> None:
+    """Decode steps of one case under ``bench.kernel_profile`` (up to
+    ``PROFILED_STEPS``, the profiler's warm-up step aside); the table goes to
+    ``path`` when ``case_fields`` is given."""
+    from radixserve.bench.kernel_profile import decode_profiler, kernel_rows, write_rows
+
+    steps = min(PROFILED_STEPS, output_len - 2)
+    prof = decode_profiler(runner.device, steps)
+    with prof:
+        run_case(runner, sampler, prompts, steps + 2, lora, on_step=prof.step)
+    if case_fields is not None:
+        write_rows(path, {**case_fields, "profiled_steps": steps}, kernel_rows(prof, runner.device, steps))
 
 
 if __name__ == "__main__":

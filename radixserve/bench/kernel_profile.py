@@ -1,0 +1,61 @@
+"""Where a decode step's time goes: ``torch.profiler`` over a few steps of a
+benchmark, as one table (``bench.one_batch --kernel-profile PATH``).
+
+On a GPU the rows are the device's kernels and copies (CUDA graph replays
+included: the profiler sees each kernel of a replay); on a CPU they are the
+operators' own CPU time. Each row: the name, launches and microseconds per
+step, and its share of the steps' total. A profiled run is extra, after the
+timed one, so profiling never touches the reported figures.
+
+    prof = decode_profiler(device, steps=8)
+    with prof:
+        ...  # the prefill, then prof.step() after it and after each decode step
+    rows = kernel_rows(prof, device, steps=8)
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity
+
+TOP_ROWS = 40
+STEP_MARK = "ProfilerStep"  # the profiler's own range around each step: not work
+
+
+def decode_profiler(device: torch.device, steps: int) -> torch.profiler.profile:
+    """A profiler that records ``steps`` decode steps: ``step()`` is called
+    after the prefill (skipped) and after each decode step; the first decode
+    step warms the profiler up and is not recorded either."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    return torch.profiler.profile(
+        activities=activities, schedule=torch.profiler.schedule(skip_first=1, wait=0, warmup=1, active=steps, repeat=1))
+
+
+def kernel_rows(prof: torch.profiler.profile, device: torch.device, steps: int, top: int = TOP_ROWS) -> list[dict]:
+    """The ``top`` rows by time (see the module docstring), most first; the
+    last row, ``"(all)"``, sums every row, those left out included."""
+    averages = prof.key_averages()
+    if device.type == "cuda":
+        timed = [(e, e.self_device_time_total) for e in averages if e.device_type == DeviceType.CUDA]
+        if not timed:  # a profiler that files kernels under their operators: the operators' own device time
+            timed = [(e, e.self_device_time_total) for e in averages]
+    else:
+        timed = [(e, e.self_cpu_time_total) for e in averages]
+    timed = sorted(((e, us) for e, us in timed if us > 0 and not e.key.startswith(STEP_MARK)),
+                   key=lambda t: t[1], reverse=True)
+    total = sum(us for _, us in timed) or 1.0
+    rows = [{"name": e.key[:200], "calls_per_step": round(e.count / steps, 2), "us_per_step": round(us / steps, 2),
+             "share": round(us / total, 4)} for e, us in timed[:top]]
+    rows.append({"name": "(all)", "calls_per_step": round(sum(e.count for e, _ in timed) / steps, 2),
+                 "us_per_step": round(total / steps, 2), "share": 1.0})
+    return rows
+
+
+def write_rows(path: str, case: dict, rows: list[dict]) -> None:
+    """Append ``rows`` to ``path`` as JSON lines, each with ``case``'s fields."""
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps({**case, **row}) + "\n")
