@@ -5,6 +5,8 @@
 #           pages mapped ahead (llama-3.1-8b's KV geometry) -> rates.jsonl
 #   fresh   benchmarks/elastic_vmm.py's fresh-or-reused rows, a launch-bound and a memory-bound
 #           step: does growing cost the first mapping of a range, or of memory? -> fresh.jsonl
+#   unmap-threads  elastic_vmm.py's rates with an unmap's buffers shared out over 1, 4 and 8
+#           threads (an idle server giving all its pages back) -> unmap_threads.jsonl
 #   w1      W1 (qwen3-0.6b, bench.offline_throughput), static then elastic, W1_REPEATS times
 #           each, alternating -> w1.jsonl (each line's "enable_elastic_kv" says which)
 #   w1-reuse  W1 elastic after a warm run whose pages were given back (--warm-give-back):
@@ -44,6 +46,19 @@ if has fresh; then
             2>"$LOGDIR/fresh.log" || fail "fresh $graph" "$LOGDIR/fresh.log"
     done
     cut -c1-300 "$OUT/fresh.jsonl"
+fi
+if has unmap-threads; then
+    for threads in 1 4 8; do
+        log "rates, unmaps on $threads threads"
+        timeout "$(cap 90)" "$PY" benchmarks/elastic_vmm.py --skip interference,fresh --unmap-threads "$threads" \
+            >>"$OUT/unmap_threads.jsonl" 2>"$LOGDIR/unmap.log" || fail "unmap threads $threads" "$LOGDIR/unmap.log"
+    done
+    "$PY" -c "import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r['bench'] == 'elastic_vmm_rate':
+        print(r['unmap_threads'], 'threads, runs of', r['run'], 'span', r['span'], 'zero', r['zero'], 'unmap GB/s', r['unmap_gb_per_s'])
+" "$OUT/unmap_threads.jsonl"
 fi
 w1_runs=()
 if has w1; then
