@@ -7,10 +7,37 @@ in memory while other modules start servers of their own."""
 
 from __future__ import annotations
 
+import functools
+import os
+
+import httpx._transports.default as httpx_transport
 import pytest
 
 from server_harness import ONE_THREAD, ServerProcess
 from test_grammar_limits import CACHE_MB, COMPILE_MB
+
+_create_ssl_context = httpx_transport.create_ssl_context
+
+
+@functools.lru_cache(maxsize=None)
+def _default_ssl_context(trust_env: bool, cert_file: str | None, cert_dir: str | None):
+    return _create_ssl_context(verify=True, cert=None, trust_env=trust_env)
+
+
+def _shared_default_ssl_context(verify=True, cert=None, trust_env=True):
+    """httpx builds a new SSL context, loading the whole CA bundle (25-60 ms
+    of CPU), for every client, and ``httpx.get``/``post``/``stream`` make a
+    client per call: the tests make thousands of calls (every poll of a
+    server's state), all to plain-HTTP servers that never use the context,
+    and on a 2-core machine that CPU is taken from the servers under test.
+    The default context is built once per CA setting and shared; any other
+    is built as httpx builds it."""
+    if verify is True and cert is None:
+        return _default_ssl_context(trust_env, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+    return _create_ssl_context(verify=verify, cert=cert, trust_env=trust_env)
+
+
+httpx_transport.create_ssl_context = _shared_default_ssl_context
 
 SHARED_SERVERS = ("smollm2_keyed", "smollm2_open")
 _LAST_TEST = pytest.StashKey[dict]()  # shared server fixture -> node id of the last test that uses it

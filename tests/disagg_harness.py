@@ -174,3 +174,21 @@ class Worker:
             self.proc.join(5)
             self.kill()
             self.conn.close()
+
+
+def start_workers(ctx, *specs: dict) -> list[Worker]:
+    """A worker for each of ``specs`` (``Worker``'s arguments after ``ctx``,
+    by name), started side by side (a start-up is mostly importing, on one
+    core); if one fails to start, the others are stopped before the error
+    propagates."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(len(specs), 1)) as pool:
+        futures = [pool.submit(Worker, ctx, **spec) for spec in specs]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for f in futures:
+            if f.exception() is None:
+                f.result().stop()
+        raise failed[0]
+    return [f.result() for f in futures]

@@ -64,7 +64,7 @@ class ServerProcess:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)  # a start-up takes seconds: a short poll answers sooner after it
         self.stop()
         raise RuntimeError("server did not become healthy in time")
 
@@ -122,15 +122,18 @@ def terminate(proc: subprocess.Popen, timeout: float = 30) -> int:
 
 
 def start_all(*arg_lists: tuple[str, ...], env: dict | None = None,
-              envs: list[dict | None] | None = None) -> list[ServerProcess]:
-    """One server per argument list, started side by side (start-up is mostly
-    loading, so this takes about as long as one), each with ``env`` or its own
-    of ``envs``. If one fails to start, the others are stopped before the
-    error propagates."""
+              envs: list[dict | None] | None = None, options: list[dict] | None = None) -> list[ServerProcess]:
+    """One server per argument list, started side by side (a tiny-llama
+    server's start-up keeps about one core busy: on two cores two take far
+    less than twice as long as one; servers of several ranks, or SmolLM2's,
+    gain little), each with ``env`` or its own of ``envs``, and its own of
+    ``options`` (more ``ServerProcess`` keyword arguments: ``log_path``...).
+    If one fails to start, the others are stopped before the error propagates."""
     envs = [env] * len(arg_lists) if envs is None else envs
-    assert len(envs) == len(arg_lists)
+    options = [{}] * len(arg_lists) if options is None else options
+    assert len(envs) == len(arg_lists) == len(options)
     with ThreadPoolExecutor(max(len(arg_lists), 1)) as pool:
-        futures = [pool.submit(ServerProcess, *args, env=e) for args, e in zip(arg_lists, envs)]
+        futures = [pool.submit(ServerProcess, *args, env=e, **o) for args, e, o in zip(arg_lists, envs, options)]
     started = [f.result() for f in futures if f.exception() is None]
     failed = [f.exception() for f in futures if f.exception() is not None]
     if failed:
@@ -138,6 +141,12 @@ def start_all(*arg_lists: tuple[str, ...], env: dict | None = None,
             srv.stop()
         raise failed[0]
     return started
+
+
+def selected(request, fixturename: str) -> bool:
+    """Whether a selected test of the session uses the fixture ``fixturename``
+    (a fixture that starts servers for others starts theirs only if so)."""
+    return any(fixturename in item.fixturenames for item in request.session.items)
 
 
 def cmdline(pid: int) -> str:

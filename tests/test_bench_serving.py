@@ -218,13 +218,25 @@ def test_sse_lines_split_reads_into_lines_stamped_when_their_bytes_came():
 # --------------------------------------------------------------------------- against a real server
 
 
-@pytest.fixture(scope="module")
-def server():
-    from tests.server_harness import ServerProcess
+TINY = ("--model-path", "tiny-llama", "--max-total-tokens", "4096")
 
-    srv = ServerProcess("--model-path", "tiny-llama", "--max-total-tokens", "4096")
-    yield srv
-    srv.stop()
+
+@pytest.fixture(scope="module")
+def servers():
+    """``server`` and one with --incremental-streaming-output, started side by side."""
+    from tests.server_harness import start_all
+
+    started = start_all(TINY, (*TINY, "--incremental-streaming-output"))
+    try:
+        yield started
+    finally:
+        for srv in started:
+            srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
 
 
 def _run(server, tmp_path, name, *args):
@@ -286,13 +298,11 @@ def test_multi_turn_run_resends_the_growing_history(server, tmp_path):
     assert ideal - 6 / run["total_input_tokens"] - 1e-9 <= run["cache_hit_rate_requests"] <= ideal + 1e-9
 
 
-def test_multi_turn_histories_are_exact_from_a_server_that_streams_what_is_new(tmp_path):
+def test_multi_turn_histories_are_exact_from_a_server_that_streams_what_is_new(servers, tmp_path):
     """With --incremental-streaming-output the client adds up each reply's
     new output_ids (it reads the flag from /get_server_info), so every later
     turn resends the exact history, as from a cumulative server."""
-    from tests.server_harness import ServerProcess
-
-    srv = ServerProcess("--model-path", "tiny-llama", "--max-total-tokens", "4096", "--incremental-streaming-output")
+    srv = servers[1]
     try:
         rc, out = _run(srv, tmp_path, "mt-incremental", "--dataset-name", "multi-turn", "--num-prompts", "2",
                        "--mt-num-turns", "3", "--mt-first-input-len", "40", "--mt-turn-input-len", "8",

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from disagg_harness import Worker, make_kv_args
+from disagg_harness import Worker, make_kv_args, start_workers
 from disagg_server_harness import (
     DECODE_ARGS, GREEDY, PDPair, abort_message, assert_memory_ok, generate, new_room, prefill_args, replica_states,
     scheduler_pids,
@@ -116,11 +116,10 @@ def test_a_room_whose_dp_group_never_registers_fails_with_a_clear_error():
 def dp_workers(ctx, bootstrap):
     """The one rank of each of two prefill dp groups (pools of different
     seeds) and one decode rank."""
-    started = []
+    started = start_workers(ctx, *[dict(role="prefill", bootstrap_addr=bootstrap.address, config=CONFIG, seed=group + 1,
+                                        dp=(group, 2)) for group in range(2)],
+                            dict(role="decode", bootstrap_addr=bootstrap.address, config=CONFIG))
     try:
-        for group in range(2):
-            started.append(Worker(ctx, "prefill", bootstrap.address, CONFIG, seed=group + 1, dp=(group, 2)))
-        started.append(Worker(ctx, "decode", bootstrap.address, CONFIG))
         yield started[:2], started[2]
     finally:
         for w in started:

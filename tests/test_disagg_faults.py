@@ -1,5 +1,6 @@
-"""Prefill/decode disaggregation under faults, with real servers (SmolLM2,
-fp32, CPU; tests/disagg_server_harness.py): a prefill server killed while
+"""Prefill/decode disaggregation under faults, with real servers (tiny-llama
+with dummy weights: the faults do not depend on the model; fp32, CPU;
+tests/disagg_server_harness.py): a prefill server killed while
 its KV is in flight, a decode server killed while it is in flight, clients
 that hang up or abort on either side while the transfer runs or is waited
 for, and a decode server whose KV pool cannot hold every request at once.
@@ -53,15 +54,23 @@ DECODE_POOL = 240  # tokens (60 pages): the decode server holds only a few reque
 _prompts = random.Random(15)
 
 
+TINY = ("--model-path", "tiny-llama", "--load-format", "dummy")
+
+
+def server_args(pool_tokens: int = 4096) -> tuple[str, ...]:
+    """This file's servers' model (tiny-llama) and KV pool (``model_args``)."""
+    return TINY + model_args(pool_tokens)
+
+
 def fresh_prompt(n: int) -> list[int]:
-    """A prompt no server has cached (so prefilling it takes new KV)."""
-    return [_prompts.randrange(1, 30000) for _ in range(n)]
+    """A prompt in tiny-llama's vocabulary that no server has cached (so prefilling it takes new KV)."""
+    return [_prompts.randrange(3, 512) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
 def pair():
     port = free_port()
-    started = start_all(model_args() + prefill_args(port), model_args(DECODE_POOL) + DECODE_ARGS,
+    started = start_all(server_args() + prefill_args(port), server_args(DECODE_POOL) + DECODE_ARGS,
                         env=OVERLAP_LIMITS)
     try:
         pd = PDPair(*started, port)
@@ -164,7 +173,7 @@ def kill_mid_transfer(doomed: PDPair, dying: ServerProcess) -> tuple[dict, str, 
 def test_prefill_killed_mid_transfer(pair):
     """The decode server fails the request at once, frees what it reserved, serves on."""
     port = free_port()
-    dying = ServerProcess(*model_args(), *prefill_args(port), env=OVERLAP_LIMITS)
+    dying = ServerProcess(*server_args(), *prefill_args(port), env=OVERLAP_LIMITS)
     try:
         body, text, took = kill_mid_transfer(PDPair(dying, pair.decode, port), dying)
         assert took < FAULT_DEADLINE_S
@@ -177,7 +186,7 @@ def test_prefill_killed_mid_transfer(pair):
 
 def test_decode_killed_mid_transfer(pair):
     """The prefill server fails the request at once, caches its prompt, serves on."""
-    dying = ServerProcess(*model_args(), *DECODE_ARGS, env=OVERLAP_LIMITS)
+    dying = ServerProcess(*server_args(), *DECODE_ARGS, env=OVERLAP_LIMITS)
     try:
         body, text, took = kill_mid_transfer(PDPair(pair.prefill, dying, pair.bootstrap_port), dying)
         assert took < FAULT_DEADLINE_S

@@ -24,8 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+import radixserve
 from disagg_server_harness import (
-    DECODE_ARGS, GREEDY, PDPair, abort_message, assert_memory_ok, generate, model_args, prefill_args,
+    DECODE_ARGS, GREEDY, PAGE_SIZE, PDPair, abort_message, assert_memory_ok, generate, model_args, prefill_args,
 )
 from radixserve.managers.io_struct import MAX_TOP_LOGPROBS
 from radixserve.managers.scheduler import OVERLAP_ON_CPU_ENV
@@ -83,25 +84,32 @@ def test_decode_output_equals_colocated(servers):
     assert_memory_ok(servers["prefill"], servers["decode"])
 
 
-def test_pair_with_the_hierarchical_cache_on_both_servers(servers):
+def test_pair_with_the_hierarchical_cache_on_both_servers():
     """Both servers with a host tier under pools smaller than the prompts'
     shared prefixes (as SGLang runs HiCache on prefill servers): a prefix
     that went down to the host comes back for the next request of its group,
-    and the decode server's output is the colocated server's."""
+    and the decode server's output is a colocated engine's. The tiers and
+    the transfer do not depend on the model: tiny-llama (dummy weights, in
+    fp32 as the others), whose servers start and run in a fraction of SmolLM2's time."""
     heads = [[(13 * g + 7 * j) % 500 + 1 for j in range(96)] for g in range(4)]
     prompts = [h + [g + 1, 2 * g + 3, 5] for visit in range(2) for g, h in enumerate(heads)]
+    tiny = ("--model-path", "tiny-llama", "--load-format", "dummy")
     tiers = ("--enable-hierarchical-cache", "--hicache-ratio", "4")
+    with radixserve.Engine(model_path="tiny-llama", load_format="dummy", device="cpu", dtype="float32",
+                           page_size=PAGE_SIZE, max_total_tokens=4096, max_running_requests=16, check_invariants=True,
+                           disable_tqdm=True) as colocated:  # model_args()'s, one request at a time as the pair's
+        expected = [colocated.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"] for ids in prompts]
     bootstrap_port = free_port()
     started = {}
     try:
         started["prefill"], started["decode"] = start_all(  # side by side
-            model_args(256) + tiers + prefill_args(bootstrap_port), model_args(256) + tiers + DECODE_ARGS, env=PAIR_ENV)
+            tiny + model_args(256) + tiers + prefill_args(bootstrap_port), tiny + model_args(256) + tiers + DECODE_ARGS,
+            env=PAIR_ENV)
         pair = PDPair(started["prefill"], started["decode"], bootstrap_port)
-        for ids in prompts:
-            expected = generate(servers["colocated"].url, {"input_ids": ids, "sampling_params": GREEDY}).json()
+        for ids, want in zip(prompts, expected):
             prefill, decode = pair.generate(ids)
             assert decode.status_code == 200, decode.text
-            assert decode.json()["output_ids"] == expected["output_ids"]
+            assert decode.json()["output_ids"] == want
         assert_memory_ok(pair.prefill, pair.decode)
         assert pair.prefill.state()["hicache_loaded_back"] > 0
     finally:

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from disagg_harness import PAGE_SIZE, Worker, make_kv_args, model_kv
+from disagg_harness import PAGE_SIZE, Worker, make_kv_args, model_kv, start_workers
 from radixserve.disaggregation import KVPoll, KVTransferConfig, KVTransferError
 from radixserve.disaggregation.bootstrap import (
     KVBootstrapServer, check_health, query_prefill_rank, register_prefill_rank,
@@ -56,10 +56,9 @@ def bootstrap():
 
 @pytest.fixture(scope="module")
 def workers(ctx, bootstrap):
-    started = []
+    started = start_workers(ctx, dict(role="prefill", bootstrap_addr=bootstrap.address, config=CONFIG, seed=1),
+                            dict(role="decode", bootstrap_addr=bootstrap.address, config=CONFIG))
     try:
-        started.append(Worker(ctx, "prefill", bootstrap.address, CONFIG, seed=1))
-        started.append(Worker(ctx, "decode", bootstrap.address, CONFIG))
         yield started
     finally:
         for w in started:
@@ -315,10 +314,9 @@ def test_prefill_killed_mid_transfer_fails_the_receiver_then_a_new_prefill_serve
 @pytest.fixture(scope="module")
 def tp2_decode(ctx, bootstrap):
     """A decode server's two TP ranks (one KV head each) for the tp-1 prefill worker."""
-    started = []
+    started = start_workers(ctx, *[dict(role="decode", bootstrap_addr=bootstrap.address, config=CONFIG, tp=(rank, 2, 2))
+                                   for rank in range(2)])
     try:
-        for rank in range(2):
-            started.append(Worker(ctx, "decode", bootstrap.address, CONFIG, tp=(rank, 2, 2)))
         yield started
     finally:
         for w in started:
@@ -367,11 +365,10 @@ def tp4_prefill(ctx):
     1: it takes head 0 from rank 0 (with the aux row), head 1 from rank 2, and
     tells ranks 1 and 3 of its rooms only (head_map.py)."""
     with KVBootstrapServer("127.0.0.1", 0) as server:
-        started = []
+        started = start_workers(ctx, *[dict(role="prefill", bootstrap_addr=server.address, config=CONFIG, seed=5,
+                                            tp=(rank, 4, 2)) for rank in range(4)],
+                                dict(role="decode", bootstrap_addr=server.address, config=CONFIG, tp=(0, 1, 2)))
         try:
-            for rank in range(4):
-                started.append(Worker(ctx, "prefill", server.address, CONFIG, seed=5, tp=(rank, 4, 2)))
-            started.append(Worker(ctx, "decode", server.address, CONFIG, tp=(0, 1, 2)))
             yield started[:4], started[4], server.address
         finally:
             for w in started:

@@ -29,7 +29,7 @@ from radixserve.mem_cache.elastic_allocator import ElasticTokenToKVPoolAllocator
 from radixserve.mem_cache.elastic_registry import ElasticRegistry
 from radixserve.mem_cache.page_mapper import PageMapper
 from radixserve.mem_cache.virtual_memory import CpuArena
-from server_harness import ServerProcess
+from server_harness import selected, start_all
 
 TINY = dict(model_path="tiny-llama", load_format="dummy", device="cpu", dtype="float32", disable_tqdm=True,
             check_invariants=True, dist_timeout=60)
@@ -447,21 +447,46 @@ def _burst(url: str, seed: int, n: int = 16) -> None:
     assert replies == [200] * n
 
 
+ELASTIC_SERVER = ("--model-path", "tiny-llama", "--load-format", "dummy", "--device", "cpu",
+                  "--json-model-override-args", WIDE, "--max-total-tokens", "65536", "--enable-elastic-kv",
+                  "--elastic-kv-min-reserve-pages", "1", "--elastic-kv-max-reserve-pages", "1")
+
+
+@pytest.fixture(scope="module")
+def elastic_servers(request):
+    """The servers of the tests below that the selected tests use, started
+    side by side: ``group``, two in one elastic group, and ``alone``."""
+    group = (*ELASTIC_SERVER, "--elastic-kv-group", f"test-{os.getpid()}", "--elastic-kv-group-gb", "0.25",
+             "--elastic-kv-min-gb", "0.03")  # a floor of one page
+    wanted = {"group": [group] * 2 if selected(request, "group_servers") else [],
+              "alone": [ELASTIC_SERVER] if selected(request, "alone_server") else []}
+    servers = start_all(*wanted["group"], *wanted["alone"])
+    try:
+        yield {"group": servers[:len(wanted["group"])], "alone": servers[len(wanted["group"]):]}
+    finally:
+        for srv in servers:
+            srv.stop()
+
+
+@pytest.fixture
+def group_servers(elastic_servers):
+    return elastic_servers["group"]
+
+
+@pytest.fixture
+def alone_server(elastic_servers):
+    return elastic_servers["alone"][0]
+
+
 @pytest.mark.slow
-def test_two_servers_on_one_device_take_turns_with_its_memory():
+def test_two_servers_on_one_device_take_turns_with_its_memory(group_servers):
     """Two servers in one group whose budget (256 MB: 8 pages of 32 MB)
     holds one burst's KV, not two. After its burst a server keeps its
     prompts cached; the other's burst cannot map, asks, and the first (idle)
     evicts and unmaps what is asked; a burst that needs all but the floor
     takes the idle server down to its floor. No request fails."""
-    group = f"test-{os.getpid()}"
-    common = ("--model-path", "tiny-llama", "--load-format", "dummy", "--device", "cpu", "--json-model-override-args",
-              WIDE, "--max-total-tokens", "65536", "--enable-elastic-kv", "--elastic-kv-group", group,
-              "--elastic-kv-group-gb", "0.25", "--elastic-kv-min-reserve-pages", "1",
-              "--elastic-kv-max-reserve-pages", "1", "--elastic-kv-min-gb", "0.03")  # a floor of one page
-    servers = [ServerProcess(*common)]
+    servers = group_servers
     try:
-        servers.append(ServerProcess(*common))
         page = 32 << 20
 
         def turn(busy: int, prompts: int) -> list[dict]:
@@ -484,10 +509,8 @@ def test_two_servers_on_one_device_take_turns_with_its_memory():
 
 
 @pytest.mark.slow
-def test_an_idle_server_holds_the_reserve_a_burst_grows_it_and_a_flush_gives_it_back():
-    srv = ServerProcess("--model-path", "tiny-llama", "--load-format", "dummy", "--device", "cpu",
-                        "--json-model-override-args", WIDE, "--max-total-tokens", "65536", "--enable-elastic-kv",
-                        "--elastic-kv-min-reserve-pages", "1", "--elastic-kv-max-reserve-pages", "1")
+def test_an_idle_server_holds_the_reserve_a_burst_grows_it_and_a_flush_gives_it_back(alone_server):
+    srv = alone_server
     try:
         pid = srv.children()["scheduler"]
         state = srv.wait_idle()
@@ -518,7 +541,8 @@ def test_an_idle_server_holds_the_reserve_a_burst_grows_it_and_a_flush_gives_it_
             assert done.returncode == 0, done.stderr
             return json.loads(done.stdout)
 
-        assert kvctl("show")[0]["elastic_kv_limit_bytes"] == kvctl("show")[0]["elastic_kv_max_bytes"]
+        shown = kvctl("show")[0]
+        assert shown["elastic_kv_limit_bytes"] == shown["elastic_kv_max_bytes"]
         for body, field in [({}, "limit_bytes"), ({"limit_bytes": -1}, "limit_bytes"), ({"limit_gb": "1"}, "limit_gb"),
                             ({"limit_bytes": 1, "limit_gb": 1}, "limit_bytes"), ([1], "limit_bytes")]:
             reply = httpx.post(srv.url + "/set_kv_limit", json=body, timeout=30)

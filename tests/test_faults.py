@@ -21,13 +21,21 @@ import pytest
 import zmq
 
 from radixserve.entrypoints.launcher import scheduler_addr
-from server_harness import ServerProcess, alive, wait_for
+from server_harness import ServerProcess, alive, start_all, wait_for
 
 TINY = ("--model-path", "tiny-llama", "--max-total-tokens", "4096")
-# The default model (SmolLM2) decodes slowly enough on a CPU that requests are surely in flight when it
-# is killed; on a GPU, RADIXSERVE_FAULT_SERVER_ARGS names a larger one ("--model-path qwen3-0.6b ...").
-REAL = tuple(os.environ.get("RADIXSERVE_FAULT_SERVER_ARGS", "--max-total-tokens 16384").split())
 LONG = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+# A KV pool with room for _in_flight_then's six LONG requests at once: in a smaller one the last are
+# admitted only as the scheduler's reservation for their outputs decays, seconds later.
+IN_FLIGHT_POOL = ("--max-total-tokens", "16384")
+# On a GPU, RADIXSERVE_FAULT_SERVER_ARGS names a larger model than these ("--model-path qwen3-0.6b ..."):
+FAULT_SERVER_ARGS = os.environ.get("RADIXSERVE_FAULT_SERVER_ARGS")
+# The default model (SmolLM2) decodes slowly enough on a CPU that requests are still in flight when the
+# shutdown's grace period (5 s) ends;
+REAL = tuple((FAULT_SERVER_ARGS or "--max-total-tokens 16384").split())
+# a server that is killed needs them in flight only when it is killed, some 0.3 s after they start:
+# tiny-llama takes about 5 s for the six on a 2-core CPU.
+KILLED = tuple(FAULT_SERVER_ARGS.split()) if FAULT_SERVER_ARGS else (*TINY, *IN_FLIGHT_POOL)
 
 
 def ipc_dirs(tmp: Path) -> list[Path]:
@@ -91,7 +99,7 @@ def check_a_killed_rank_ends_everything(server_args: tuple, victim: str, tmp_pat
     ``victim`` (``ServerProcess.children``'s name) is killed while requests
     decode: every request ends with a 503 and the server exits non-zero, its
     other children with it."""
-    srv = ServerProcess(*server_args, "--dist-timeout", "20", env={"TMPDIR": str(tmp_path)})
+    srv = ServerProcess(*server_args, *IN_FLIGHT_POOL, "--dist-timeout", "20", env={"TMPDIR": str(tmp_path)})
     try:
         kids = srv.children()
         results = _in_flight_then(srv, lambda: os.kill(kids[victim], signal.SIGKILL))
@@ -103,10 +111,35 @@ def check_a_killed_rank_ends_everything(server_args: tuple, victim: str, tmp_pat
         srv.stop()
 
 
+# The tests that kill or stop a server each get a fresh one, all started side by side (each TMPDIR,
+# and so its IPC directory, its own): a tiny-llama server's start-up keeps about one core busy.
+REAL_USES = ("scheduler", "detokenizer", "killed-server", "sigterm")
+
+
+@pytest.fixture(scope="module")
+def real_servers(tmp_path_factory):
+    """A fresh server for each of ``REAL_USES`` (``REAL`` for the SIGTERM
+    one, which logs to ``.tmp / "server.log"``, ``KILLED`` for the others),
+    with ``.tmp``, its TMPDIR. Whatever a test left running is stopped at the end."""
+    tmps = [tmp_path_factory.mktemp(name) for name in REAL_USES]
+    servers = start_all(*[REAL if name == "sigterm" else KILLED for name in REAL_USES],
+                        envs=[{"TMPDIR": str(tmp)} for tmp in tmps],
+                        options=[{"log_path": tmp / "server.log"} if name == "sigterm" else {}
+                                 for name, tmp in zip(REAL_USES, tmps)])
+    for srv, tmp in zip(servers, tmps):
+        srv.tmp = tmp
+    try:
+        yield dict(zip(REAL_USES, servers))
+    finally:
+        for srv in servers:
+            srv.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["scheduler", "detokenizer"])
-def test_a_killed_child_ends_every_request_and_the_server(tmp_path, victim):
-    srv = ServerProcess(*REAL, env={"TMPDIR": str(tmp_path)})
+def test_a_killed_child_ends_every_request_and_the_server(real_servers, victim):
+    srv = real_servers[victim]
+    tmp_path = srv.tmp
     try:
         kids = srv.children()
         assert len(ipc_dirs(tmp_path)) == 1
@@ -122,8 +155,9 @@ def test_a_killed_child_ends_every_request_and_the_server(tmp_path, victim):
 
 
 @pytest.mark.slow
-def test_a_killed_server_leaves_no_process_behind(tmp_path):
-    srv = ServerProcess(*REAL, env={"TMPDIR": str(tmp_path)})
+def test_a_killed_server_leaves_no_process_behind(real_servers):
+    srv = real_servers["killed-server"]
+    tmp_path = srv.tmp
     kids = srv.children()
     try:
         _in_flight_then(srv, lambda: os.kill(srv.proc.pid, signal.SIGKILL))
@@ -137,10 +171,11 @@ def test_a_killed_server_leaves_no_process_behind(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_with_requests_in_flight_ends_them_and_exits_0(tmp_path):
+def test_sigterm_with_requests_in_flight_ends_them_and_exits_0(real_servers):
     """The requests still running after the grace period end with a 503; the
     scheduler is then asked to close (its cache tiers' writes land), not killed."""
-    srv = ServerProcess(*REAL, env={"TMPDIR": str(tmp_path)}, log_path=tmp_path / "server.log")
+    srv = real_servers["sigterm"]
+    tmp_path = srv.tmp
     kids = srv.children()
     try:
         results = _in_flight_then(srv, lambda: srv.proc.send_signal(signal.SIGTERM))
@@ -165,21 +200,30 @@ def _warm(srv: ServerProcess) -> ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def limited(tmp_path_factory):
+def tiny_servers(tmp_path_factory):
+    """``limited`` and ``timed``, started side by side; each must shut down cleanly at the end."""
     tmp = tmp_path_factory.mktemp("ipc")
-    srv = ServerProcess(*TINY, "--max-running-requests", "2", "--max-queued-requests", "2",
-                        "--http-header-timeout", "1", "--max-connections", "16",
-                        env={"TMPDIR": str(tmp), "RADIXSERVE_HEALTH_CHECK_TIMEOUT": "1"}, log_path=tmp / "server.log")
-    srv.tmp = tmp
-    yield _warm(srv)
-    assert srv.stop() == 0
+    servers = start_all((*TINY, "--max-running-requests", "2", "--max-queued-requests", "2",
+                         "--http-header-timeout", "1", "--max-connections", "16"),
+                        (*TINY, "--request-timeout", "0.5"),
+                        envs=[{"TMPDIR": str(tmp), "RADIXSERVE_HEALTH_CHECK_TIMEOUT": "1"}, None],
+                        options=[{"log_path": tmp / "server.log"}, {}])
+    servers[0].tmp = tmp
+    try:
+        yield [_warm(srv) for srv in servers]
+    finally:
+        codes = [srv.stop() for srv in servers]
+    assert codes == [0, 0]
 
 
 @pytest.fixture(scope="module")
-def timed():
-    srv = ServerProcess(*TINY, "--request-timeout", "0.5")
-    yield _warm(srv)
-    assert srv.stop() == 0
+def limited(tiny_servers):
+    return tiny_servers[0]
+
+
+@pytest.fixture(scope="module")
+def timed(tiny_servers):
+    return tiny_servers[1]
 
 
 def _whole(srv: ServerProcess) -> None:

@@ -6,17 +6,39 @@ from it on its first request."""
 from __future__ import annotations
 
 import httpx
+import pytest
 
-from server_harness import ServerProcess, wait_for
+from server_harness import ServerProcess, start_all, wait_for
 
 PROMPT = [(7 * i + 3) % 300 for i in range(200)]
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
 
+def hicache_args(storage_dir) -> tuple[str, ...]:
+    return ("--model-path", "tiny-llama", "--max-total-tokens", "1024", "--enable-hierarchical-cache",
+            "--hicache-ratio", "2", "--hicache-storage-backend", "file", "--hicache-storage-dir", str(storage_dir))
+
+
 def hicache_server(storage_dir, log_path=None) -> ServerProcess:
-    return ServerProcess("--model-path", "tiny-llama", "--max-total-tokens", "1024", "--enable-hierarchical-cache",
-                         "--hicache-ratio", "2", "--hicache-storage-backend", "file",
-                         "--hicache-storage-dir", str(storage_dir), log_path=log_path)
+    return ServerProcess(*hicache_args(storage_dir), log_path=log_path)
+
+
+@pytest.fixture(scope="module")
+def first_servers(tmp_path_factory):
+    """The first server of each test below, on a file-tier directory
+    (``.storage``) of its own, started side by side; the second test's logs
+    to ``.log``. Each test stops its own; whatever is left is stopped at the end."""
+    dirs = [tmp_path_factory.mktemp("restart"), tmp_path_factory.mktemp("stopped")]
+    log = dirs[1] / "first.log"
+    servers = start_all(hicache_args(dirs[0] / "kv"), hicache_args(dirs[1] / "kv"), options=[{}, {"log_path": log}])
+    for srv, folder in zip(servers, dirs):
+        srv.storage = folder / "kv"
+    servers[1].log_path = log
+    try:
+        yield dict(zip(["restart", "stopped"], servers))
+    finally:
+        for srv in servers:
+            srv.stop()
 
 
 def generate(server: ServerProcess) -> dict:
@@ -25,8 +47,8 @@ def generate(server: ServerProcess) -> dict:
     return r.json()
 
 
-def test_restart_on_the_same_directory_serves_the_prefix_from_files(tmp_path):
-    first = hicache_server(tmp_path)
+def test_restart_on_the_same_directory_serves_the_prefix_from_files(first_servers):
+    first = first_servers["restart"]
     try:
         before = generate(first)
         assert before["meta_info"]["cached_tokens"] == 0
@@ -43,7 +65,7 @@ def test_restart_on_the_same_directory_serves_the_prefix_from_files(tmp_path):
         assert "radixserve:hicache_host_used_tokens" in metrics
     finally:
         assert first.stop() == 0
-    second = hicache_server(tmp_path)
+    second = hicache_server(first.storage)
     try:
         after = generate(second)
         assert after["meta_info"]["cached_tokens"] == 192  # every whole block but the one with the last token
@@ -55,19 +77,18 @@ def test_restart_on_the_same_directory_serves_the_prefix_from_files(tmp_path):
         assert second.stop() == 0
 
 
-def test_a_server_stopped_at_once_lands_its_file_writes_first(tmp_path):
+def test_a_server_stopped_at_once_lands_its_file_writes_first(first_servers):
     """Stopping the server asks its scheduler to close, and the file tier
     finishes the writes in flight first: a server stopped right after its
     first reply, without waiting for the writes, leaves every whole block on
     file for the next one."""
-    log = tmp_path / "first.log"
-    first = hicache_server(tmp_path / "kv", log_path=log)
+    first = first_servers["stopped"]
     try:
         before = generate(first)
     finally:
         assert first.stop() == 0
-    assert "[scheduler] closed" in log.read_text()
-    second = hicache_server(tmp_path / "kv")
+    assert "[scheduler] closed" in first.log_path.read_text()
+    second = hicache_server(first.storage)
     try:
         after = generate(second)
         assert after["meta_info"]["cached_tokens"] == 192 and after["output_ids"] == before["output_ids"]

@@ -26,7 +26,7 @@ from disagg_server_harness import DECODE_ARGS, PDPair, prefill_args
 from radixserve.distributed.tcp_store import listening_store
 from radixserve.mem_cache.kv_events import KVEventsConfig, ZmqEventPublisher
 from radixserve.mem_cache.kv_events.publisher import DEFAULT_PORT
-from server_harness import ServerProcess, free_port
+from server_harness import free_port, start_all
 from tp_harness import run_ranks
 
 TINY = ("--model-path", "tiny-llama", "--load-format", "dummy", "--device", "cpu", "--dtype", "float32",
@@ -104,9 +104,8 @@ def test_a_prefill_server_at_loopback_listens_only_there():
     bootstrap_port = free_port()
     started = []
     try:
-        started.append(ServerProcess(*TINY, "--tp-size", "2", "--kv-events-config", '{"publisher": "zmq"}',
-                                     *prefill_args(bootstrap_port), env=LIMITS))
-        started.append(ServerProcess(*TINY, *DECODE_ARGS, env=LIMITS))
+        started += start_all((*TINY, "--tp-size", "2", "--kv-events-config", '{"publisher": "zmq"}',
+                              *prefill_args(bootstrap_port)), (*TINY, *DECODE_ARGS), env=LIMITS)  # side by side
         pair = PDPair(*started, bootstrap_port)
         prefill, decode = pair.generate([1, 5, 9, 33, 70, 2, 8])
         assert prefill.status_code == 200 and decode.status_code == 200, (prefill.text, decode.text)

@@ -243,12 +243,39 @@ def test_tp2_serves_the_mixed_batch_with_the_same_tokens(models):
     assert [o["output_ids"] for o in outs] == [reference(models, a, ids) for a, ids in zip(MIX, batch)]
 
 
-def test_http_server_serves_adapters_by_lora_path_and_by_openai_model_name(models):
-    from server_harness import ONE_THREAD, ServerProcess
+@pytest.fixture(scope="module")
+def lora_servers(request, models):
+    """The HTTP servers of the tests below that the selected tests use,
+    started side by side: ``serving`` (two adapters at start-up) and
+    ``loading`` (one, and room for rank 64 on every module)."""
+    from server_harness import ONE_THREAD, selected, start_all
 
     base_dir, folders = models
-    srv = ServerProcess("--model-path", base_dir, "--device", "cpu", "--max-total-tokens", "4096", "--enable-lora",
-                        "--lora-paths", f"a8={folders['a8']}", folders["a16"], env=ONE_THREAD)
+    base = ("--model-path", base_dir, "--device", "cpu", "--max-total-tokens", "4096", "--enable-lora")
+    wanted = {"serving": (*base, "--lora-paths", f"a8={folders['a8']}", folders["a16"]),
+              "loading": (*base, "--lora-paths", f"a16={folders['a16']}", "--max-lora-rank", "64",
+                          "--lora-target-modules", "all")}
+    wanted = {name: args for name, args in wanted.items() if selected(request, f"{name}_server")}
+    servers = start_all(*wanted.values(), env=ONE_THREAD)
+    try:
+        yield dict(zip(wanted, servers))
+    finally:
+        for srv in servers:
+            srv.stop()
+
+
+@pytest.fixture
+def serving_server(lora_servers):
+    return lora_servers["serving"]
+
+
+@pytest.fixture
+def loading_server(lora_servers):
+    return lora_servers["loading"]
+
+
+def test_http_server_serves_adapters_by_lora_path_and_by_openai_model_name(models, serving_server):
+    srv = serving_server
     try:
         batch = prompts(2, seed=4)
         r = httpx.post(srv.url + "/generate", json={"input_ids": batch, "sampling_params": GREEDY,
@@ -357,14 +384,11 @@ def test_load_and_unload_errors_name_the_field_and_change_nothing(models, tmp_pa
             eng.unload_lora_adapter("a8")
 
 
-def test_http_load_and_unload_lora_adapter_with_sglang_bodies_and_the_openai_sdk(models):
+def test_http_load_and_unload_lora_adapter_with_sglang_bodies_and_the_openai_sdk(models, loading_server):
     import openai
-    from server_harness import ONE_THREAD, ServerProcess
 
     base_dir, folders = models
-    srv = ServerProcess("--model-path", base_dir, "--device", "cpu", "--max-total-tokens", "4096", "--enable-lora",
-                        "--lora-paths", f"a16={folders['a16']}", "--max-lora-rank", "64", "--lora-target-modules", "all",
-                        env=ONE_THREAD)
+    srv = loading_server
     try:
         def post(path: str, body: dict) -> httpx.Response:
             return httpx.post(srv.url + path, json=body, timeout=60)

@@ -6,6 +6,7 @@ installs (pyproject's ``compat`` extra, and ``sglang`` without its own)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -217,6 +218,7 @@ def test_get_load_reports_what_runs(server, client, routed):
 
 
 # -- bench_serving ------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)  # a probe of some seconds; test_lora_smollm2.py asks too
 def bench_serving_import_error() -> str | None:
     """Why ``sglang.bench_serving`` does not import here (None if it does):
     it imports sglang's server configs, which need torchvision and more."""

@@ -17,7 +17,7 @@ import pytest
 
 import radixserve
 from server_harness import wait_for
-from test_grammar_limits import CACHE_MB, enum_schema, small_schema
+from test_grammar_limits import CACHE_MB, OVER_LIMIT, enum_schema, small_schema
 
 pytestmark = pytest.mark.slow
 
@@ -117,14 +117,25 @@ def test_constrained_requests_leave_the_others_unchanged(eng):
     assert mixed[0]["text"] in ("yes", "no")
 
 
+RETRACTED_SCHEMA = {"temperature": 0, "max_new_tokens": 48, "json_schema": json.dumps(PERSON)}  # ~45 tokens each
+
+
+@pytest.fixture(scope="module")
+def roomy_outputs(eng):
+    """Six JSON requests' prompts and greedy outputs with room to spare: from
+    the module's engine (8192 tokens for 6 requests of about 75), its cache
+    flushed first, as a new engine's would be."""
+    assert eng.flush_cache()
+    prompts = [chat(eng, f"Describe person number {i} as JSON.") for i in range(6)]
+    return prompts, [o["text"] for o in eng.generate(prompts, RETRACTED_SCHEMA)]
+
+
 @pytest.mark.parametrize("overlap", [False, True])
-def test_grammar_through_chunked_prefill_retraction_and_overlap(overlap):
+def test_grammar_through_chunked_prefill_retraction_and_overlap(roomy_outputs, overlap):
     """A pool too small for every request at once retracts some; the greedy
     outputs are the same as with room to spare."""
-    schema = {"temperature": 0, "max_new_tokens": 48, "json_schema": json.dumps(PERSON)}  # about 45 tokens each
-    with radixserve.Engine(max_total_tokens=8192, disable_tqdm=True, device="cpu") as roomy:
-        prompts = [chat(roomy, f"Describe person number {i} as JSON.") for i in range(6)]
-        expected = [o["text"] for o in roomy.generate(prompts, schema)]
+    schema = RETRACTED_SCHEMA
+    prompts, expected = roomy_outputs
     with radixserve.Engine(max_total_tokens=160, chunked_prefill_size=16, check_invariants=True,
                            disable_tqdm=True, device="cpu") as tight:
         tight.scheduler.overlap = overlap
@@ -229,7 +240,7 @@ def test_a_grammar_over_the_limit_is_a_400_while_the_server_serves(server):
 
     watcher = threading.Thread(target=watch_health)
     watcher.start()
-    bomb = enum_schema(3000, tag="native")
+    bomb = enum_schema(OVER_LIMIT, tag="native")
     r = httpx.post(url + "/generate", json={"text": "Fill it in:", "sampling_params": {
         "max_new_tokens": 8, "json_schema": json.dumps(bomb)}}, timeout=120)
     assert r.status_code == 400, r.text
@@ -245,9 +256,9 @@ def test_a_grammar_over_the_limit_is_a_400_while_the_server_serves(server):
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=8,
                                        response_format={"type": "json_schema", "json_schema": {
-                                           "name": "form", "schema": enum_schema(3000, tag="openai")}})
+                                           "name": "form", "schema": enum_schema(OVER_LIMIT, tag="openai")}})
     assert refused.value.body["param"] == "response_format"
-    tool = {"type": "function", "function": {"name": "fill", "parameters": enum_schema(3000, tag="tool")}}
+    tool = {"type": "function", "function": {"name": "fill", "parameters": enum_schema(OVER_LIMIT, tag="tool")}}
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=8,
                                        tools=[tool], tool_choice="required")

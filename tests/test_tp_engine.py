@@ -35,11 +35,19 @@ def _run(tp: int, **options) -> tuple[list[list[int]], list[list[int]], dict]:
         return out, sampled, eng.get_stats()
 
 
+CHUNKED = dict(chunked_prefill_size=8, max_total_tokens=2048, max_running_requests=8)
+
+
+@pytest.fixture(scope="module")
+def tp1_chunked():
+    """tp 1's greedy and seeded outputs with ``CHUNKED``."""
+    return _run(1, **CHUNKED)[:2]
+
+
 @pytest.mark.parametrize("tp", [2, 4])  # tiny-llama has 2 KV heads: at tp 4 each is replicated on 2 ranks
-def test_tp_engine_matches_tp1_with_chunks_cache_hits_and_sampling(tp):
-    options = dict(chunked_prefill_size=8, max_total_tokens=2048, max_running_requests=8)
-    ref_greedy, ref_sampled, _ = _run(1, **options)
-    greedy, sampled, stats = _run(tp, **options)
+def test_tp_engine_matches_tp1_with_chunks_cache_hits_and_sampling(tp1_chunked, tp):
+    ref_greedy, ref_sampled = tp1_chunked
+    greedy, sampled, stats = _run(tp, **CHUNKED)
     assert greedy == ref_greedy
     assert sampled == ref_sampled
     assert stats["cached_tokens"] >= 2 * len(SHARED), "the shared prefix was found in the cache"
@@ -103,24 +111,65 @@ def test_tp_engine_restarted_on_the_file_tier_serves_prefixes_from_files(tmp_pat
     assert stats["hicache_storage_prefetched"] == 4 * 64
 
 
+# SmolLM2 at tp 1 and tp 3, for the two tests below: each engine is built once
+SMOLLM2 = dict(device="cpu", max_total_tokens=4096, max_running_requests=4, chunked_prefill_size=16,
+               check_invariants=True, disable_tqdm=True, dist_timeout=120)
+CHATS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea."]
+CITY = '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}'
+SMOLLM2_GREEDY = {"temperature": 0, "max_new_tokens": 24}
+FRANCE_GREEDY = {"temperature": 0, "max_new_tokens": 12}
+
+
+def _structured(eng) -> tuple:
+    """The chat prompts' greedy tokens in one batch, and the first's JSON-schema request's tokens and text."""
+    prompts = [eng.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+    texts = [o["output_ids"] for o in eng.generate(prompts, SMOLLM2_GREEDY)]
+    js = eng.generate(prompts[0], {**SMOLLM2_GREEDY, "json_schema": CITY})
+    return texts, js["output_ids"], js["text"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_tp1():
+    """tp 1's outputs: ``_structured``'s, and the first chat prompt's alone (``FRANCE_GREEDY``)."""
+    with radixserve.Engine(**SMOLLM2) as eng:
+        alone = eng.generate(eng.apply_chat_template([{"role": "user", "content": CHATS[0]}]), FRANCE_GREEDY)
+        return {"structured": _structured(eng), "alone": alone["output_ids"]}
+
+
 @pytest.mark.slow
-def test_smollm2_at_tp3_matches_tp1_with_structured_output():
-    """SmolLM2-135M has 9 query and 3 KV heads: tp 3 splits both. Chat
-    prompts give tp 1's greedy tokens; a JSON-schema request (whose grammar
-    each rank compiles; rank 0 decides when it is ready) gives the same JSON."""
-    chats = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea."]
-    schema = '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}'
-    greedy = {"temperature": 0, "max_new_tokens": 24}
-    outs = {}
-    for tp in (1, 3):
-        with radixserve.Engine(device="cpu", tp_size=tp, max_total_tokens=4096, max_running_requests=4,
-                               chunked_prefill_size=16, check_invariants=True, disable_tqdm=True, dist_timeout=120) as eng:
-            prompts = [eng.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
-            texts = [o["output_ids"] for o in eng.generate(prompts, greedy)]
-            js = eng.generate(prompts[0], {**greedy, "json_schema": schema})
-            outs[tp] = texts, js["output_ids"], js["text"]
-    assert outs[3] == outs[1]
-    assert '"city"' in outs[3][2]
+class TestSmolLM2AtTp3:
+    """One tp-3 engine for both tests (its rank 0 is this process's: it is
+    shut down after them, before other tests start engines of their own)."""
+
+    @pytest.fixture(scope="class")
+    def smollm2_tp3(self):
+        with radixserve.Engine(**SMOLLM2, tp_size=3) as eng:
+            yield eng
+
+    def test_smollm2_at_tp3_matches_tp1_with_structured_output(self, smollm2_tp1, smollm2_tp3):
+        """SmolLM2-135M has 9 query and 3 KV heads: tp 3 splits both. Chat
+        prompts give tp 1's greedy tokens; a JSON-schema request (whose grammar
+        each rank compiles; rank 0 decides when it is ready) gives the same JSON."""
+        out = _structured(smollm2_tp3)
+        assert out == smollm2_tp1["structured"]
+        assert '"city"' in out[2]
+
+    def test_a_stop_regex_timeout_on_rank_0_ends_the_request_on_every_rank(self, smollm2_tp1, smollm2_tp3,
+                                                                           monkeypatch):
+        """The stop_regex time limit is measured on each rank; rank 0's verdict
+        holds everywhere. Here every search on rank 0 (this process) runs out of
+        time and none on the other ranks: the request ends after its first token
+        on every rank, and the next request runs as at tp 1."""
+        from radixserve.sampling import stop_regex
+
+        eng = smollm2_tp3
+        prompt = eng.apply_chat_template([{"role": "user", "content": CHATS[0]}])
+        monkeypatch.setattr(stop_regex, "MATCH_TIMEOUT_S", 1e-9)  # rank 0 only: the others are processes of their own
+        out = eng.generate(prompt, {**FRANCE_GREEDY, "stop_regex": [r"\d+"]})
+        monkeypatch.undo()
+        assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) == 1
+        assert "stop_regex" in out["meta_info"]["finish_reason"]["message"]
+        assert eng.generate(prompt, FRANCE_GREEDY)["output_ids"] == smollm2_tp1["alone"]
 
 
 def test_a_model_tp_does_not_split_fails_at_start_up():
@@ -155,26 +204,3 @@ def test_tp_flags_are_checked():
         radixserve.Engine(**TINY, tp_size=2, dist_init_addr="nowhere")
     with pytest.raises(ValueError, match="tp_size must be >= 1"):
         radixserve.Engine(**TINY, tp_size=0)
-
-
-@pytest.mark.slow
-def test_a_stop_regex_timeout_on_rank_0_ends_the_request_on_every_rank(monkeypatch):
-    """The stop_regex time limit is measured on each rank; rank 0's verdict
-    holds everywhere. Here every search on rank 0 (this process) runs out of
-    time and none on the other ranks: the request ends after its first token
-    on every rank, and the next request runs as at tp 1."""
-    from radixserve.sampling import stop_regex
-
-    chat = [{"role": "user", "content": "What is the capital of France?"}]
-    greedy = {"temperature": 0, "max_new_tokens": 12}
-    with radixserve.Engine(device="cpu", max_total_tokens=2048, max_running_requests=4, disable_tqdm=True) as eng:
-        reference = eng.generate(eng.apply_chat_template(chat), greedy)["output_ids"]
-    with radixserve.Engine(device="cpu", tp_size=3, max_total_tokens=2048, max_running_requests=4,
-                           check_invariants=True, disable_tqdm=True, dist_timeout=60) as eng:
-        prompt = eng.apply_chat_template(chat)
-        monkeypatch.setattr(stop_regex, "MATCH_TIMEOUT_S", 1e-9)  # rank 0 only: the others are processes of their own
-        out = eng.generate(prompt, {**greedy, "stop_regex": [r"\d+"]})
-        monkeypatch.undo()
-        assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) == 1
-        assert "stop_regex" in out["meta_info"]["finish_reason"]["message"]
-        assert eng.generate(prompt, greedy)["output_ids"] == reference

@@ -16,7 +16,8 @@ import pytest
 
 import radixserve
 from server_harness import ServerProcess, alive, wait_for
-from test_faults import _assert_answered, _in_flight_then, _wait_exit, check_a_killed_rank_ends_everything
+from test_faults import (IN_FLIGHT_POOL, _assert_answered, _in_flight_then, _wait_exit,
+                         check_a_killed_rank_ends_everything)
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +64,7 @@ def test_a_killed_rank_ends_every_request_and_the_server(tmp_path, victim):
 def test_a_hung_rank_ends_the_server_after_the_collective_timeout(tmp_path):
     """A stopped (not dead) rank: rank 0's next collective with it times out
     after --dist-timeout, rank 0 exits, and the server with it."""
-    srv = ServerProcess(*TP2, "--dist-timeout", "8", env={"TMPDIR": str(tmp_path)})
+    srv = ServerProcess(*TP2, *IN_FLIGHT_POOL, "--dist-timeout", "8", env={"TMPDIR": str(tmp_path)})
     kids = srv.children()
     try:
         results = _in_flight_then(srv, lambda: os.kill(kids["scheduler-tp1"], signal.SIGSTOP))
