@@ -143,6 +143,32 @@ def start_all(*arg_lists: tuple[str, ...], env: dict | None = None,
     return started
 
 
+class Prestarted:
+    """Servers started one after another on a thread of their own, without
+    waiting, so that they load while the tests before the ones that use
+    them run (a module's tests mostly keep one core of two busy: one server,
+    or a few ranks that wait for each other). ``specs``: name -> (arguments,
+    ``ServerProcess`` keyword arguments). ``get(name)`` waits for that one;
+    ``stop()`` stops every one started, and starts none of those not yet begun."""
+
+    def __init__(self, specs: dict[str, tuple[tuple[str, ...], dict]]):
+        self._pool = ThreadPoolExecutor(1)
+        self._futures = {name: self._pool.submit(ServerProcess, *args, **kwargs)
+                         for name, (args, kwargs) in specs.items()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._futures
+
+    def get(self, name: str) -> ServerProcess:
+        return self._futures[name].result()
+
+    def stop(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for future in self._futures.values():
+            if not future.cancelled() and future.exception() is None:
+                future.result().stop()
+
+
 def selected(request, fixturename: str) -> bool:
     """Whether a selected test of the session uses the fixture ``fixturename``
     (a fixture that starts servers for others starts theirs only if so)."""

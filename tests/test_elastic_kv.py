@@ -21,7 +21,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, rule
 
 import radixserve
 from mem_harness import Harness, RequestRules
@@ -29,7 +29,7 @@ from radixserve.mem_cache.elastic_allocator import ElasticTokenToKVPoolAllocator
 from radixserve.mem_cache.elastic_registry import ElasticRegistry
 from radixserve.mem_cache.page_mapper import PageMapper
 from radixserve.mem_cache.virtual_memory import CpuArena
-from server_harness import selected, start_all
+from server_harness import Prestarted, selected
 
 TINY = dict(model_path="tiny-llama", load_format="dummy", device="cpu", dtype="float32", disable_tqdm=True,
             check_invariants=True, dist_timeout=60)
@@ -140,9 +140,10 @@ class ElasticMachine(RequestRules):
     def evict(self, n):
         self.h.cache.evict(n)
 
-    @precondition(lambda self: not self.h.live)
     @rule()
     def flush(self):
+        if self.h.live:  # a rule enabled whatever the state: see RequestRules
+            return
         self.h.cache.reset()
         self.h.alloc.clear()
         assert len(self.h.alloc.mapped_epages()) <= 1 + self.reserve[1]
@@ -452,30 +453,32 @@ ELASTIC_SERVER = ("--model-path", "tiny-llama", "--load-format", "dummy", "--dev
                   "--elastic-kv-min-reserve-pages", "1", "--elastic-kv-max-reserve-pages", "1")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def elastic_servers(request):
     """The servers of the tests below that the selected tests use, started
-    side by side: ``group``, two in one elastic group, and ``alone``."""
+    one after another in the background with the module's first test (they
+    load while the tests before run): ``group0`` and ``group1``, in one
+    elastic group, and ``alone``."""
     group = (*ELASTIC_SERVER, "--elastic-kv-group", f"test-{os.getpid()}", "--elastic-kv-group-gb", "0.25",
              "--elastic-kv-min-gb", "0.03")  # a floor of one page
-    wanted = {"group": [group] * 2 if selected(request, "group_servers") else [],
-              "alone": [ELASTIC_SERVER] if selected(request, "alone_server") else []}
-    servers = start_all(*wanted["group"], *wanted["alone"])
-    try:
-        yield {"group": servers[:len(wanted["group"])], "alone": servers[len(wanted["group"]):]}
-    finally:
-        for srv in servers:
-            srv.stop()
+    specs = {}
+    if selected(request, "group_servers"):
+        specs.update(group0=(group, {}), group1=(group, {}))
+    if selected(request, "alone_server"):  # a group of its own: the engines of the tests before are in "default"
+        specs["alone"] = ((*ELASTIC_SERVER, "--elastic-kv-group", f"test-alone-{os.getpid()}"), {})
+    started = Prestarted(specs)
+    yield started
+    started.stop()
 
 
 @pytest.fixture
 def group_servers(elastic_servers):
-    return elastic_servers["group"]
+    return [elastic_servers.get("group0"), elastic_servers.get("group1")]
 
 
 @pytest.fixture
 def alone_server(elastic_servers):
-    return elastic_servers["alone"][0]
+    return elastic_servers.get("alone")
 
 
 @pytest.mark.slow

@@ -94,12 +94,17 @@ def _wait_exit(proc: subprocess.Popen, seconds: float) -> int | None:
         return None
 
 
-def check_a_killed_rank_ends_everything(server_args: tuple, victim: str, tmp_path) -> None:
-    """A server of several scheduler ranks (``server_args``) whose rank
-    ``victim`` (``ServerProcess.children``'s name) is killed while requests
-    decode: every request ends with a 503 and the server exits non-zero, its
-    other children with it."""
-    srv = ServerProcess(*server_args, *IN_FLIGHT_POOL, "--dist-timeout", "20", env={"TMPDIR": str(tmp_path)})
+def killed_rank_args(server_args: tuple) -> tuple[str, ...]:
+    """The arguments of a server of several scheduler ranks (``server_args``)
+    for ``check_a_killed_rank_ends_everything``."""
+    return (*server_args, *IN_FLIGHT_POOL, "--dist-timeout", "20")
+
+
+def check_a_killed_rank_ends_everything(srv: ServerProcess, victim: str) -> None:
+    """A server of several scheduler ranks (started with ``killed_rank_args``)
+    whose rank ``victim`` (``ServerProcess.children``'s name) is killed while
+    requests decode: every request ends with a 503 and the server exits
+    non-zero, its other children with it."""
     try:
         kids = srv.children()
         results = _in_flight_then(srv, lambda: os.kill(kids[victim], signal.SIGKILL))

@@ -243,35 +243,33 @@ def test_tp2_serves_the_mixed_batch_with_the_same_tokens(models):
     assert [o["output_ids"] for o in outs] == [reference(models, a, ids) for a, ids in zip(MIX, batch)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def lora_servers(request, models):
     """The HTTP servers of the tests below that the selected tests use,
-    started side by side: ``serving`` (two adapters at start-up) and
-    ``loading`` (one, and room for rank 64 on every module)."""
-    from server_harness import ONE_THREAD, selected, start_all
+    started one after another in the background with the module's first
+    test (they load while the tests before run): ``serving`` (two adapters
+    at start-up) and ``loading`` (one, and room for rank 64 on every module)."""
+    from server_harness import ONE_THREAD, Prestarted, selected
 
     base_dir, folders = models
     base = ("--model-path", base_dir, "--device", "cpu", "--max-total-tokens", "4096", "--enable-lora")
-    wanted = {"serving": (*base, "--lora-paths", f"a8={folders['a8']}", folders["a16"]),
-              "loading": (*base, "--lora-paths", f"a16={folders['a16']}", "--max-lora-rank", "64",
-                          "--lora-target-modules", "all")}
-    wanted = {name: args for name, args in wanted.items() if selected(request, f"{name}_server")}
-    servers = start_all(*wanted.values(), env=ONE_THREAD)
-    try:
-        yield dict(zip(wanted, servers))
-    finally:
-        for srv in servers:
-            srv.stop()
+    specs = {"serving": (*base, "--lora-paths", f"a8={folders['a8']}", folders["a16"]),
+             "loading": (*base, "--lora-paths", f"a16={folders['a16']}", "--max-lora-rank", "64",
+                         "--lora-target-modules", "all")}
+    started = Prestarted({name: (args, {"env": ONE_THREAD}) for name, args in specs.items()
+                          if selected(request, f"{name}_server")})
+    yield started
+    started.stop()
 
 
 @pytest.fixture
 def serving_server(lora_servers):
-    return lora_servers["serving"]
+    return lora_servers.get("serving")
 
 
 @pytest.fixture
 def loading_server(lora_servers):
-    return lora_servers["loading"]
+    return lora_servers.get("loading")
 
 
 def test_http_server_serves_adapters_by_lora_path_and_by_openai_model_name(models, serving_server):

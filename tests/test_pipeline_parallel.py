@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import radixserve
-from server_harness import ServerProcess
+from server_harness import Prestarted
 from test_engine import hf_greedy, llama, prompts, tiny  # noqa: F401 (fixtures)
-from test_faults import check_a_killed_rank_ends_everything
+from test_faults import check_a_killed_rank_ends_everything, killed_rank_args
 
 TINY = dict(model_path="tiny-llama", load_format="dummy", device="cpu", dtype="float32", disable_tqdm=True,
             check_invariants=True, dist_timeout=60)
@@ -26,6 +26,32 @@ PROMPTS = [t if i % 2 else SHARED + t for i, t in enumerate(TAILS)]
 GREEDY = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in (12, 30, 5, 24, 17, 9)]
 SEEDED = [{**p, "temperature": 0.9, "top_p": 0.9, "sampling_seed": 11 + i, "repetition_penalty": 1.2,
            "frequency_penalty": 0.3} for i, p in enumerate(GREEDY)]
+
+
+PP2 = ("--model-path", "tiny-llama", "--load-format", "dummy", "--device", "cpu", "--dtype", "float32",
+       "--max-total-tokens", "4096", "--pp-size", "2")
+VICTIMS = ["scheduler", "scheduler-tp1"]  # the harness's names: the first and the second stage
+
+
+@pytest.fixture(scope="module", autouse=True)
+def servers(request, tmp_path_factory):
+    """The HTTP servers of the module's last tests (those selected), started
+    one after another in the background with its first test: they load
+    while the engine tests run. ``serve``, and one to kill for each of
+    ``VICTIMS`` (a TMPDIR of its own each)."""
+    def wanted(name: str, victim: str | None = None) -> bool:
+        return any(item.originalname == name and (victim is None or item.callspec.params["victim"] == victim)
+                   for item in request.session.items if item.module is request.module)
+
+    specs = {}
+    if wanted("test_pp2_server_serves_pp1_tokens_and_reports_its_stages"):
+        specs["serve"] = ((*PP2, "--check-invariants", "--chunked-prefill-size", "8"), {})
+    for victim in VICTIMS:
+        if wanted("test_a_killed_stage_ends_every_request_and_the_server", victim):
+            specs[victim] = (killed_rank_args(PP2), {"env": {"TMPDIR": str(tmp_path_factory.mktemp("ipc"))}})
+    started = Prestarted(specs)
+    yield started
+    started.stop()
 
 
 def _run(**options) -> dict:
@@ -183,14 +209,12 @@ def test_smollm2_at_pp3_matches_hf_with_structured_output():
     assert '"city"' in js["text"]
 
 
-# -- the HTTP server ------------------------------------------------------------------------------
-PP2 = ("--model-path", "tiny-llama", "--load-format", "dummy", "--device", "cpu", "--dtype", "float32",
-       "--max-total-tokens", "4096", "--pp-size", "2")
+# -- the HTTP server (started by ``servers``) ------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_pp2_server_serves_pp1_tokens_and_reports_its_stages(pp1):
-    srv = ServerProcess(*PP2, "--check-invariants", "--chunked-prefill-size", "8")
+def test_pp2_server_serves_pp1_tokens_and_reports_its_stages(pp1, servers):
+    srv = servers.get("serve")
     try:
         assert len([k for k in srv.children() if k.startswith("scheduler")]) == 2
         info = httpx.get(srv.url + "/get_server_info", timeout=30).json()
@@ -214,10 +238,10 @@ def test_pp2_server_serves_pp1_tokens_and_reports_its_stages(pp1):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", ["scheduler", "scheduler-tp1"])  # the harness's names: the first and second rank
-def test_a_killed_stage_ends_every_request_and_the_server(tmp_path, victim):
+@pytest.mark.parametrize("victim", VICTIMS)
+def test_a_killed_stage_ends_every_request_and_the_server(servers, victim):
     """Stage 0 or stage 1 killed while requests decode."""
-    check_a_killed_rank_ends_everything(PP2, victim, tmp_path)
+    check_a_killed_rank_ends_everything(servers.get(victim), victim)
 
 
 def test_pp_flags_are_checked():

@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from server_harness import ONE_THREAD, ServerProcess, wait_for
+from server_harness import ONE_THREAD, Prestarted, wait_for
 
 pytestmark = pytest.mark.slow
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -20,6 +20,18 @@ GREEDY = {"temperature": 0, "max_new_tokens": 16}
 @pytest.fixture(scope="module")
 def server(smollm2_keyed):
     return smollm2_keyed  # conftest.py: shared with test_hostile.py and test_server_openai.py
+
+
+@pytest.fixture(scope="module", autouse=True)
+def early(request):
+    """The warm-up test's server (if it is selected), started in the
+    background with the module's first test: it loads while the tests
+    before that one run."""
+    wanted = any(item.name == "test_the_server_warms_up_before_it_reports_healthy" for item in request.session.items)
+    started = Prestarted({"warm": (("--model-path", "tiny-llama", "--max-total-tokens", "4096"),
+                                   {"warmup": True, "env": ONE_THREAD})} if wanted else {})
+    yield started
+    started.stop()
 
 
 @pytest.fixture(scope="module")
@@ -241,12 +253,12 @@ def test_metrics_change_as_requests_are_served(client):
     assert "radixserve:time_to_first_token_seconds_bucket" in after and "radixserve:cache_hit_rate" in after
 
 
-def test_the_server_warms_up_before_it_reports_healthy():
+def test_the_server_warms_up_before_it_reports_healthy(early):
     """As SGLang's server: unless started with --skip-server-warmup (as every
     other test's server is, and starts with an empty cache), a short greedy
     request has gone through by the time /health answers 200: its tokens are
     in the radix cache. It is not counted in the metrics."""
-    srv = ServerProcess("--model-path", "tiny-llama", "--max-total-tokens", "4096", warmup=True, env=ONE_THREAD)
+    srv = early.get("warm")
     try:
         state = srv.wait_idle()
         assert state["kv_cached"] > 0 and state["memory_check"] == "ok"

@@ -10,8 +10,6 @@ import httpx
 import openai
 import pytest
 
-from server_harness import ServerProcess
-
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -164,12 +162,11 @@ WEATHER_Q = [{"role": "user", "content": "What is the weather like in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def parsing_client():
-    """A server with both output parsers. SmolLM2's chat template ignores
+def parsing_client(smollm2_parsers):
+    """A server with both output parsers (conftest.py's: it starts in the
+    background while the tests before run). SmolLM2's chat template ignores
     tools, so it never writes calls itself: forced calls come from the grammar."""
-    srv = ServerProcess("--max-total-tokens", "16384", "--tool-call-parser", "qwen", "--reasoning-parser", "qwen3")
-    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
-    srv.stop()
+    return openai.OpenAI(base_url=smollm2_parsers.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 @pytest.mark.parametrize("choice,names", [

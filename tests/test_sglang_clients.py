@@ -14,13 +14,14 @@ import re
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
 from router_harness import RouterProcess
-from server_harness import wait_for
+from server_harness import selected, wait_for
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
@@ -125,13 +126,29 @@ def test_fork_branches_each_generate(frontend, client):
 
 
 # -- sglang-router -------------------------------------------------------------------
+@pytest.fixture(scope="module", autouse=True)
+def early_router(request, tmp_path_factory):
+    """``router``'s router (if a selected test uses it), started in the
+    background with the module's first test, once the server is up: it
+    starts while the frontend's programs run. Stopped with the module."""
+    if not selected(request, "router") or importlib.util.find_spec("sglang_router") is None:
+        yield None
+        return
+    url = request.getfixturevalue("server").url
+    pool = ThreadPoolExecutor(1)
+    started = pool.submit(RouterProcess, [url], policy="cache_aware",
+                          log_path=tmp_path_factory.mktemp("router") / "router.log")
+    yield started
+    pool.shutdown(wait=True)
+    if started.exception() is None:
+        started.result().stop()
+
+
 @pytest.fixture(scope="module")
-def router(server, tmp_path_factory):
+def router(early_router):
     """``sglang_router.launch_router`` in front of the server; its URL once it routes to it."""
     needs("sglang_router")
-    rt = RouterProcess([server.url], policy="cache_aware", log_path=tmp_path_factory.mktemp("router") / "router.log")
-    yield rt.url
-    rt.stop()
+    return early_router.result().url
 
 
 @pytest.fixture(scope="module")

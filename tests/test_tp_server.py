@@ -17,7 +17,7 @@ import pytest
 import radixserve
 from server_harness import ServerProcess, alive, wait_for
 from test_faults import (IN_FLIGHT_POOL, _assert_answered, _in_flight_then, _wait_exit,
-                         check_a_killed_rank_ends_everything)
+                         check_a_killed_rank_ends_everything, killed_rank_args)
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,7 @@ def test_tp2_server_serves_tp1_tokens_streamed_or_not(tp1_outputs):
 
 @pytest.mark.parametrize("victim", ["scheduler", "scheduler-tp1"])
 def test_a_killed_rank_ends_every_request_and_the_server(tmp_path, victim):
-    check_a_killed_rank_ends_everything(TP2, victim, tmp_path)
+    check_a_killed_rank_ends_everything(ServerProcess(*killed_rank_args(TP2), env={"TMPDIR": str(tmp_path)}), victim)
 
 
 def test_a_hung_rank_ends_the_server_after_the_collective_timeout(tmp_path):
