@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from radixserve.cache_dir import CACHE_ENV
-from radixserve.layers.attention import cpu_kernels, create_attention_backend
+from radixserve.layers import cpu_kernels
+from radixserve.layers.attention import create_attention_backend
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -157,7 +158,7 @@ def test_unknown_backend_is_rejected():
 
 @needs_kernel
 @pytest.mark.parametrize("splits", [1, 3, 8])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (4, 4, 16), (14, 2, 64)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (4, 4, 16), (14, 2, 64), (6, 2, 12)])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_cpu_decode_kernel_shapes_and_splits(num_heads, num_kv_heads, head_dim, kv_dtype, splits, monkeypatch):
     """Model head shapes, q as a strided view of a qkv row, keys split any
@@ -200,7 +201,7 @@ def test_cpu_kernel_build_is_cached_and_failures_fall_back(tmp_path, monkeypatch
     cpu_kernels._library.cache_clear()
     try:
         assert cpu_kernels.decode_attention_available()
-        built = list((tmp_path / "kernels").glob("decode_attention-*.so"))
+        built = list((tmp_path / "kernels").glob("cpu_kernels-*.so"))
         assert len(built) == 1
         mtime = built[0].stat().st_mtime_ns
         cpu_kernels._library.cache_clear()

@@ -237,7 +237,9 @@ def test_rope_matches_hf_inv_freq(scaling):
 
 def test_cpu_tensors_keep_the_torch_path_where_triton_is_installed(monkeypatch):
     """The fused Triton kernels take CUDA tensors only: CPU tensors still run
-    the torch code compared to HF above (a kernel would fail on them)."""
+    the CPU code compared to HF above (a Triton kernel would fail on them):
+    the torch references, or for float32 the C kernels that compute the same
+    (tests/test_cpu_elementwise.py)."""
     monkeypatch.setattr(triton_ops, "triton_available", lambda: True)
     x, residual, positions = torch.randn(3, 64), torch.randn(3, 64), torch.tensor([0, 5, 9])
     norm, act, rope = RMSNorm(64), SiluAndMul(), get_rope(16, 256, 10000.0)
@@ -246,7 +248,9 @@ def test_cpu_tensors_keep_the_torch_path_where_triton_is_installed(monkeypatch):
         ((act(x),), (act.forward_native(x),)),
         (rope(positions, x, x[:, :32]), rope.forward_native(positions, x, x[:, :32])),
     ]
-    assert all(torch.equal(a, b) for outs, refs in pairs for a, b in zip(outs, refs, strict=True))
+    for outs, refs in pairs:
+        for a, b in zip(outs, refs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_registry_errors():
@@ -285,19 +289,21 @@ needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reas
 
 @needs_onednn
 def test_cpu_prepacked_linear_equals_plain_gemm():
-    from radixserve.layers.linear import QKVParallelLinear
+    from radixserve.layers.linear import DENSE_GEMM_MIN_ROWS, QKVParallelLinear
 
     layer = QKVParallelLinear(64, 16, num_heads=4, num_kv_heads=2, bias=True)
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)
-    x = torch.randn(37, 64)[:, :64]
+    x = torch.randn(DENSE_GEMM_MIN_ROWS + 5, 64)  # the first 37 rows take oneDNN's GEMM, all of them the plain one
     with torch.inference_mode():
         plain = layer(x)
         assert layer.prepack_for_cpu() and layer.weight.is_mkldnn
         assert layer.prepack_for_cpu() and layer.weight.is_mkldnn  # packing twice is harmless
-        packed = layer(x)
+        packed, few = layer(x), layer(x[:37])
         assert layer(x[:0]).shape == (0, 128) and layer(x[:1]).shape == (1, 128)
+        assert layer.weight.is_mkldnn  # a call on many rows leaves the packed weight in place
     torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(few, plain[:37], rtol=1e-5, atol=1e-4)
 
 
 @needs_onednn

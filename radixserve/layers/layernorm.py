@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.layers import cpu_kernels
 from radixserve.layers.triton_ops import use_triton
 
 
@@ -16,8 +17,9 @@ class RMSNorm(nn.Module):
     adds ``residual`` to ``x`` and returns ``(norm(x + residual), x + residual)``,
     the pre-norm decoder layout where the sum is the next layer's residual.
     The statistics are computed in float32 whatever the input dtype.
-    CUDA tensors take one fused Triton kernel; ``forward_native`` is the torch
-    reference (the CPU path).
+    CUDA tensors take one fused Triton kernel, float32 CPU ones a C kernel
+    (``cpu_kernels.py``, one pass over the rows); ``forward_native`` is the
+    torch reference (the CPU path where the C kernels are off).
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -32,6 +34,9 @@ class RMSNorm(nn.Module):
             from radixserve.layers.triton_ops.norm import rms_norm
 
             return rms_norm(x, self.weight, self.variance_epsilon, residual)
+        if cpu_kernels.elementwise_takes(x, residual) and self.weight.dtype == torch.float32:
+            out, summed = cpu_kernels.add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+            return out if residual is None else (out, summed)
         return self.forward_native(x, residual)
 
     def forward_native(

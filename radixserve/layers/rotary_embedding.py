@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from radixserve.layers import cpu_kernels
 from radixserve.layers.triton_ops import use_triton
 
 _SCALED_TYPES = ("linear", "dynamic", "llama3")
@@ -27,7 +28,8 @@ class RotaryEmbedding(nn.Module):
     so it follows the model's device. Looked-up rows are cast to the query's
     dtype, as HF casts its float32 cos/sin (casting the whole model to bf16
     casts the buffer first, which rounds the same way). On CUDA one Triton
-    kernel rotates q and k; ``forward_native`` is the torch reference.
+    kernel rotates q and k, on a CPU in float32 a C kernel (``cpu_kernels.py``);
+    ``forward_native`` is the torch reference.
     """
 
     def __init__(self, head_dim: int, freqs: torch.Tensor):
@@ -43,6 +45,8 @@ class RotaryEmbedding(nn.Module):
             from radixserve.layers.triton_ops.rotary import rotary_embedding
 
             return rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim)
+        if cpu_kernels.elementwise_takes(q, k, self.cos_sin_cache):
+            return cpu_kernels.rotary(positions, q, k, self.cos_sin_cache, self.head_dim)
         return self.forward_native(positions, q, k)
 
     def forward_native(

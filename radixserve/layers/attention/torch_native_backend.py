@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from radixserve.layers.attention import cpu_kernels
+from radixserve.layers import cpu_kernels
 from radixserve.layers.attention.base import AttentionBackend
 from radixserve.layers.attention.cascade_decode import grouped_decode_attention
 from radixserve.mem_cache.memory_pool import to_kv_dtype

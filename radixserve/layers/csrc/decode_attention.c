@@ -23,6 +23,27 @@
 
 #define BLOCK 32   /* keys scored before each softmax rescale */
 #define PREFETCH 4 /* keys ahead whose K rows are prefetched */
+#define UNROLL 4   /* keys scored, and added to the output, together (the code below spells out four) */
+
+/* Eight floats as one vector value (GCC's and Clang's vector extension: one
+ * AVX register where the ISA has it, two SSE ones or scalars elsewhere); its
+ * 4-byte alignment lets it load from any float. Dot products sum eight lanes
+ * each in registers, then fold the lanes once: an OpenMP simd reduction goes
+ * through memory for the fold, which cost more than the products here. */
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+
+static inline float hsum8(v8 x) {
+#if defined(__clang__) || __GNUC__ >= 12
+    v8 y = x + __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3);
+    y += __builtin_shufflevector(y, y, 2, 3, 0, 1, 6, 7, 4, 5);
+    y += __builtin_shufflevector(y, y, 1, 0, 3, 2, 5, 4, 7, 6);
+    return y[0];
+#else
+    float r = 0.0f;
+    for (int i = 0; i < 8; i++) r += x[i];
+    return r;
+#endif
+}
 
 static inline void prefetch_row(const void *pool, const float *lut, int32_t slot, int kv_row) {
     int64_t bytes = lut == NULL ? (int64_t)kv_row * 4 : kv_row;
@@ -39,35 +60,43 @@ static inline const float *pool_row(const void *pool, const float *lut, int32_t 
     return buf;
 }
 
-/* exp(x) for x <= 0 to about 2 ulp (Cephes' expf polynomial); vectorizable. */
+/* exp(x) to about 2 ulp over [-87, 88] (Cephes' expf polynomial), without a
+ * call, so that loops over it vectorize; clamped outside that range. */
+static inline float exp_approx(float x) {
+    float v = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float fn = floorf(v * 1.44269504088896341f + 0.5f);
+    float r = v - fn * 0.693359375f + fn * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)fn + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* exp(x), in place over a block. */
 static inline void exp_block(float *x, int n) {
 #pragma omp simd
-    for (int i = 0; i < n; i++) {
-        float v = x[i] < -87.0f ? -87.0f : x[i];
-        float fn = floorf(v * 1.44269504088896341f + 0.5f);
-        float r = v - fn * 0.693359375f + fn * 2.12194440e-4f;
-        float p = 1.9875691500e-4f;
-        p = p * r + 1.3981999507e-3f;
-        p = p * r + 8.3334519073e-3f;
-        p = p * r + 4.1665795894e-2f;
-        p = p * r + 1.6666665459e-1f;
-        p = p * r + 5.0000001201e-1f;
-        p = p * r * r + r + 1.0f;
-        int32_t bits = ((int32_t)fn + 127) << 23;
-        float scale;
-        memcpy(&scale, &bits, sizeof scale);
-        x[i] = p * scale;
-    }
+    for (int i = 0; i < n; i++) x[i] = exp_approx(x[i]);
 }
 
 /* One item: every query head of one request over keys [begin, end). Each
  * key's K (then V) row of all KV heads is read once, contiguously, so rows of
- * consecutive slots stream from memory. Leaves per query head the running max
- * m, the sum l and the unnormalized acc [num_heads, head_dim]; s is scratch of
- * num_heads * BLOCK floats, row of kv_row floats (an fp8 row decoded). */
+ * consecutive slots stream from memory. Keys go UNROLL at a time: each query
+ * head's row is scored against UNROLL keys in independent sums (no chain of
+ * dependent multiply-adds), and the P @ V pass adds UNROLL weighted V rows to
+ * a head's accumulator per load and store of it. Leaves per query head the
+ * running max m, the sum l and the unnormalized acc [num_heads, head_dim]; s
+ * is scratch of num_heads * BLOCK floats, rows of UNROLL * kv_row floats (fp8
+ * rows decoded). */
 static void attend_span(const float *q, const void *k, const void *v, const float *lut, const int32_t *slots,
                         int begin, int end, int num_heads, int group, int head_dim, int kv_row,
-                        float scale, float *s, float *m, float *l, float *acc, float *row) {
+                        float scale, float *s, float *m, float *l, float *acc, float *rows) {
     for (int hq = 0; hq < num_heads; hq++) {
         m[hq] = -INFINITY;
         l[hq] = 0.0f;
@@ -75,18 +104,44 @@ static void attend_span(const float *q, const void *k, const void *v, const floa
     memset(acc, 0, sizeof(float) * num_heads * head_dim);
     for (int t0 = begin; t0 < end; t0 += BLOCK) {
         int n = end - t0 < BLOCK ? end - t0 : BLOCK;
-        for (int j = 0; j < n; j++) {
-            const float *kp = pool_row(k, lut, slots[t0 + j], kv_row, row);
-            /* Slots need not be contiguous: fetch the K row PREFETCH keys ahead,
-             * and this key's V row for the P @ V pass below. */
-            if (t0 + j + PREFETCH < end) prefetch_row(k, lut, slots[t0 + j + PREFETCH], kv_row);
-            prefetch_row(v, lut, slots[t0 + j], kv_row);
+        for (int j = 0; j < n; j += UNROLL) {
+            const float *kp[UNROLL];
+            for (int u = 0; u < UNROLL; u++) {
+                /* past the block's end: the last key again, its score not kept */
+                int t = t0 + (j + u < n ? j + u : n - 1);
+                kp[u] = pool_row(k, lut, slots[t], kv_row, rows + u * kv_row);
+                /* Slots need not be contiguous: fetch the K row PREFETCH keys
+                 * ahead, and this key's V row for the P @ V pass below. */
+                if (t + PREFETCH < end) prefetch_row(k, lut, slots[t + PREFETCH], kv_row);
+                prefetch_row(v, lut, slots[t], kv_row);
+            }
             for (int hq = 0; hq < num_heads; hq++) {
-                const float *qp = q + hq * head_dim, *kh = kp + (hq / group) * head_dim;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int i = 0; i < head_dim; i++) dot += qp[i] * kh[i];
-                s[hq * BLOCK + j] = dot * scale;
+                const float *qp = q + hq * head_dim;
+                const int off = (hq / group) * head_dim;
+                const float *k0 = kp[0] + off, *k1 = kp[1] + off, *k2 = kp[2] + off, *k3 = kp[3] + off;
+                float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+                if (head_dim % 8 == 0) {
+                    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                    for (int i = 0; i < head_dim; i += 8) {
+                        const v8 qv = *(const v8 *)(qp + i);
+                        a0 += qv * *(const v8 *)(k0 + i);
+                        a1 += qv * *(const v8 *)(k1 + i);
+                        a2 += qv * *(const v8 *)(k2 + i);
+                        a3 += qv * *(const v8 *)(k3 + i);
+                    }
+                    d0 = hsum8(a0), d1 = hsum8(a1), d2 = hsum8(a2), d3 = hsum8(a3);
+                } else {
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+                    for (int i = 0; i < head_dim; i++) {
+                        d0 += qp[i] * k0[i];
+                        d1 += qp[i] * k1[i];
+                        d2 += qp[i] * k2[i];
+                        d3 += qp[i] * k3[i];
+                    }
+                }
+                float *sh = s + hq * BLOCK + j;
+                const float d[UNROLL] = {d0, d1, d2, d3};
+                for (int u = 0; u < UNROLL && j + u < n; u++) sh[u] = d[u] * scale;
             }
         }
         for (int hq = 0; hq < num_heads; hq++) {
@@ -106,13 +161,19 @@ static void attend_span(const float *q, const void *k, const void *v, const floa
                 for (int i = 0; i < head_dim; i++) ah[i] *= alpha;
             }
         }
-        for (int j = 0; j < n; j++) {
-            const float *vp = pool_row(v, lut, slots[t0 + j], kv_row, row);
+        for (int j = 0; j < n; j += UNROLL) {
+            const float *vp[UNROLL];
+            for (int u = 0; u < UNROLL; u++)
+                vp[u] = pool_row(v, lut, slots[t0 + (j + u < n ? j + u : n - 1)], kv_row, rows + u * kv_row);
             for (int hq = 0; hq < num_heads; hq++) {
-                const float p = s[hq * BLOCK + j], *vh = vp + (hq / group) * head_dim;
+                const float *p = s + hq * BLOCK + j;
+                const float p0 = p[0], p1 = j + 1 < n ? p[1] : 0.0f, p2 = j + 2 < n ? p[2] : 0.0f,
+                            p3 = j + 3 < n ? p[3] : 0.0f;
+                const int off = (hq / group) * head_dim;
+                const float *v0 = vp[0] + off, *v1 = vp[1] + off, *v2 = vp[2] + off, *v3 = vp[3] + off;
                 float *ah = acc + hq * head_dim;
 #pragma omp simd
-                for (int i = 0; i < head_dim; i++) ah[i] += p * vh[i];
+                for (int i = 0; i < head_dim; i++) ah[i] += p0 * v0[i] + p1 * v1[i] + p2 * v2[i] + p3 * v3[i];
             }
         }
     }
@@ -135,7 +196,7 @@ int rs_decode_attention(const float *q, int64_t q_stride, const void *k, const v
 
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scratch = malloc(sizeof(float) * (num_heads * (BLOCK + 2 + head_dim) + kv_row));
+        float *scratch = malloc(sizeof(float) * (num_heads * (BLOCK + 2 + head_dim) + UNROLL * kv_row));
         if (scratch == NULL) {
 #pragma omp atomic write
             failed = 1;

@@ -1,4 +1,5 @@
-"""CPU kernels in C (``csrc/``), built on first use with the host's C
+"""CPU kernels in C (``csrc/``): decode attention straight from the paged
+KV pool, RMSNorm with its residual add, and rotary, built on first use with the host's C
 compiler for the host's vector ISA and loaded with ctypes.
 
 A plain C file needs neither torch's headers nor a build step at install: it
@@ -29,7 +30,8 @@ from radixserve.cache_dir import cache_root
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"  # "0" turns the kernels off
-SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "decode_attention.c")
+CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+SOURCES = [os.path.join(CSRC, name) for name in ("decode_attention.c", "elementwise.c")]
 CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast"]
 BUILD_TIMEOUT_S = 300
 # Split a request's keys only while that leaves at least this many per split.
@@ -55,7 +57,7 @@ def _compile(compiler: str, out: str) -> str | None:
     for arch in (["-march=native"], []):
         with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as tmp:
             tmp_out = os.path.join(tmp, "kernel.so")
-            cmd = [compiler, *CFLAGS, *arch, SOURCE, "-o", tmp_out, "-lm"]
+            cmd = [compiler, *CFLAGS, *arch, *SOURCES, "-o", tmp_out, "-lm"]
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             except (OSError, subprocess.TimeoutExpired) as e:
@@ -77,8 +79,10 @@ def _library() -> ctypes.CDLL | None:
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-        with open(SOURCE, "rb") as f:
-            source = f.read()
+        source = b""
+        for path in SOURCES:
+            with open(path, "rb") as f:
+                source += f.read()
     except (OSError, subprocess.TimeoutExpired) as e:
         logger.warning("cannot build CPU kernels (%s): CPU decode attention stays on torch SDPA", e)
         return None
@@ -86,7 +90,7 @@ def _library() -> ctypes.CDLL | None:
         [source, version.encode(), " ".join(CFLAGS).encode(), platform.machine().encode(), _cpu_identity().encode()]
     )).hexdigest()[:16]
     folder = os.path.join(cache_root(), "kernels")
-    path = os.path.join(folder, f"decode_attention-{key}.so")
+    path = os.path.join(folder, f"cpu_kernels-{key}.so")
     if not os.path.exists(path):
         os.makedirs(folder, exist_ok=True)
         error = _compile(compiler, path)
@@ -95,11 +99,14 @@ def _library() -> ctypes.CDLL | None:
             return None
         logger.info("built CPU kernels into %s", path)
     lib = ctypes.CDLL(path)
-    logger.info("CPU decode attention: C kernel %s", os.path.basename(path))
-    fn = lib.rs_decode_attention
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [p, i64, p, p, p, p, i64, p, p, p, i32, i32, i32, i32, ctypes.c_float, i32, i32]
-    fn.restype = i32
+    logger.info("CPU kernels: %s", os.path.basename(path))
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.rs_decode_attention.argtypes = [p, i64, p, p, p, p, i64, p, p, p, i32, i32, i32, i32, f32, i32, i32]
+    lib.rs_decode_attention.restype = i32
+    lib.rs_add_rms_norm.argtypes = [p, i64, p, i64, p, p, p, i64, i32, f32, i32, i32]
+    lib.rs_add_rms_norm.restype = None
+    lib.rs_rotary.argtypes = [p, i64, p, i32, p, i64, p, i32, p, p, i64, i32, i32]
+    lib.rs_rotary.restype = None
     return lib
 
 
@@ -153,3 +160,43 @@ def decode_attention(
     if rc != 0:
         raise MemoryError("CPU decode attention could not allocate its scratch memory")
     return out
+
+
+def elementwise_takes(*rows: torch.Tensor | None) -> bool:
+    """Whether :func:`add_rms_norm` and :func:`rotary` take these operands
+    (None ones aside): float32 CPU ``[n, m]`` tensors with contiguous rows
+    (any row stride), and the kernels built."""
+    return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1)
+               for t in rows) and _library() is not None
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``layernorm.RMSNorm.forward_native`` for float32 ``[rows, cols]``: with
+    ``residual``, ``(norm(x + residual), x + residual)``, else ``(norm(x), None)``."""
+    rows, cols = x.shape
+    assert elementwise_takes(x, residual) and weight.dtype == torch.float32 and weight.is_contiguous()
+    assert weight.shape == (cols,) and (residual is None or residual.shape == x.shape)
+    add = residual is not None
+    summed = torch.empty(rows, cols, dtype=torch.float32) if add else None
+    out = torch.empty(rows, cols, dtype=torch.float32)
+    _library().rs_add_rms_norm(x.data_ptr(), x.stride(0), residual.data_ptr() if add else None,
+                               residual.stride(0) if add else 0, summed.data_ptr() if add else None,
+                               weight.data_ptr(), out.data_ptr(), rows, cols, eps, int(add), torch.get_num_threads())
+    return out, summed
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
+           head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated, contiguous copies of float32 ``q [T, H*D]`` and ``k [T, Hkv*D]``
+    (rows contiguous, views of one qkv row allowed), NeoX style, with
+    ``cos_sin[positions]`` (``[max_pos, D]``: the cos halves, then the sin)."""
+    assert elementwise_takes(q, k, cos_sin) and cos_sin.is_contiguous() and cos_sin.shape[1] == head_dim
+    pos = positions.to(torch.int64).contiguous()
+    if pos.numel() and not 0 <= int(pos.min()) <= int(pos.max()) < cos_sin.shape[0]:  # as indexing the cache would
+        raise IndexError(f"positions out of the rotary cache's {cos_sin.shape[0]}")
+    q_out, k_out = torch.empty(q.shape, dtype=torch.float32), torch.empty(k.shape, dtype=torch.float32)
+    _library().rs_rotary(q.data_ptr(), q.stride(0), q_out.data_ptr(), q.shape[1] // head_dim, k.data_ptr(),
+                         k.stride(0), k_out.data_ptr(), k.shape[1] // head_dim, pos.data_ptr(), cos_sin.data_ptr(),
+                         q.shape[0], head_dim, torch.get_num_threads())
+    return q_out, k_out
