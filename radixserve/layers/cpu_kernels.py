@@ -1,14 +1,15 @@
 """CPU kernels in C (``csrc/``): decode attention straight from the paged
-KV pool, RMSNorm with its residual add, and rotary, built on first use with the host's C
-compiler for the host's vector ISA and loaded with ctypes.
+KV pool, RMSNorm with its residual add, and rotary. They are built on first
+use with the host's C compiler for the host's vector ISA, and loaded with
+ctypes.
 
 A plain C file needs neither torch's headers nor a build step at install: it
 compiles in about a second, once per machine, into the radixserve cache
 (``$RADIXSERVE_CACHE_DIR``, keyed by source, compiler and CPU). It links the
 OpenMP runtime by soname, so inside a torch process it shares torch's threads.
 Without a compiler (or with ``RADIXSERVE_CPU_KERNELS=0``)
-:func:`decode_attention_available` is False and the torch-native backend keeps
-its SDPA path.
+:func:`decode_attention_available` is False: the torch-native backend keeps
+its SDPA path, and the norms and rotary their torch code.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        logger.warning("no C compiler found: CPU decode attention stays on torch SDPA (slower)")
+        logger.warning("no C compiler found: CPU decode attention, norms and rotary stay on torch (slower)")
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
@@ -84,7 +85,7 @@ def _library() -> ctypes.CDLL | None:
             with open(path, "rb") as f:
                 source += f.read()
     except (OSError, subprocess.TimeoutExpired) as e:
-        logger.warning("cannot build CPU kernels (%s): CPU decode attention stays on torch SDPA", e)
+        logger.warning("cannot build CPU kernels (%s): CPU decode attention, norms and rotary stay on torch", e)
         return None
     key = hashlib.sha256(b"\0".join(
         [source, version.encode(), " ".join(CFLAGS).encode(), platform.machine().encode(), _cpu_identity().encode()]
@@ -95,7 +96,7 @@ def _library() -> ctypes.CDLL | None:
         os.makedirs(folder, exist_ok=True)
         error = _compile(compiler, path)
         if error is not None:
-            logger.warning("building CPU kernels failed; CPU decode attention stays on torch SDPA:\n%s", error)
+            logger.warning("building CPU kernels failed; CPU decode attention, norms and rotary stay on torch:\n%s", error)
             return None
         logger.info("built CPU kernels into %s", path)
     lib = ctypes.CDLL(path)
