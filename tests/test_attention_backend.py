@@ -116,6 +116,9 @@ def run_and_check(mode, prefix_lens, extend_lens, page_size, group, save_kv_cach
         start += n
 
 
+needs_kernel = pytest.mark.skipif(not cpu_kernels.decode_attention_available(), reason="no C compiler")
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize(
@@ -126,11 +129,12 @@ def run_and_check(mode, prefix_lens, extend_lens, page_size, group, save_kv_cach
         ([130, 17], [25, 16]),  # long prefix spanning many pages
     ],
 )
-def test_extend_matches_dense(page_size, group, prefix_lens, extend_lens):
-    run_and_check(ForwardMode.EXTEND, prefix_lens, extend_lens, page_size, group)
+@pytest.mark.parametrize("cpu_kernel", [pytest.param(True, id="c-kernel", marks=needs_kernel),
+                                        pytest.param(False, id="sdpa")])
+def test_extend_matches_dense(page_size, group, prefix_lens, extend_lens, cpu_kernel):
+    run_and_check(ForwardMode.EXTEND, prefix_lens, extend_lens, page_size, group, cpu_kernel=cpu_kernel)
 
 
-needs_kernel = pytest.mark.skipif(not cpu_kernels.decode_attention_available(), reason="no C compiler")
 DECODE_PATHS = [pytest.param(True, id="c-kernel", marks=needs_kernel), pytest.param(False, id="sdpa")]
 
 
@@ -183,6 +187,37 @@ def test_cpu_decode_kernel_shapes_and_splits(num_heads, num_kv_heads, head_dim, 
         slots = req_to_token[row, :n].long()
         ref = dense_reference(q[i].view(1, num_heads, head_dim), k_buf[slots].float(), v_buf[slots].float(), n - 1, scale)
         torch.testing.assert_close(out[i].view(1, num_heads, head_dim), ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (4, 4, 16), (6, 2, 12)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_cpu_extend_kernel_shapes(num_heads, num_kv_heads, head_dim, kv_dtype):
+    """Each new token against its request's keys up to itself: new tokens
+    that do not fill the kernel's groups of four (1, 2, 3, 5, 37), cached
+    prefixes, one over many of the kernel's key blocks, q a strided view of a
+    qkv row, slots scattered, rows out of order; fp8 pools through the table."""
+    gen = torch.Generator().manual_seed(head_dim)
+    prefix, new = [0, 7, 0, 70, 1, 0], [1, 2, 3, 5, 37, 100]
+    pool_rows = 1024
+    k_buf, v_buf = (torch.randn(pool_rows, num_kv_heads, head_dim, generator=gen).to(kv_dtype) for _ in range(2))
+    req_to_token = torch.zeros(8, 256, dtype=torch.int32)
+    rows = torch.tensor([4, 1, 7, 5, 0, 2])
+    for row, n in zip(rows.tolist(), [p + e for p, e in zip(prefix, new)]):
+        req_to_token[row, :n] = (torch.randperm(pool_rows - 1, generator=gen)[:n] + 1).to(torch.int32)
+    qkv = torch.randn(sum(new), (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    q = qkv[:, : num_heads * head_dim]
+    scale = head_dim**-0.5
+    lens = torch.tensor(new)
+    out = cpu_kernels.extend_attention(q, k_buf, v_buf, req_to_token, rows, torch.tensor(prefix), lens,
+                                       torch.cumsum(lens, 0) - lens, num_heads, scale)
+    start = 0
+    for row, p, n in zip(rows.tolist(), prefix, new):
+        slots = req_to_token[row, : p + n].long()
+        ref = dense_reference(q[start: start + n].view(n, num_heads, head_dim), k_buf[slots].float(),
+                              v_buf[slots].float(), p, scale)
+        torch.testing.assert_close(out[start: start + n].view(n, num_heads, head_dim), ref, atol=1e-5, rtol=1e-5)
+        start += n
 
 
 def test_kv_splits_keep_threads_busy_but_splits_long():

@@ -1,5 +1,5 @@
-"""CPU kernels in C (``csrc/``): decode attention straight from the paged
-KV pool, RMSNorm with its residual add, and rotary. They are built on first
+"""CPU kernels in C (``csrc/``): decode and extend attention straight from
+the paged KV pool, RMSNorm with its residual add, and rotary. They are built on first
 use with the host's C compiler for the host's vector ISA, and loaded with
 ctypes.
 
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"  # "0" turns the kernels off
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-SOURCES = [os.path.join(CSRC, name) for name in ("decode_attention.c", "elementwise.c")]
+SOURCES = [os.path.join(CSRC, name) for name in ("attention.c", "elementwise.c")]
 CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast"]
 BUILD_TIMEOUT_S = 300
 # Split a request's keys only while that leaves at least this many per split.
@@ -104,6 +104,8 @@ def _library() -> ctypes.CDLL | None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.rs_decode_attention.argtypes = [p, i64, p, p, p, p, i64, p, p, p, i32, i32, i32, i32, f32, i32, i32]
     lib.rs_decode_attention.restype = i32
+    lib.rs_extend_attention.argtypes = [p, i64, p, p, p, p, i64, p, p, p, p, p, i32, i32, i32, i32, f32, i32]
+    lib.rs_extend_attention.restype = i32
     lib.rs_add_rms_norm.argtypes = [p, i64, p, i64, p, p, p, i64, i32, f32, i32, i32]
     lib.rs_add_rms_norm.restype = None
     lib.rs_rotary.argtypes = [p, i64, p, i32, p, i64, p, i32, p, p, i64, i32, i32]
@@ -160,6 +162,40 @@ def decode_attention(
     )
     if rc != 0:
         raise MemoryError("CPU decode attention could not allocate its scratch memory")
+    return out
+
+
+def extend_attention(
+    q: torch.Tensor,  # [tokens, num_heads * head_dim] float32, rows may be strided (a view of qkv)
+    k_buffer: torch.Tensor,  # [pool_rows, num_kv_heads, head_dim] float32 or fp8, contiguous
+    v_buffer: torch.Tensor,  # same shape
+    req_to_token: torch.Tensor,  # [rows, max_context] int32
+    rows: torch.Tensor,  # [bs] int64: each request's req_to_token row
+    prefix_lens: torch.Tensor,  # [bs] int64: its cached tokens
+    extend_lens: torch.Tensor,  # [bs] int64: its new tokens (rows of q, request after request)
+    q_starts: torch.Tensor,  # [bs] int64: its first row of q
+    num_heads: int,
+    scale: float,
+) -> torch.Tensor:
+    """Each new token against its request's keys up to itself (causal over
+    the prefix and the new tokens), read straight from the paged pool, which
+    already holds the new tokens' K/V; returns ``[tokens, num_heads * head_dim]``."""
+    tokens = q.shape[0]
+    num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
+    assert q.dtype == torch.float32 and k_buffer.dtype == v_buffer.dtype and k_buffer.dtype in KV_DTYPES
+    assert q.stride(1) == 1 and k_buffer.is_contiguous() and v_buffer.is_contiguous() and req_to_token.stride(1) == 1
+    assert req_to_token.dtype == torch.int32 and q.shape[1] == num_heads * head_dim and num_heads % num_kv_heads == 0
+    assert all(t.dtype == torch.int64 and t.is_contiguous() for t in (rows, prefix_lens, extend_lens, q_starts))
+    out = torch.empty(tokens, num_heads * head_dim, dtype=torch.float32)
+    lut = None if k_buffer.dtype == torch.float32 else _decode_table(k_buffer.dtype)
+    rc = _library().rs_extend_attention(
+        q.data_ptr(), q.stride(0), k_buffer.data_ptr(), v_buffer.data_ptr(), None if lut is None else lut.data_ptr(),
+        req_to_token.data_ptr(), req_to_token.stride(0), rows.data_ptr(), prefix_lens.data_ptr(),
+        extend_lens.data_ptr(), q_starts.data_ptr(), out.data_ptr(), rows.numel(), num_heads, num_kv_heads, head_dim,
+        scale, torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise MemoryError("CPU extend attention could not allocate its scratch memory")
     return out
 
 

@@ -5,7 +5,7 @@
  * float32 throughout, with the same formulas, in the same order per element,
  * as the torch reference of each module (layernorm.py, rotary_embedding.py);
  * only the sum of squares is added up in another order. Rows are shared out
- * over OpenMP threads (torch's). Built with decode_attention.c by
+ * over OpenMP threads (torch's). Built with attention.c by
  * cpu_kernels.py. (silu-and-mul stays on torch: a pass of this kind with a
  * polynomial exp was slower than torch's two.) */
 #include <math.h>

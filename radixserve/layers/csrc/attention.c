@@ -1,6 +1,7 @@
-/* Decode attention on the CPU, straight from the paged KV pool.
+/* Attention on the CPU, straight from the paged KV pool: decode, and at the
+ * end of this file extend (prefill).
  *
- * One query token per request attends to the request's whole context, whose
+ * Decode: one query token per request attends to the request's whole context, whose
  * K/V rows sit at slots req_to_token[row, 0 .. seq_len) of the pool. The work
  * is split over (request, KV split) items; each item streams the K and V rows
  * of its keys once (all KV heads of a slot are contiguous) for every query
@@ -257,4 +258,177 @@ int rs_decode_attention(const float *q, int64_t q_stride, const void *k, const v
     }
     free(partial);
     return 0;
+}
+
+/* Extend (prefill) attention: the new tokens of each request attend to its
+ * keys up to their own position, read from the pool (their K/V written
+ * first). The work is (request, QROWS consecutive new tokens) items. An item
+ * reads each K and V row once for its QROWS queries: their scores for a key
+ * are QROWS independent vector sums, and P @ V keeps a head's accumulator row
+ * in registers over a block of keys (head_dim 64 or 128; other sizes take a
+ * plain loop). Query row i of a request sits at position prefix + i and sees
+ * keys 0 .. prefix + i.
+ *   q, out  [tokens, num_heads * head_dim] (q's row stride q_stride, out contiguous)
+ *   rows, prefix_lens, extend_lens, q_starts: [bs] int64 (q_starts: each request's first row of q) */
+#define QROWS 4 /* the four sums below are spelled out */
+
+/* For rows r < nq of one head: acc[r] += sum_j p[r][j] * V_j[off ..]. Inlined with a
+ * constant HD, the row's HD / 8 vectors stay in registers over the n keys. */
+static inline __attribute__((always_inline)) void pv_rows(float *acc, int span, const float *const *vrows, int off,
+                                                          const float *p, int pstride, int nq, int n, const int HD) {
+    for (int r = 0; r < nq; r++) {
+        v8 a[HD / 8];
+        float *ah = acc + r * span;
+        for (int i = 0; i < HD / 8; i++) a[i] = *(const v8 *)(ah + 8 * i);
+        const float *pr = p + r * pstride;
+        for (int j = 0; j < n; j++) {
+            const float pj = pr[j];
+            const float *vh = vrows[j] + off;
+            for (int i = 0; i < HD / 8; i++) a[i] += pj * *(const v8 *)(vh + 8 * i);
+        }
+        for (int i = 0; i < HD / 8; i++) *(v8 *)(ah + 8 * i) = a[i];
+    }
+}
+
+static void attend_rows(const float *q, int64_t q_stride, const void *k, const void *v, const float *lut,
+                        const int32_t *slots, int first_pos, int nq, int num_heads, int group, int head_dim,
+                        int kv_row, float scale, float *s, float *m, float *l, float *acc, float *rows,
+                        float *out) {
+    const int hd = head_dim, span = num_heads * hd;
+    const float *vrows[BLOCK];
+    for (int i = 0; i < QROWS * num_heads; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * nq * span);
+    const int end = first_pos + nq;
+    for (int t0 = 0; t0 < end; t0 += BLOCK) {
+        int n = end - t0 < BLOCK ? end - t0 : BLOCK;
+        for (int j = 0; j < n; j++) {
+            const int t = t0 + j;
+            const float *kp = pool_row(k, lut, slots[t], kv_row, rows);
+            if (t + PREFETCH < end) prefetch_row(k, lut, slots[t + PREFETCH], kv_row);
+            prefetch_row(v, lut, slots[t], kv_row);
+            for (int hq = 0; hq < num_heads; hq++) {
+                const float *kh = kp + (hq / group) * hd;
+                float d[QROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
+                if (hd % 8 == 0 && nq == QROWS) {
+                    const float *q0 = q + hq * hd, *q1 = q0 + q_stride, *q2 = q1 + q_stride, *q3 = q2 + q_stride;
+                    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                    for (int i = 0; i < hd; i += 8) {
+                        const v8 kv = *(const v8 *)(kh + i);
+                        a0 += kv * *(const v8 *)(q0 + i);
+                        a1 += kv * *(const v8 *)(q1 + i);
+                        a2 += kv * *(const v8 *)(q2 + i);
+                        a3 += kv * *(const v8 *)(q3 + i);
+                    }
+                    d[0] = hsum8(a0), d[1] = hsum8(a1), d[2] = hsum8(a2), d[3] = hsum8(a3);
+                } else {
+                    for (int r = 0; r < nq; r++) {
+                        const float *qp = q + r * q_stride + hq * hd;
+                        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                        for (int i = 0; i < hd; i++) dot += qp[i] * kh[i];
+                        d[r] = dot;
+                    }
+                }
+                for (int r = 0; r < nq; r++)
+                    s[(hq * QROWS + r) * BLOCK + j] = t <= first_pos + r ? d[r] * scale : -INFINITY;
+            }
+        }
+        for (int hq = 0; hq < num_heads; hq++)
+            for (int r = 0; r < nq; r++) {
+                const int i = hq * QROWS + r;
+                float *sh = s + i * BLOCK;
+                float bmax = m[i];
+                for (int j = 0; j < n; j++) bmax = sh[j] > bmax ? sh[j] : bmax;
+                if (bmax == -INFINITY) {
+                    for (int j = 0; j < n; j++) sh[j] = 0.0f;
+                    continue;
+                }
+                for (int j = 0; j < n; j++) sh[j] -= bmax;
+                exp_block(sh, n);
+                for (int j = 0; j < n; j++)
+                    if (t0 + j > first_pos + r) sh[j] = 0.0f;
+                float alpha = m[i] == -INFINITY ? 0.0f : expf(m[i] - bmax);
+                float sum = 0.0f;
+                for (int j = 0; j < n; j++) sum += sh[j];
+                l[i] = l[i] * alpha + sum;
+                m[i] = bmax;
+                if (alpha != 1.0f) {
+                    float *ah = acc + r * span + hq * hd;
+#pragma omp simd
+                    for (int x = 0; x < hd; x++) ah[x] *= alpha;
+                }
+            }
+        for (int j = 0; j < n; j++)
+            vrows[j] = lut == NULL ? pool_row(v, lut, slots[t0 + j], kv_row, NULL)
+                                   : pool_row(v, lut, slots[t0 + j], kv_row, rows + (1 + j) * kv_row);
+        for (int hq = 0; hq < num_heads; hq++) {
+            const int off = (hq / group) * hd;
+            const float *p = s + hq * QROWS * BLOCK;
+            float *ah = acc + hq * hd;
+            if (hd == 64) pv_rows(ah, span, vrows, off, p, BLOCK, nq, n, 64);
+            else if (hd == 128) pv_rows(ah, span, vrows, off, p, BLOCK, nq, n, 128);
+            else
+                for (int r = 0; r < nq; r++)
+                    for (int j = 0; j < n; j++) {
+                        const float pj = p[r * BLOCK + j], *vh = vrows[j] + off;
+                        float *a = ah + r * span;
+#pragma omp simd
+                        for (int x = 0; x < hd; x++) a[x] += pj * vh[x];
+                    }
+        }
+    }
+    for (int r = 0; r < nq; r++)
+        for (int hq = 0; hq < num_heads; hq++) {
+            const float li = l[hq * QROWS + r], inv = li > 0.0f ? 1.0f / li : 0.0f;
+            const float *ah = acc + r * span + hq * hd;
+            float *o = out + r * span + hq * hd;
+#pragma omp simd
+            for (int x = 0; x < hd; x++) o[x] = ah[x] * inv;
+        }
+}
+
+int rs_extend_attention(const float *q, int64_t q_stride, const void *k, const void *v, const float *lut,
+                        const int32_t *req_to_token, int64_t rtt_stride, const int64_t *rows,
+                        const int64_t *prefix_lens, const int64_t *extend_lens, const int64_t *q_starts,
+                        float *out, int bs, int num_heads, int num_kv_heads, int head_dim, float scale,
+                        int num_threads) {
+    const int group = num_heads / num_kv_heads, kv_row = num_kv_heads * head_dim;
+    int64_t items = 0;
+    for (int b = 0; b < bs; b++) items += (extend_lens[b] + QROWS - 1) / QROWS;
+    int64_t *item_req = malloc(sizeof(int64_t) * (items > 0 ? items : 1) * 2);
+    if (item_req == NULL) return -1;
+    for (int b = 0, it = 0; b < bs; b++)
+        for (int64_t r = 0; r < extend_lens[b]; r += QROWS, it++) {
+            item_req[2 * it] = b;
+            item_req[2 * it + 1] = r;
+        }
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int span = num_heads * head_dim;
+        float *scratch = malloc(sizeof(float) * (QROWS * num_heads * (BLOCK + 2) + QROWS * span + (BLOCK + 1) * kv_row));
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (scratch == NULL) continue;
+            const int b = (int)item_req[2 * it];
+            const int64_t r0 = item_req[2 * it + 1];
+            const int nq = extend_lens[b] - r0 < QROWS ? (int)(extend_lens[b] - r0) : QROWS;
+            float *s = scratch, *m = s + QROWS * num_heads * BLOCK, *l = m + QROWS * num_heads;
+            float *acc = l + QROWS * num_heads, *rowbuf = acc + QROWS * span;
+            const int64_t tok = q_starts[b] + r0;
+            attend_rows(q + tok * q_stride, q_stride, k, v, lut, req_to_token + rows[b] * rtt_stride,
+                        (int)(prefix_lens[b] + r0), nq, num_heads, group, head_dim, kv_row, scale, s, m, l, acc,
+                        rowbuf, out + tok * span);
+        }
+        free(scratch);
+    }
+    free(item_req);
+    return failed ? -1 : 0;
 }
