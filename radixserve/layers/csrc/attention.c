@@ -62,9 +62,11 @@ static inline const float *pool_row(const void *pool, const float *lut, int32_t 
 }
 
 /* exp(x) to about 2 ulp over [-87, 88] (Cephes' expf polynomial), without a
- * call, so that loops over it vectorize; clamped outside that range. */
+ * call, so that loops over it vectorize; 0 below -87 (-inf included), exp(88)
+ * above 88. */
 static inline float exp_approx(float x) {
-    float v = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    if (x < -87.0f) return 0.0f;
+    float v = x > 88.0f ? 88.0f : x;
     float fn = floorf(v * 1.44269504088896341f + 0.5f);
     float r = v - fn * 0.693359375f + fn * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -84,6 +86,54 @@ static inline float exp_approx(float x) {
 static inline void exp_block(float *x, int n) {
 #pragma omp simd
     for (int i = 0; i < n; i++) x[i] = exp_approx(x[i]);
+}
+
+/* d[u] = x . y[u] over n floats for u < 4: four independent vector sums
+ * folded once (a plain loop where n is not a multiple of 8). */
+static inline void dot4(const float *x, const float *y0, const float *y1, const float *y2, const float *y3, int n,
+                        float d[4]) {
+    if (n % 8 == 0) {
+        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int i = 0; i < n; i += 8) {
+            const v8 xv = *(const v8 *)(x + i);
+            a0 += xv * *(const v8 *)(y0 + i);
+            a1 += xv * *(const v8 *)(y1 + i);
+            a2 += xv * *(const v8 *)(y2 + i);
+            a3 += xv * *(const v8 *)(y3 + i);
+        }
+        d[0] = hsum8(a0), d[1] = hsum8(a1), d[2] = hsum8(a2), d[3] = hsum8(a3);
+        return;
+    }
+    float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+    for (int i = 0; i < n; i++) {
+        d0 += x[i] * y0[i];
+        d1 += x[i] * y1[i];
+        d2 += x[i] * y2[i];
+        d3 += x[i] * y3[i];
+    }
+    d[0] = d0, d[1] = d1, d[2] = d2, d[3] = d3;
+}
+
+/* Online softmax over one block of n scores: sh becomes the weights
+ * exp(score - max) (0 for a -inf score, a masked key), the running max m and
+ * sum l take the block in; returns the factor by which the accumulator must
+ * be scaled. A block of masked keys only leaves m and l as they were. */
+static inline float softmax_block(float *sh, int n, float *m, float *l) {
+    float bmax = *m;
+    for (int j = 0; j < n; j++) bmax = sh[j] > bmax ? sh[j] : bmax;
+    if (bmax == -INFINITY) {
+        for (int j = 0; j < n; j++) sh[j] = 0.0f;
+        return 1.0f;
+    }
+    for (int j = 0; j < n; j++) sh[j] -= bmax;
+    exp_block(sh, n);
+    const float alpha = *m == -INFINITY ? 0.0f : expf(*m - bmax);
+    float sum = 0.0f;
+    for (int j = 0; j < n; j++) sum += sh[j];
+    *l = *l * alpha + sum;
+    *m = bmax;
+    return alpha;
 }
 
 /* One item: every query head of one request over keys [begin, end). Each
@@ -120,42 +170,14 @@ static void attend_span(const float *q, const void *k, const void *v, const floa
                 const float *qp = q + hq * head_dim;
                 const int off = (hq / group) * head_dim;
                 const float *k0 = kp[0] + off, *k1 = kp[1] + off, *k2 = kp[2] + off, *k3 = kp[3] + off;
-                float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
-                if (head_dim % 8 == 0) {
-                    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-                    for (int i = 0; i < head_dim; i += 8) {
-                        const v8 qv = *(const v8 *)(qp + i);
-                        a0 += qv * *(const v8 *)(k0 + i);
-                        a1 += qv * *(const v8 *)(k1 + i);
-                        a2 += qv * *(const v8 *)(k2 + i);
-                        a3 += qv * *(const v8 *)(k3 + i);
-                    }
-                    d0 = hsum8(a0), d1 = hsum8(a1), d2 = hsum8(a2), d3 = hsum8(a3);
-                } else {
-#pragma omp simd reduction(+ : d0, d1, d2, d3)
-                    for (int i = 0; i < head_dim; i++) {
-                        d0 += qp[i] * k0[i];
-                        d1 += qp[i] * k1[i];
-                        d2 += qp[i] * k2[i];
-                        d3 += qp[i] * k3[i];
-                    }
-                }
+                float d[UNROLL];
+                dot4(qp, k0, k1, k2, k3, head_dim, d);
                 float *sh = s + hq * BLOCK + j;
-                const float d[UNROLL] = {d0, d1, d2, d3};
                 for (int u = 0; u < UNROLL && j + u < n; u++) sh[u] = d[u] * scale;
             }
         }
         for (int hq = 0; hq < num_heads; hq++) {
-            float *sh = s + hq * BLOCK;
-            float bmax = m[hq];
-            for (int j = 0; j < n; j++) bmax = sh[j] > bmax ? sh[j] : bmax;
-            for (int j = 0; j < n; j++) sh[j] -= bmax;
-            exp_block(sh, n);
-            float alpha = m[hq] == -INFINITY ? 0.0f : expf(m[hq] - bmax);
-            float sum = 0.0f;
-            for (int j = 0; j < n; j++) sum += sh[j];
-            l[hq] = l[hq] * alpha + sum;
-            m[hq] = bmax;
+            const float alpha = softmax_block(s + hq * BLOCK, n, m + hq, l + hq);
             if (alpha != 1.0f) {
                 float *ah = acc + hq * head_dim;
 #pragma omp simd
@@ -180,6 +202,69 @@ static void attend_span(const float *q, const void *k, const void *v, const floa
     }
 }
 
+/* What the attention entry points share, and each one's own (decode: seq_lens,
+ * num_splits, partial; extend: prefix_lens .. item_req, out). */
+typedef struct {
+    const float *q;
+    int64_t q_stride;
+    const void *k, *v;
+    const float *lut;
+    const int32_t *req_to_token;
+    int64_t rtt_stride;
+    const int64_t *rows;
+    int num_heads, group, head_dim, kv_row;
+    float scale;
+    const int64_t *seq_lens;
+    int num_splits;
+    float *partial;
+    const int64_t *prefix_lens, *extend_lens, *q_starts, *item_req;
+    float *out;
+} Attn;
+
+typedef void (*ItemFn)(const Attn *a, int64_t it, float *scratch);
+
+/* fn(a, it, scratch) for every it < items, shared out over OpenMP threads as
+ * they become free, each thread with scratch_floats of scratch of its own;
+ * -1 if a thread's scratch could not be allocated. */
+static int for_items(const Attn *a, int64_t items, size_t scratch_floats, ItemFn fn, int num_threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scratch = malloc(sizeof(float) * scratch_floats);
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++)
+            if (scratch != NULL) fn(a, it, scratch);
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
+/* One (request, KV split) item of decode: its m, l and acc into a->partial. */
+static void decode_item(const Attn *a, int64_t it, float *scratch) {
+    const int num_heads = a->num_heads, head_dim = a->head_dim, part = head_dim + 2;
+    int b = (int)(it / a->num_splits), split = (int)(it % a->num_splits);
+    int len = (int)a->seq_lens[b];
+    int chunk = (len + a->num_splits - 1) / a->num_splits;
+    int begin = split * chunk, end = begin + chunk < len ? begin + chunk : len;
+    float *p = a->partial + it * num_heads * part;
+    if (begin >= end) {
+        for (int hq = 0; hq < num_heads; hq++) p[hq * part + head_dim] = -INFINITY;
+        return;
+    }
+    float *s = scratch, *m = s + num_heads * BLOCK, *l = m + num_heads, *acc = l + num_heads;
+    attend_span(a->q + b * a->q_stride, a->k, a->v, a->lut, a->req_to_token + a->rows[b] * a->rtt_stride, begin,
+                end, num_heads, a->group, head_dim, a->kv_row, a->scale, s, m, l, acc, acc + num_heads * head_dim);
+    for (int hq = 0; hq < num_heads; hq++) {
+        memcpy(p + hq * part, acc + hq * head_dim, sizeof(float) * head_dim);
+        p[hq * part + head_dim] = m[hq];
+        p[hq * part + head_dim + 1] = l[hq];
+    }
+}
+
 /* k and v are float32 rows when lut is NULL, else one-byte rows that lut
  * (256 floats) decodes. */
 int rs_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v, const float *lut,
@@ -187,44 +272,17 @@ int rs_decode_attention(const float *q, int64_t q_stride, const void *k, const v
                         const int64_t *seq_lens, float *out, int bs, int num_heads,
                         int num_kv_heads, int head_dim, float scale, int num_splits,
                         int num_threads) {
-    const int group = num_heads / num_kv_heads;
     const int kv_row = num_kv_heads * head_dim; /* elements per pool slot */
     const int part = head_dim + 2;              /* acc, m, l of one query head and split */
     const int64_t items = (int64_t)bs * num_splits;
     float *partial = malloc(sizeof(float) * items * num_heads * part);
     if (partial == NULL) return -1;
-    int failed = 0;
-
-#pragma omp parallel num_threads(num_threads)
-    {
-        float *scratch = malloc(sizeof(float) * (num_heads * (BLOCK + 2 + head_dim) + UNROLL * kv_row));
-        if (scratch == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++) {
-            if (scratch == NULL) continue;
-            int b = (int)(it / num_splits), split = (int)(it % num_splits);
-            int len = (int)seq_lens[b];
-            int chunk = (len + num_splits - 1) / num_splits;
-            int begin = split * chunk, end = begin + chunk < len ? begin + chunk : len;
-            float *p = partial + it * num_heads * part;
-            if (begin >= end) {
-                for (int hq = 0; hq < num_heads; hq++) p[hq * part + head_dim] = -INFINITY;
-                continue;
-            }
-            float *s = scratch, *m = s + num_heads * BLOCK, *l = m + num_heads, *acc = l + num_heads;
-            attend_span(q + b * q_stride, k, v, lut, req_to_token + rows[b] * rtt_stride, begin, end,
-                        num_heads, group, head_dim, kv_row, scale, s, m, l, acc, acc + num_heads * head_dim);
-            for (int hq = 0; hq < num_heads; hq++) {
-                memcpy(p + hq * part, acc + hq * head_dim, sizeof(float) * head_dim);
-                p[hq * part + head_dim] = m[hq];
-                p[hq * part + head_dim + 1] = l[hq];
-            }
-        }
-        free(scratch);
-    }
+    const Attn a = {.q = q, .q_stride = q_stride, .k = k, .v = v, .lut = lut, .req_to_token = req_to_token,
+                    .rtt_stride = rtt_stride, .rows = rows, .num_heads = num_heads,
+                    .group = num_heads / num_kv_heads, .head_dim = head_dim, .kv_row = kv_row, .scale = scale,
+                    .seq_lens = seq_lens, .num_splits = num_splits, .partial = partial};
+    const int failed = for_items(&a, items, num_heads * (BLOCK + 2 + head_dim) + UNROLL * kv_row, decode_item,
+                                 num_threads);
     if (failed) {
         free(partial);
         return -1;
@@ -311,50 +369,19 @@ static void attend_rows(const float *q, int64_t q_stride, const void *k, const v
             prefetch_row(v, lut, slots[t], kv_row);
             for (int hq = 0; hq < num_heads; hq++) {
                 const float *kh = kp + (hq / group) * hd;
-                float d[QROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
-                if (hd % 8 == 0 && nq == QROWS) {
-                    const float *q0 = q + hq * hd, *q1 = q0 + q_stride, *q2 = q1 + q_stride, *q3 = q2 + q_stride;
-                    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-                    for (int i = 0; i < hd; i += 8) {
-                        const v8 kv = *(const v8 *)(kh + i);
-                        a0 += kv * *(const v8 *)(q0 + i);
-                        a1 += kv * *(const v8 *)(q1 + i);
-                        a2 += kv * *(const v8 *)(q2 + i);
-                        a3 += kv * *(const v8 *)(q3 + i);
-                    }
-                    d[0] = hsum8(a0), d[1] = hsum8(a1), d[2] = hsum8(a2), d[3] = hsum8(a3);
-                } else {
-                    for (int r = 0; r < nq; r++) {
-                        const float *qp = q + r * q_stride + hq * hd;
-                        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                        for (int i = 0; i < hd; i++) dot += qp[i] * kh[i];
-                        d[r] = dot;
-                    }
-                }
+                /* rows past nq repeat the last one; their scores are not kept */
+                const float *q0 = q + hq * hd, *q1 = q0 + (nq > 1) * q_stride, *q2 = q0 + (nq > 2 ? 2 : nq - 1) * q_stride,
+                            *q3 = q0 + (nq - 1) * q_stride;
+                float d[QROWS];
+                dot4(kh, q0, q1, q2, q3, hd, d);
                 for (int r = 0; r < nq; r++)
                     s[(hq * QROWS + r) * BLOCK + j] = t <= first_pos + r ? d[r] * scale : -INFINITY;
             }
         }
         for (int hq = 0; hq < num_heads; hq++)
             for (int r = 0; r < nq; r++) {
-                const int i = hq * QROWS + r;
-                float *sh = s + i * BLOCK;
-                float bmax = m[i];
-                for (int j = 0; j < n; j++) bmax = sh[j] > bmax ? sh[j] : bmax;
-                if (bmax == -INFINITY) {
-                    for (int j = 0; j < n; j++) sh[j] = 0.0f;
-                    continue;
-                }
-                for (int j = 0; j < n; j++) sh[j] -= bmax;
-                exp_block(sh, n);
-                for (int j = 0; j < n; j++)
-                    if (t0 + j > first_pos + r) sh[j] = 0.0f;
-                float alpha = m[i] == -INFINITY ? 0.0f : expf(m[i] - bmax);
-                float sum = 0.0f;
-                for (int j = 0; j < n; j++) sum += sh[j];
-                l[i] = l[i] * alpha + sum;
-                m[i] = bmax;
+                const int i = hq * QROWS + r; /* the keys past row r score -inf: weight 0 */
+                const float alpha = softmax_block(s + i * BLOCK, n, m + i, l + i);
                 if (alpha != 1.0f) {
                     float *ah = acc + r * span + hq * hd;
 #pragma omp simd
@@ -390,45 +417,42 @@ static void attend_rows(const float *q, int64_t q_stride, const void *k, const v
         }
 }
 
+/* One (request, QROWS new tokens) item of extend, straight into a->out. */
+static void extend_item(const Attn *a, int64_t it, float *scratch) {
+    const int num_heads = a->num_heads, span = num_heads * a->head_dim;
+    const int b = (int)a->item_req[2 * it];
+    const int64_t r0 = a->item_req[2 * it + 1];
+    const int nq = a->extend_lens[b] - r0 < QROWS ? (int)(a->extend_lens[b] - r0) : QROWS;
+    float *s = scratch, *m = s + QROWS * num_heads * BLOCK, *l = m + QROWS * num_heads;
+    float *acc = l + QROWS * num_heads, *rowbuf = acc + QROWS * span;
+    const int64_t tok = a->q_starts[b] + r0;
+    attend_rows(a->q + tok * a->q_stride, a->q_stride, a->k, a->v, a->lut,
+                a->req_to_token + a->rows[b] * a->rtt_stride, (int)(a->prefix_lens[b] + r0), nq, num_heads, a->group,
+                a->head_dim, a->kv_row, a->scale, s, m, l, acc, rowbuf, a->out + tok * span);
+}
+
 int rs_extend_attention(const float *q, int64_t q_stride, const void *k, const void *v, const float *lut,
                         const int32_t *req_to_token, int64_t rtt_stride, const int64_t *rows,
                         const int64_t *prefix_lens, const int64_t *extend_lens, const int64_t *q_starts,
                         float *out, int bs, int num_heads, int num_kv_heads, int head_dim, float scale,
                         int num_threads) {
-    const int group = num_heads / num_kv_heads, kv_row = num_kv_heads * head_dim;
+    const int kv_row = num_kv_heads * head_dim;
     int64_t items = 0;
     for (int b = 0; b < bs; b++) items += (extend_lens[b] + QROWS - 1) / QROWS;
-    int64_t *item_req = malloc(sizeof(int64_t) * (items > 0 ? items : 1) * 2);
+    int64_t *item_req = malloc(sizeof(int64_t) * (items > 0 ? items : 1) * 2); /* (request, first new token) */
     if (item_req == NULL) return -1;
-    for (int b = 0, it = 0; b < bs; b++)
+    for (int64_t b = 0, it = 0; b < bs; b++)
         for (int64_t r = 0; r < extend_lens[b]; r += QROWS, it++) {
             item_req[2 * it] = b;
             item_req[2 * it + 1] = r;
         }
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int span = num_heads * head_dim;
-        float *scratch = malloc(sizeof(float) * (QROWS * num_heads * (BLOCK + 2) + QROWS * span + (BLOCK + 1) * kv_row));
-        if (scratch == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++) {
-            if (scratch == NULL) continue;
-            const int b = (int)item_req[2 * it];
-            const int64_t r0 = item_req[2 * it + 1];
-            const int nq = extend_lens[b] - r0 < QROWS ? (int)(extend_lens[b] - r0) : QROWS;
-            float *s = scratch, *m = s + QROWS * num_heads * BLOCK, *l = m + QROWS * num_heads;
-            float *acc = l + QROWS * num_heads, *rowbuf = acc + QROWS * span;
-            const int64_t tok = q_starts[b] + r0;
-            attend_rows(q + tok * q_stride, q_stride, k, v, lut, req_to_token + rows[b] * rtt_stride,
-                        (int)(prefix_lens[b] + r0), nq, num_heads, group, head_dim, kv_row, scale, s, m, l, acc,
-                        rowbuf, out + tok * span);
-        }
-        free(scratch);
-    }
+    const Attn a = {.q = q, .q_stride = q_stride, .k = k, .v = v, .lut = lut, .req_to_token = req_to_token,
+                    .rtt_stride = rtt_stride, .rows = rows, .num_heads = num_heads,
+                    .group = num_heads / num_kv_heads, .head_dim = head_dim, .kv_row = kv_row, .scale = scale,
+                    .prefix_lens = prefix_lens, .extend_lens = extend_lens, .q_starts = q_starts,
+                    .item_req = item_req, .out = out};
+    const size_t scratch = QROWS * num_heads * (BLOCK + 2) + QROWS * num_heads * head_dim + (BLOCK + 1) * kv_row;
+    const int failed = for_items(&a, items, scratch, extend_item, num_threads);
     free(item_req);
-    return failed ? -1 : 0;
+    return failed;
 }
