@@ -108,8 +108,8 @@ def _library() -> ctypes.CDLL | None:
     lib.rs_extend_attention.restype = i32
     lib.rs_add_rms_norm.argtypes = [p, i64, p, i64, p, p, p, i64, i32, f32, i32, i32]
     lib.rs_add_rms_norm.restype = None
-    lib.rs_rotary.argtypes = [p, i64, p, i32, p, i64, p, i32, p, p, i64, i32, i32]
-    lib.rs_rotary.restype = None
+    lib.rs_rotary.argtypes = [p, i64, p, i32, p, i64, p, i32, p, p, i64, i64, i32, i32]
+    lib.rs_rotary.restype = i64
     return lib
 
 
@@ -230,10 +230,10 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: t
     ``cos_sin[positions]`` (``[max_pos, D]``: the cos halves, then the sin)."""
     assert elementwise_takes(q, k, cos_sin) and cos_sin.is_contiguous() and cos_sin.shape[1] == head_dim
     pos = positions.to(torch.int64).contiguous()
-    if pos.numel() and not 0 <= int(pos.min()) <= int(pos.max()) < cos_sin.shape[0]:  # as indexing the cache would
-        raise IndexError(f"positions out of the rotary cache's {cos_sin.shape[0]}")
     q_out, k_out = torch.empty(q.shape, dtype=torch.float32), torch.empty(k.shape, dtype=torch.float32)
-    _library().rs_rotary(q.data_ptr(), q.stride(0), q_out.data_ptr(), q.shape[1] // head_dim, k.data_ptr(),
-                         k.stride(0), k_out.data_ptr(), k.shape[1] // head_dim, pos.data_ptr(), cos_sin.data_ptr(),
-                         q.shape[0], head_dim, torch.get_num_threads())
+    bad = _library().rs_rotary(q.data_ptr(), q.stride(0), q_out.data_ptr(), q.shape[1] // head_dim, k.data_ptr(),
+                               k.stride(0), k_out.data_ptr(), k.shape[1] // head_dim, pos.data_ptr(),
+                               cos_sin.data_ptr(), cos_sin.shape[0], q.shape[0], head_dim, torch.get_num_threads())
+    if bad:  # as indexing the cache would
+        raise IndexError(f"{bad} positions out of the rotary cache's {cos_sin.shape[0]}")
     return q_out, k_out

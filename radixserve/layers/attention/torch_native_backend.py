@@ -86,7 +86,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         # CPU float32 decode and extend run the C kernels when they could be built (tests may turn them off).
         self.cpu_decode_kernel = cpu_kernels.decode_attention_available()
 
-    def _kernel_decodes(self, forward_batch: "ForwardBatch") -> bool:
+    def _kernel_attends(self, forward_batch: "ForwardBatch") -> bool:
         pool = forward_batch.token_to_kv_pool
         return (
             self.cpu_decode_kernel and pool.device.type == "cpu" and self.model_dtype == torch.float32
@@ -96,11 +96,11 @@ class TorchNativeAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         if not forward_batch.forward_mode.is_decode():
             # the kernel reads the new tokens' K/V back from the pool: only where that is exact
-            kernel = self._kernel_decodes(forward_batch) and forward_batch.token_to_kv_pool.dtype == torch.float32
+            kernel = self._kernel_attends(forward_batch) and forward_batch.token_to_kv_pool.dtype == torch.float32
             forward_batch.attn_metadata = (_extend_kernel_metadata if kernel else _extend_metadata)(forward_batch)
         elif forward_batch.prefix_groups is not None:  # cascade_decode.py reads the table itself
             forward_batch.attn_metadata = None
-        elif self._kernel_decodes(forward_batch):
+        elif self._kernel_attends(forward_batch):
             forward_batch.attn_metadata = DecodeMetadata(None, None, max(forward_batch.seq_lens_cpu))
         else:
             forward_batch.attn_metadata = _decode_metadata(forward_batch)
@@ -149,20 +149,18 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache=True):
         kv_heads, d = layer.num_kv_heads, layer.head_dim
         k, v = k.view(-1, kv_heads, d), v.view(-1, kv_heads, d)
-        md = forward_batch.attn_metadata
-        if isinstance(md, ExtendKernelMetadata) and save_kv_cache:  # the C kernel, straight from the pool
-            forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
-            k_buf, v_buf = _kv(layer, forward_batch)
-            return cpu_kernels.extend_attention(
-                q.reshape(q.shape[0], -1), k_buf, v_buf, forward_batch.req_to_token_pool.req_to_token, md.rows,
-                md.prefix_lens, md.extend_lens, md.q_starts, layer.num_heads, layer.scaling,
-            )
-        if isinstance(md, ExtendKernelMetadata):  # the pool lacks the new tokens: per-request SDPA
-            md = forward_batch.attn_metadata = _extend_metadata(forward_batch)
-        q = q.view(-1, layer.num_heads, d)
         if save_kv_cache:
             forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_buf, v_buf = _kv(layer, forward_batch)
+        md = forward_batch.attn_metadata
+        if isinstance(md, ExtendKernelMetadata):
+            if save_kv_cache:  # the C kernel, straight from the pool (the new tokens included)
+                return cpu_kernels.extend_attention(
+                    q.reshape(q.shape[0], -1), k_buf, v_buf, forward_batch.req_to_token_pool.req_to_token, md.rows,
+                    md.prefix_lens, md.extend_lens, md.q_starts, layer.num_heads, layer.scaling,
+                )
+            forward_batch.attn_metadata = _extend_metadata(forward_batch)  # the pool lacks them: per-request SDPA
+        q = q.view(-1, layer.num_heads, d)
         out = torch.empty_like(q)
         for seg in forward_batch.attn_metadata:
             new = slice(seg.q_start, seg.q_start + seg.q_len)

@@ -44,13 +44,19 @@ void rs_add_rms_norm(const float *x, int64_t x_stride, const float *residual, in
 /* For each row t and each head of q ([rows, q_heads * head_dim], row stride
  * q_stride) and of k, into q_out and k_out (contiguous): with (c, s) the
  * halves of cos_sin[positions[t]], x1' = x1 * c - x2 * s and
- * x2' = x2 * c + x1 * s (NeoX style, as HF's rotate_half). */
-void rs_rotary(const float *q, int64_t q_stride, float *q_out, int q_heads, const float *k, int64_t k_stride,
-               float *k_out, int k_heads, const int64_t *positions, const float *cos_sin, int64_t rows, int head_dim,
-               int num_threads) {
+ * x2' = x2 * c + x1 * s (NeoX style, as HF's rotate_half). Returns the
+ * number of positions outside [0, max_pos) (their rows are left unwritten). */
+int64_t rs_rotary(const float *q, int64_t q_stride, float *q_out, int q_heads, const float *k, int64_t k_stride,
+                  float *k_out, int k_heads, const int64_t *positions, const float *cos_sin, int64_t max_pos,
+                  int64_t rows, int head_dim, int num_threads) {
     const int half = head_dim / 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+    int64_t bad = 0;
+#pragma omp parallel for num_threads(num_threads) schedule(static) reduction(+ : bad)
     for (int64_t t = 0; t < rows; t++) {
+        if (positions[t] < 0 || positions[t] >= max_pos) {
+            bad++;
+            continue;
+        }
         const float *c = cos_sin + positions[t] * head_dim, *s = c + half;
         for (int which = 0; which < 2; which++) {
             const int heads = which == 0 ? q_heads : k_heads;
@@ -67,4 +73,5 @@ void rs_rotary(const float *q, int64_t q_stride, float *q_out, int q_heads, cons
             }
         }
     }
+    return bad;
 }
