@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # E15: the fused MoE kernel on one GPU, in one call, within BUDGET seconds. PIECES picks what runs, in order:
-#   tests    the kernel's GPU tests (tests/test_fused_moe_kernel.py -m gpu) -> tests.json (each test's outcome),
-#            gpu-tests.txt (pytest's output)
+#   tests    the kernels' GPU tests (tests/test_fused_moe_kernel.py and test_moe_topk_kernel.py, -m gpu)
+#            -> tests.json (each test's outcome), gpu-tests.txt (pytest's output)
 #   before   the layer benchmark with the untuned defaults, qwen3-30b-a3b -> moe-layer-default.jsonl (not by
 #            default: the tuning lines carry the default's time beside the best)
 #   tune     benchmarks/tune_fused_moe.py for each of TUNE_MODELS (TUNE_BUDGET s each) -> tune-MODEL.jsonl
@@ -28,7 +28,7 @@ run_tests() {
     log "GPU tests (timeout ${t}s)"
     # --noconftest: tests/conftest.py's server fixtures import httpx, which this kernel's tests do not need
     timeout -k 10 "$t" "$PY" -m pytest -q -m gpu -p no:cacheprovider --noconftest tests/test_fused_moe_kernel.py \
-        --junitxml="$LOGDIR/tests.xml" >"$OUT/gpu-tests.txt" 2>&1 || FAILED+=("tests")
+        tests/test_moe_topk_kernel.py --junitxml="$LOGDIR/tests.xml" >"$OUT/gpu-tests.txt" 2>&1 || FAILED+=("tests")
     tail -n 25 "$OUT/gpu-tests.txt"
     "$PY" - "$LOGDIR/tests.xml" >"$OUT/tests.json" <<'PYEOF'
 import json, sys

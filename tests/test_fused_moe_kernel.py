@@ -38,6 +38,7 @@ class Case:
 
 KERNEL_CASES = [
     Case("one token", 4, 2, 1, 40, 24),  # K and N not multiples of the tiles
+    Case("one token, some choices on other ranks", 16, 6, 1, 40, 24, skipped=0.5, ids_dtype=torch.int64),
     Case("tokens past a block", 8, 2, 37, 40, 24, config=dict(GROUP_SIZE_M=4)),
     Case("experts without tokens", 16, 4, 3, 32, 16),
     Case("skipped ids", 8, 3, 20, 32, 16, skipped=0.3),
@@ -61,7 +62,8 @@ def routing(tokens, top_k, experts, skipped, *, seed, device="cpu"):
     ids = ids.to(torch.int32)
     if skipped:
         ids[torch.rand(tokens, top_k, generator=gen) < skipped] = -1
-        ids[0] = -1
+        if tokens > 1:
+            ids[0] = -1
     return weights.to(device), ids.to(device)
 
 
@@ -106,7 +108,7 @@ def kernel_case(case: Case, device) -> dict:
     skipped_rows = (ids < 0).all(dim=1)
     return {"error": float((out.float() - want).abs().max() / want.abs().max()), "dtype": str(out.dtype),
             "shape": list(out.shape), "skipped_rows_zero": bool((out[skipped_rows] == 0).all()),
-            "empty_experts": case.experts - int(ids[ids >= 0].unique().numel())}
+            "empty_experts": case.experts - int(ids[ids >= 0].unique().numel()), "skipped": int((ids < 0).sum())}
 
 
 def align_case(case, device) -> dict:
@@ -139,6 +141,8 @@ def check_kernel_result(case: Case, result):
     assert result["shape"] == [case.tokens, case.hidden] and result["dtype"] == str(case.dtype)
     assert result["error"] < TOLERANCE[case.dtype], (case.name, result["error"])
     assert result["skipped_rows_zero"], "a token whose choices are all -1 gets a zero row"
+    if case.tokens == 1 and case.skipped:  # the one-token layout keeps -1 choices: some of each here
+        assert 0 < result["skipped"] < case.top_k
 
 
 def check_align_result(case, result):

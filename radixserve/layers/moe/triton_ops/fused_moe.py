@@ -113,6 +113,22 @@ def max_padded_pairs(num_pairs: int, num_experts: int, block_size: int) -> int:
     return triton.cdiv(worst, block_size) * block_size
 
 
+@functools.cache
+def one_token_layout(top_k: int, block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sorted_token_ids, num_tokens_post_padded)`` for one token's ``top_k``
+    choices, each in a block of its own (the expert ids are then the choices
+    themselves, -1 ones included: the GEMM skips their blocks). The top k
+    experts of one token are distinct, so each expert's weights are read once,
+    as with :func:`moe_align_block_size`; the layout depends on nothing else,
+    so it is built once (by the warm-up runs before a CUDA graph's capture,
+    whose static input it then is) and a step of one
+    token launches no alignment kernel."""
+    sorted_ids = torch.full((top_k * block_size,), top_k, dtype=torch.int32)
+    sorted_ids[::block_size] = torch.arange(top_k, dtype=torch.int32)
+    num_post = torch.tensor([top_k * block_size], dtype=torch.int32)
+    return sorted_ids.to(device), num_post.to(device)
+
+
 def moe_align_block_size(
     topk_ids: torch.Tensor, block_size: int, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -183,6 +199,8 @@ def _grouped_gemm_kernel(
     pair = tl.load(SortedIds + pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)).to(tl.int64)
     row_ok = pair < num_pairs
     expert = tl.load(ExpertIds + pid_m).to(tl.int64)
+    if expert < 0:  # a choice of another rank's expert (the one-token layout keeps them): nothing to compute
+        return
     cols = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     w_cols = cols % N  # in bounds without a mask; the extra columns are not stored
     ks = tl.arange(0, BLOCK_SIZE_K)
@@ -345,7 +363,11 @@ def fused_experts(
         config = get_config(num_experts, hidden_size, intermediate, top_k, hidden.dtype, tokens, hidden.device)
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
     num_pairs = tokens * top_k
-    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, config["BLOCK_SIZE_M"], num_experts)
+    if tokens == 1:  # a decode step of one: each choice is a block of its own, no alignment launch
+        sorted_ids, num_post = one_token_layout(top_k, config["BLOCK_SIZE_M"], hidden.device)
+        expert_ids = topk_ids.reshape(-1)
+    else:
+        sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, config["BLOCK_SIZE_M"], num_experts)
     act = torch.empty(num_pairs, intermediate, dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(hidden, w13, act, topk_weights, sorted_ids, expert_ids, num_post, num_pairs, top_k, config,
                   gated=True, mul_routed_weight=False)
