@@ -278,7 +278,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--measure-s", type=float, default=3.0, help="seconds of steps in each interference row")
     parser.add_argument("--ahead", type=int, default=8, help="pages the background thread asks the mapper at a time")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="interference variants, comma-separated")
-    parser.add_argument("--unmap-threads", type=int, default=1, help="threads an unmap shares the buffers out over")
     parser.add_argument("--pace-ms", type=float, default=100.0, help="fresh rows: ms between asks of --ahead pages")
     parser.add_argument("--skip", default="", help="'rates', 'interference' and/or 'fresh'")
     args = parser.parse_args(argv)
@@ -298,9 +297,9 @@ def main(argv: list[str] | None = None) -> None:
     gran = granularity(device)
     page = max(gran, round(args.page_mb * 2**20 / gran) * gran)
     keep_free = int(torch.cuda.mem_get_info(device)[1] * args.keep_free_frac) if device.type == "cuda" else 0
-    arena = make_arena([page] * args.buffers, args.pages, device, keep_free, unmap_threads=args.unmap_threads)
+    arena = make_arena([page] * args.buffers, args.pages, device, keep_free)
     probed = (getattr(arena, "span_access", False), getattr(arena, "span_unmap", False))
-    common = {"device": str(device), "buffers": args.buffers, "page_mb": page / 2**20, "unmap_threads": args.unmap_threads,
+    common = {"device": str(device), "buffers": args.buffers, "page_mb": page / 2**20,
               "page_bytes_all_buffers": arena.bytes_per_page, "pages": args.pages}
     if device.type == "cuda":
         common["gpu"] = torch.cuda.get_device_name(device)

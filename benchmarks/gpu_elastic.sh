@@ -5,8 +5,8 @@
 #           pages mapped ahead (llama-3.1-8b's KV geometry) -> rates.jsonl
 #   fresh   benchmarks/elastic_vmm.py's fresh-or-reused rows, a launch-bound and a memory-bound
 #           step: does growing cost the first mapping of a range, or of memory? -> fresh.jsonl
-#   unmap-threads  elastic_vmm.py's rates with an unmap's buffers shared out over 1, 4 and 8
-#           threads (an idle server giving all its pages back) -> unmap_threads.jsonl
+#   page-mb elastic_vmm.py's rates with 2, 8 and 32 MB pages per buffer (16 GB each way): does an
+#           unmap cost per driver call or per byte? (an idle server's give-back) -> page_mb.jsonl
 #   w1      W1 (qwen3-0.6b, bench.offline_throughput), static then elastic, W1_REPEATS times
 #           each, alternating -> w1.jsonl (each line's "enable_elastic_kv" says which)
 #   w1-reuse  W1 elastic after a warm run whose pages were given back (--warm-give-back):
@@ -47,18 +47,18 @@ if has fresh; then
     done
     cut -c1-300 "$OUT/fresh.jsonl"
 fi
-if has unmap-threads; then
-    for threads in 1 4 8; do
-        log "rates, unmaps on $threads threads"
-        timeout "$(cap 90)" "$PY" benchmarks/elastic_vmm.py --skip interference,fresh --unmap-threads "$threads" \
-            >>"$OUT/unmap_threads.jsonl" 2>"$LOGDIR/unmap.log" || fail "unmap threads $threads" "$LOGDIR/unmap.log"
+if has page-mb; then
+    for mb in 2 8 32; do
+        log "rates, $mb MB pages"
+        timeout "$(cap 90)" "$PY" benchmarks/elastic_vmm.py --skip interference,fresh --page-mb "$mb" --pages $((256 / mb)) \
+            >>"$OUT/page_mb.jsonl" 2>"$LOGDIR/page_mb.log" || fail "page-mb $mb" "$LOGDIR/page_mb.log"
     done
     "$PY" -c "import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
     if r['bench'] == 'elastic_vmm_rate':
-        print(r['unmap_threads'], 'threads, runs of', r['run'], 'span', r['span'], 'zero', r['zero'], 'unmap GB/s', r['unmap_gb_per_s'])
-" "$OUT/unmap_threads.jsonl"
+        print(r['page_mb'], 'MB pages, runs of', r['run'], 'span', r['span'], 'map GB/s', r['map_gb_per_s'], 'unmap GB/s', r['unmap_gb_per_s'])
+" "$OUT/page_mb.jsonl"
 fi
 w1_runs=()
 if has w1; then

@@ -222,22 +222,3 @@ def test_the_benchmark_runs_on_the_cpu_arena(elastic_vmm, capsys):
     assert list(fresh) == ["alone", "new_range_new_memory", "same_range_reused_memory", "new_range_reused_memory"]
     for case in list(fresh)[1:]:  # each pass mapped all 4 pages while steps ran
         assert fresh[case]["steps"] > 0 and fresh[case]["map_s"] > 0
-
-
-def test_an_unmap_shared_out_over_threads_gives_back_the_same_pages():
-    """``unmap_threads``: each buffer's runs unmapped on a worker thread, the
-    same pages given back and read as zero as with one thread."""
-    arena = CpuArena([2 * MB] * 4, 8, unmap_threads=3)
-    assert arena.map_many(range(8)) == 8
-    for t in arena.tensors:
-        t.fill_(1)
-    arena.unmap_many([1, 2, 5])
-    assert arena.stats.mapped == {0, 3, 4, 6, 7} and arena.stats.unmaps == 3
-    assert arena._workers is not None  # the buffers went to the threads
-    for t in arena.tensors:
-        pages = t.view(8, -1)
-        assert [int(p.count_nonzero()) for p in pages] == [2 * MB if i in (0, 3, 4, 6, 7) else 0 for i in range(8)]
-    arena.close()
-    assert arena.stats.mapped == set() and arena._workers is None
-    with pytest.raises(ValueError, match="unmap_threads"):
-        CpuArena([2 * MB], 2, unmap_threads=0)

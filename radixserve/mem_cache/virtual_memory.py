@@ -30,9 +30,10 @@ at the device's free memory (and one memset per buffer, if zeroing) for a run, a
 device sync for all the pages an unmap gives back; where the driver takes a
 range over several adjacent mappings (probed once per arena), one
 ``cuMemSetAccess`` and one ``cuMemUnmap`` per buffer and run. On a CPU one
-``madvise`` per buffer and run. The stats count pages either way. With
-``unmap_threads`` above one, the buffers of an unmap are shared out over that
-many threads (the driver's unmaps of separate buffers are independent calls).
+``madvise`` per buffer and run. The stats count pages either way. Unmaps run
+on one thread: sharing a run's buffers out over 4 or 8 threads made the
+driver's unmaps slower on an H200, not faster (benchmarks/README.md, "What a
+growing pool pays for").
 """
 
 from __future__ import annotations
@@ -43,8 +44,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -86,16 +86,12 @@ class VirtualArena(abc.ABC):
     """Buffers of ``num_pages`` pages each (see the module docstring).
     Subclasses give the physical side: ``_map_run`` and ``_unmap_runs``."""
 
-    def __init__(self, page_bytes: list[int], num_pages: int, unmap_threads: int = 1):
-        if unmap_threads < 1:
-            raise ValueError(f"unmap_threads must be >= 1, got {unmap_threads}")
+    def __init__(self, page_bytes: list[int], num_pages: int):
         self.page_bytes = list(page_bytes)
         self.num_pages = num_pages
         self.stats = ArenaStats()
         self._stats_lock = threading.Lock()  # a background mapper (page_mapper.py) maps while the scheduler does
         self.tensors: list[torch.Tensor] = []  # one uint8 tensor per buffer, over its whole range
-        self.unmap_threads = unmap_threads
-        self._workers: ThreadPoolExecutor | None = None  # made at the first unmap that shares its buffers out
 
     @property
     def bytes_per_page(self) -> int:
@@ -153,25 +149,6 @@ class VirtualArena(abc.ABC):
 
     def close(self) -> None:
         self.unmap_many(list(self.stats.mapped))
-        if self._workers is not None:
-            self._workers.shutdown()
-            self._workers = None
-
-    def _each_buffer(self, work: Callable[[int], None]) -> None:
-        """``work(i)`` for every buffer ``i``, on ``unmap_threads`` threads
-        when there are more than one; the first failure is raised."""
-        if self.unmap_threads == 1 or len(self.page_bytes) == 1:
-            for i in range(len(self.page_bytes)):
-                work(i)
-            return
-        if self._workers is None:
-            self._workers = ThreadPoolExecutor(self.unmap_threads, thread_name_prefix="elastic-kv-unmap",
-                                               initializer=self.enter_worker)
-        for done in [self._workers.submit(work, i) for i in range(len(self.page_bytes))]:
-            done.result()
-
-    def enter_worker(self) -> None:
-        """Make a thread of :meth:`_each_buffer` able to unmap."""
 
     def enter_thread(self) -> None:
         """Make the calling (background) thread able to map and unmap."""
@@ -216,13 +193,13 @@ def granularity(device: torch.device) -> int:
 
 
 def make_arena(page_bytes: list[int], num_pages: int, device: torch.device, keep_free: int = 0,
-               zero_pages: bool = False, unmap_threads: int = 1) -> VirtualArena:
+               zero_pages: bool = False) -> VirtualArena:
     """An arena on ``device``; on CUDA a map never leaves the device less than
     ``keep_free`` bytes free (on a CPU the margin is ``CPU_MIN_AVAILABLE``)."""
     if device.type == "cuda":
-        return CudaArena(page_bytes, num_pages, device, keep_free, zero_pages, unmap_threads)
+        return CudaArena(page_bytes, num_pages, device, keep_free, zero_pages)
     if device.type == "cpu":
-        return CpuArena(page_bytes, num_pages, unmap_threads)
+        return CpuArena(page_bytes, num_pages)
     raise ValueError(f"--enable-elastic-kv: no virtual memory on device {device}")
 
 
@@ -241,8 +218,8 @@ def available_ram() -> int:
 
 
 class CpuArena(VirtualArena):
-    def __init__(self, page_bytes: list[int], num_pages: int, unmap_threads: int = 1):
-        super().__init__(page_bytes, num_pages, unmap_threads)
+    def __init__(self, page_bytes: list[int], num_pages: int):
+        super().__init__(page_bytes, num_pages)
         self._maps = [mmap.mmap(-1, b * num_pages, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
                       for b in page_bytes]
         self.tensors = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
@@ -263,12 +240,9 @@ class CpuArena(VirtualArena):
         return True
 
     def _unmap_runs(self, runs: list[tuple[int, int]]) -> None:
-        def unmap_buffer(i: int) -> None:
-            m, b = self._maps[i], self.page_bytes[i]
+        for m, b in zip(self._maps, self.page_bytes):
             for first, count in runs:
                 m.madvise(mmap.MADV_DONTNEED, first * b, count * b)
-
-        self._each_buffer(unmap_buffer)
 
 
 # -- CUDA ------------------------------------------------------------------------------------------
@@ -324,10 +298,10 @@ class CudaArena(VirtualArena):
     alone")."""
 
     def __init__(self, page_bytes: list[int], num_pages: int, device: torch.device, keep_free: int = 0,
-                 zero_pages: bool = False, unmap_threads: int = 1):
+                 zero_pages: bool = False):
         from cuda.bindings import driver
 
-        super().__init__(page_bytes, num_pages, unmap_threads)
+        super().__init__(page_bytes, num_pages)
         self.keep_free = keep_free  # left on the device for activations, this process's and the others'
         self._seen_free, self._looked_at = 0, -FREE_LOOK_S  # the driver's figure, less what was mapped since
         self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
@@ -421,9 +395,7 @@ class CudaArena(VirtualArena):
     def _unmap_runs(self, runs: list[tuple[int, int]]) -> None:
         driver = self._driver
         torch.cuda.synchronize(self.device)  # once for them all: no kernel on any stream may still use them
-
-        def unmap_buffer(i: int) -> None:
-            r, b = self._ranges[i], self.page_bytes[i]
+        for r, b in zip(self._ranges, self.page_bytes):
             for first, count in runs:
                 start = r.ptr + first * b
                 if count > 1 and self.span_unmap:
@@ -431,12 +403,7 @@ class CudaArena(VirtualArena):
                         continue
                 for ptr in range(start, start + count * b, b):
                     _check(driver.cuMemUnmap(ptr, b))
-
-        self._each_buffer(unmap_buffer)
         self._seen_free += sum(count for _, count in runs) * self.bytes_per_page
-
-    def enter_worker(self) -> None:
-        torch.cuda.set_device(self.device)  # the primary context, current in this thread
 
     def close(self) -> None:
         super().close()
