@@ -19,8 +19,8 @@ MAX_EXPERTS = 1024  # the most experts a row may have (one row in one Triton blo
 
 
 @triton.jit
-def _topk_softmax_kernel(Logits, Weights, Ids, num_experts, stride_l, TOP_K: tl.constexpr, E_PAD: tl.constexpr,
-                         RENORMALIZE: tl.constexpr):
+def _topk_softmax_kernel(Logits, Weights, Ids, num_experts, stride_l, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                         E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, E_PAD)
     valid = cols < num_experts
@@ -29,18 +29,19 @@ def _topk_softmax_kernel(Logits, Weights, Ids, num_experts, stride_l, TOP_K: tl.
     e = tl.where(valid, tl.exp(x), 0.0)
     probs = e / tl.sum(e, axis=0)
     left = tl.where(valid, probs, -1.0)  # probabilities are >= 0: -1 marks a taken or missing expert
-    total = 0.0
+    slots = tl.arange(0, K_PAD)
+    weights = tl.zeros([K_PAD], dtype=tl.float32)  # the choices, kept in registers until the one store
+    ids = tl.zeros([K_PAD], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(left, axis=0)
         idx = tl.min(tl.where(left == best, cols, E_PAD), axis=0)  # the lowest index among equal ones
-        tl.store(Weights + row * TOP_K + j, best)
-        tl.store(Ids + row * TOP_K + j, idx.to(tl.int32))
-        total += best
+        weights = tl.where(slots == j, best, weights)
+        ids = tl.where(slots == j, idx, ids)
         left = tl.where(cols == idx, -1.0, left)
     if RENORMALIZE:
-        for j in tl.static_range(TOP_K):
-            w = tl.load(Weights + row * TOP_K + j)
-            tl.store(Weights + row * TOP_K + j, w / total)
+        weights = weights / tl.sum(weights, axis=0)  # the padding slots hold 0
+    tl.store(Weights + row * TOP_K + slots, weights, mask=slots < TOP_K)
+    tl.store(Ids + row * TOP_K + slots, ids, mask=slots < TOP_K)
 
 
 def fused_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,5 +55,6 @@ def fused_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: boo
     if tokens:
         logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
         _topk_softmax_kernel[(tokens,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
-                                        E_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize)
+                                        K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
+                                        RENORMALIZE=renormalize)
     return weights, ids
