@@ -39,7 +39,9 @@ def test_freezing_collects_the_garbage_then_freezes_what_lives():
     try:
         frozen = freeze_startup_objects()
         assert sum(collected) >= 2  # the cycle went before the freeze, not into the permanent generation
-        assert frozen == gc.get_freeze_count() > 0
+        # A frozen object that dies leaves the permanent generation, and other
+        # threads of the suite (servers' clients, log handlers) free objects too.
+        assert 0 < gc.get_freeze_count() <= frozen
         assert gc.is_tracked(alive)
         assert not any(obj is alive for generation in range(3) for obj in gc.get_objects(generation))  # frozen
     finally:
