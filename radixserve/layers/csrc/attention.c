@@ -24,7 +24,6 @@
 
 #define BLOCK 32   /* keys scored before each softmax rescale */
 #define PREFETCH 4 /* keys ahead whose K rows are prefetched */
-#define UNROLL 4   /* keys scored, and added to the output, together (the code below spells out four) */
 
 /* Eight floats as one vector value (GCC's and Clang's vector extension: one
  * AVX register where the ISA has it, two SSE ones or scalars elsewhere); its
@@ -43,6 +42,23 @@ static inline float hsum8(v8 x) {
     float r = 0.0f;
     for (int i = 0; i < 8; i++) r += x[i];
     return r;
+#endif
+}
+
+/* Four vector sums folded into their four totals: [hsum8(a0), .., hsum8(a3)]
+ * in six in-lane shuffles and four adds, where four hsum8 take twelve
+ * shuffles and twelve adds. */
+static inline void fold4(v8 a0, v8 a1, v8 a2, v8 a3, float d[4]) {
+#if defined(__clang__) || __GNUC__ >= 12
+    const v8 t0 = __builtin_shufflevector(a0, a1, 0, 8, 2, 10, 4, 12, 6, 14) +
+                  __builtin_shufflevector(a0, a1, 1, 9, 3, 11, 5, 13, 7, 15);
+    const v8 t1 = __builtin_shufflevector(a2, a3, 0, 8, 2, 10, 4, 12, 6, 14) +
+                  __builtin_shufflevector(a2, a3, 1, 9, 3, 11, 5, 13, 7, 15);
+    const v8 u = __builtin_shufflevector(t0, t1, 0, 1, 8, 9, 4, 5, 12, 13) +
+                 __builtin_shufflevector(t0, t1, 2, 3, 10, 11, 6, 7, 14, 15);
+    for (int i = 0; i < 4; i++) d[i] = u[i] + u[i + 4];
+#else
+    d[0] = hsum8(a0), d[1] = hsum8(a1), d[2] = hsum8(a2), d[3] = hsum8(a3);
 #endif
 }
 
@@ -82,12 +98,6 @@ static inline float exp_approx(float x) {
     return p * scale;
 }
 
-/* exp(x), in place over a block. */
-static inline void exp_block(float *x, int n) {
-#pragma omp simd
-    for (int i = 0; i < n; i++) x[i] = exp_approx(x[i]);
-}
-
 /* d[u] = x . y[u] over n floats for u < 4: four independent vector sums
  * folded once (a plain loop where n is not a multiple of 8). */
 static inline void dot4(const float *x, const float *y0, const float *y1, const float *y2, const float *y3, int n,
@@ -101,7 +111,7 @@ static inline void dot4(const float *x, const float *y0, const float *y1, const 
             a2 += xv * *(const v8 *)(y2 + i);
             a3 += xv * *(const v8 *)(y3 + i);
         }
-        d[0] = hsum8(a0), d[1] = hsum8(a1), d[2] = hsum8(a2), d[3] = hsum8(a3);
+        fold4(a0, a1, a2, a3, d);
         return;
     }
     float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
@@ -120,34 +130,102 @@ static inline void dot4(const float *x, const float *y0, const float *y1, const 
  * sum l take the block in; returns the factor by which the accumulator must
  * be scaled. A block of masked keys only leaves m and l as they were. */
 static inline float softmax_block(float *sh, int n, float *m, float *l) {
+    /* The max and the sum as vector reductions: one scalar chain of compares
+     * or adds through the block cost more than its exponentials. */
     float bmax = *m;
+#pragma omp simd reduction(max : bmax)
     for (int j = 0; j < n; j++) bmax = sh[j] > bmax ? sh[j] : bmax;
     if (bmax == -INFINITY) {
         for (int j = 0; j < n; j++) sh[j] = 0.0f;
         return 1.0f;
     }
-    for (int j = 0; j < n; j++) sh[j] -= bmax;
-    exp_block(sh, n);
-    const float alpha = *m == -INFINITY ? 0.0f : expf(*m - bmax);
     float sum = 0.0f;
-    for (int j = 0; j < n; j++) sum += sh[j];
+#pragma omp simd reduction(+ : sum)
+    for (int j = 0; j < n; j++) {
+        sh[j] = exp_approx(sh[j] - bmax);
+        sum += sh[j];
+    }
+    const float alpha = *m == -INFINITY ? 0.0f : expf(*m - bmax);
     *l = *l * alpha + sum;
     *m = bmax;
     return alpha;
 }
 
-/* One item: every query head of one request over keys [begin, end). Each
- * key's K (then V) row of all KV heads is read once, contiguously, so rows of
- * consecutive slots stream from memory. Keys go UNROLL at a time: each query
- * head's row is scored against UNROLL keys in independent sums (no chain of
- * dependent multiply-adds), and the P @ V pass adds UNROLL weighted V rows to
- * a head's accumulator per load and store of it. Leaves per query head the
- * running max m, the sum l and the unnormalized acc [num_heads, head_dim]; s
- * is scratch of num_heads * BLOCK floats, rows of UNROLL * kv_row floats (fp8
- * rows decoded). */
+/* For rows r < nq of one head: acc[r] += sum_j p[r][j] * V_j[off ..]. Inlined with a
+ * constant HD, the row's HD / 8 vectors stay in registers over the n keys. */
+static inline __attribute__((always_inline)) void pv_rows(float *acc, int span, const float *const *vrows, int off,
+                                                          const float *p, int pstride, int nq, int n, const int HD) {
+    for (int r = 0; r < nq; r++) {
+        v8 a[HD / 8];
+        float *ah = acc + r * span;
+        for (int i = 0; i < HD / 8; i++) a[i] = *(const v8 *)(ah + 8 * i);
+        const float *pr = p + r * pstride;
+        for (int j = 0; j < n; j++) {
+            const float pj = pr[j];
+            const float *vh = vrows[j] + off;
+            for (int i = 0; i < HD / 8; i++) a[i] += pj * *(const v8 *)(vh + 8 * i);
+        }
+        for (int i = 0; i < HD / 8; i++) *(v8 *)(ah + 8 * i) = a[i];
+    }
+}
+
+/* The scores of C query heads (rows of q, hd apart) that share one KV head
+ * against four keys (that head's part of each key's row: k[u] + off): C x 4
+ * independent vector sums, so a key's row is loaded once for the C heads.
+ * hd is a multiple of 8. */
+static inline __attribute__((always_inline)) void score_heads(const float *q, int hd, const float *const *k, int off,
+                                                              float d[][4], const int C) {
+    v8 a[3][4];
+    for (int r = 0; r < C; r++)
+        for (int u = 0; u < 4; u++) a[r][u] = (v8){0};
+    for (int i = 0; i < hd; i += 8) {
+        const v8 k0 = *(const v8 *)(k[0] + off + i), k1 = *(const v8 *)(k[1] + off + i),
+                 k2 = *(const v8 *)(k[2] + off + i), k3 = *(const v8 *)(k[3] + off + i);
+        for (int r = 0; r < C; r++) {
+            const v8 qv = *(const v8 *)(q + r * hd + i);
+            a[r][0] += qv * k0;
+            a[r][1] += qv * k1;
+            a[r][2] += qv * k2;
+            a[r][3] += qv * k3;
+        }
+    }
+    for (int r = 0; r < C; r++) fold4(a[r][0], a[r][1], a[r][2], a[r][3], d[r]);
+}
+
+/* Every query head's scaled score against four keys (rows kp[0..3]) into
+ * s[hq * BLOCK + j + u], for j + u < n. The heads of one KV head go up to
+ * three at a time. */
+static void score_keys(const float *q, const float *const *kp, int num_heads, int group, int hd, float scale,
+                       float *s, int j, int n) {
+    for (int h = 0; h < num_heads;) {
+        const int g = h / group, left = (g + 1) * group - h, c = left < 3 ? left : 3, off = g * hd;
+        float d[3][4];
+        if (hd % 8 != 0)
+            for (int r = 0; r < c; r++)
+                dot4(q + (h + r) * hd, kp[0] + off, kp[1] + off, kp[2] + off, kp[3] + off, hd, d[r]);
+        else if (c == 3)
+            score_heads(q + h * hd, hd, kp, off, d, 3);
+        else if (c == 2)
+            score_heads(q + h * hd, hd, kp, off, d, 2);
+        else
+            score_heads(q + h * hd, hd, kp, off, d, 1);
+        for (int r = 0; r < c; r++)
+            for (int u = 0; u < 4 && j + u < n; u++) s[(h + r) * BLOCK + j + u] = d[r][u] * scale;
+        h += c;
+    }
+}
+
+/* One item: every query head of one request over keys [begin, end), BLOCK
+ * keys at a time. Each key's K row (all KV heads) is read once and scored,
+ * four keys at a time, against every query head (score_keys); after the
+ * block's softmax, each head's accumulator row stays in registers while the
+ * block's V rows are added to it. Leaves per query head the running max m,
+ * the sum l and the unnormalized acc [num_heads, head_dim]; s is scratch of
+ * num_heads * BLOCK floats, rows of BLOCK * kv_row floats (fp8 rows decoded). */
 static void attend_span(const float *q, const void *k, const void *v, const float *lut, const int32_t *slots,
                         int begin, int end, int num_heads, int group, int head_dim, int kv_row,
                         float scale, float *s, float *m, float *l, float *acc, float *rows) {
+    const float *vrows[BLOCK];
     for (int hq = 0; hq < num_heads; hq++) {
         m[hq] = -INFINITY;
         l[hq] = 0.0f;
@@ -155,9 +233,9 @@ static void attend_span(const float *q, const void *k, const void *v, const floa
     memset(acc, 0, sizeof(float) * num_heads * head_dim);
     for (int t0 = begin; t0 < end; t0 += BLOCK) {
         int n = end - t0 < BLOCK ? end - t0 : BLOCK;
-        for (int j = 0; j < n; j += UNROLL) {
-            const float *kp[UNROLL];
-            for (int u = 0; u < UNROLL; u++) {
+        for (int j = 0; j < n; j += 4) {
+            const float *kp[4];
+            for (int u = 0; u < 4; u++) {
                 /* past the block's end: the last key again, its score not kept */
                 int t = t0 + (j + u < n ? j + u : n - 1);
                 kp[u] = pool_row(k, lut, slots[t], kv_row, rows + u * kv_row);
@@ -166,15 +244,7 @@ static void attend_span(const float *q, const void *k, const void *v, const floa
                 if (t + PREFETCH < end) prefetch_row(k, lut, slots[t + PREFETCH], kv_row);
                 prefetch_row(v, lut, slots[t], kv_row);
             }
-            for (int hq = 0; hq < num_heads; hq++) {
-                const float *qp = q + hq * head_dim;
-                const int off = (hq / group) * head_dim;
-                const float *k0 = kp[0] + off, *k1 = kp[1] + off, *k2 = kp[2] + off, *k3 = kp[3] + off;
-                float d[UNROLL];
-                dot4(qp, k0, k1, k2, k3, head_dim, d);
-                float *sh = s + hq * BLOCK + j;
-                for (int u = 0; u < UNROLL && j + u < n; u++) sh[u] = d[u] * scale;
-            }
+            score_keys(q, kp, num_heads, group, head_dim, scale, s, j, n);
         }
         for (int hq = 0; hq < num_heads; hq++) {
             const float alpha = softmax_block(s + hq * BLOCK, n, m + hq, l + hq);
@@ -184,20 +254,19 @@ static void attend_span(const float *q, const void *k, const void *v, const floa
                 for (int i = 0; i < head_dim; i++) ah[i] *= alpha;
             }
         }
-        for (int j = 0; j < n; j += UNROLL) {
-            const float *vp[UNROLL];
-            for (int u = 0; u < UNROLL; u++)
-                vp[u] = pool_row(v, lut, slots[t0 + (j + u < n ? j + u : n - 1)], kv_row, rows + u * kv_row);
-            for (int hq = 0; hq < num_heads; hq++) {
-                const float *p = s + hq * BLOCK + j;
-                const float p0 = p[0], p1 = j + 1 < n ? p[1] : 0.0f, p2 = j + 2 < n ? p[2] : 0.0f,
-                            p3 = j + 3 < n ? p[3] : 0.0f;
-                const int off = (hq / group) * head_dim;
-                const float *v0 = vp[0] + off, *v1 = vp[1] + off, *v2 = vp[2] + off, *v3 = vp[3] + off;
-                float *ah = acc + hq * head_dim;
+        for (int j = 0; j < n; j++) vrows[j] = pool_row(v, lut, slots[t0 + j], kv_row, rows + j * kv_row);
+        for (int hq = 0; hq < num_heads; hq++) {
+            const int off = (hq / group) * head_dim;
+            const float *p = s + hq * BLOCK;
+            float *ah = acc + hq * head_dim;
+            if (head_dim == 64) pv_rows(ah, 0, vrows, off, p, BLOCK, 1, n, 64);
+            else if (head_dim == 128) pv_rows(ah, 0, vrows, off, p, BLOCK, 1, n, 128);
+            else
+                for (int j = 0; j < n; j++) {
+                    const float pj = p[j], *vh = vrows[j] + off;
 #pragma omp simd
-                for (int i = 0; i < head_dim; i++) ah[i] += p0 * v0[i] + p1 * v1[i] + p2 * v2[i] + p3 * v3[i];
-            }
+                    for (int i = 0; i < head_dim; i++) ah[i] += pj * vh[i];
+                }
         }
     }
 }
@@ -281,7 +350,7 @@ int rs_decode_attention(const float *q, int64_t q_stride, const void *k, const v
                     .rtt_stride = rtt_stride, .rows = rows, .num_heads = num_heads,
                     .group = num_heads / num_kv_heads, .head_dim = head_dim, .kv_row = kv_row, .scale = scale,
                     .seq_lens = seq_lens, .num_splits = num_splits, .partial = partial};
-    const int failed = for_items(&a, items, num_heads * (BLOCK + 2 + head_dim) + UNROLL * kv_row, decode_item,
+    const int failed = for_items(&a, items, num_heads * (BLOCK + 2 + head_dim) + BLOCK * kv_row, decode_item,
                                  num_threads);
     if (failed) {
         free(partial);
@@ -329,24 +398,6 @@ int rs_decode_attention(const float *q, int64_t q_stride, const void *k, const v
  *   q, out  [tokens, num_heads * head_dim] (q's row stride q_stride, out contiguous)
  *   rows, prefix_lens, extend_lens, q_starts: [bs] int64 (q_starts: each request's first row of q) */
 #define QROWS 4 /* the four sums below are spelled out */
-
-/* For rows r < nq of one head: acc[r] += sum_j p[r][j] * V_j[off ..]. Inlined with a
- * constant HD, the row's HD / 8 vectors stay in registers over the n keys. */
-static inline __attribute__((always_inline)) void pv_rows(float *acc, int span, const float *const *vrows, int off,
-                                                          const float *p, int pstride, int nq, int n, const int HD) {
-    for (int r = 0; r < nq; r++) {
-        v8 a[HD / 8];
-        float *ah = acc + r * span;
-        for (int i = 0; i < HD / 8; i++) a[i] = *(const v8 *)(ah + 8 * i);
-        const float *pr = p + r * pstride;
-        for (int j = 0; j < n; j++) {
-            const float pj = pr[j];
-            const float *vh = vrows[j] + off;
-            for (int i = 0; i < HD / 8; i++) a[i] += pj * *(const v8 *)(vh + 8 * i);
-        }
-        for (int i = 0; i < HD / 8; i++) *(v8 *)(ah + 8 * i) = a[i];
-    }
-}
 
 static void attend_rows(const float *q, int64_t q_stride, const void *k, const void *v, const float *lut,
                         const int32_t *slots, int first_pos, int nq, int num_heads, int group, int head_dim,
