@@ -17,6 +17,7 @@ from mem_harness import Harness, RequestRules
 from triton_interpreter import run_interpreted
 
 import radixserve
+from radixserve.layers import cpu_kernels
 from radixserve.layers.attention import create_attention_backend
 from radixserve.layers.attention.cascade_decode import attend_with_lse, merge_states
 from radixserve.layers.radix_attention import RadixAttention
@@ -39,7 +40,7 @@ def random_batch(rng: random.Random, page_size: int, kv_dtype=torch.float32):
     groups (members share their first pages' slots) and ragged suffixes."""
     groups, bs = [], 0
     for _ in range(rng.randint(0, 3)):
-        size = rng.randint(2, 4)
+        size = rng.randint(2, 6)  # up to more members than the C kernel takes at once
         groups.append((rng.randint(1, 6) * page_size, list(range(bs, bs + size))))
         bs += size
     loners = rng.randint(0 if groups else 1, 3)
@@ -116,24 +117,32 @@ def dense(kv, req_to_token, rows, seq_lens, q, k, v, group):
     return torch.stack(out).float()
 
 
+KERNELS = [False, pytest.param(True, marks=pytest.mark.skipif(
+    not cpu_kernels.decode_attention_available(), reason="no C compiler for the CPU kernels"))]
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("seed", range(6))
-def test_grouped_decode_matches_plain_decode(page_size, group, seed):
+@pytest.mark.parametrize("cpu_kernel", KERNELS)
+def test_grouped_decode_matches_plain_decode(page_size, group, seed, cpu_kernel):
+    """The torch path and the C kernel (groups of more members than the
+    kernel takes at once included), each against plain decode and float64."""
     rng = random.Random(seed * 100 + page_size * 10 + group)
     kv, req_to_token, rows, seq_lens, table = random_batch(rng, page_size)
     gen = torch.Generator().manual_seed(seed)
     bs = len(rows)
     q = torch.randn(bs, KV_HEADS * group * HEAD_DIM, generator=gen)
     k, v = (torch.randn(bs, KV_HEADS * HEAD_DIM, generator=gen) for _ in range(2))
-    grouped = decode(kv, req_to_token, rows, seq_lens, table, q, k, v, group)
+    grouped = decode(kv, req_to_token, rows, seq_lens, table, q, k, v, group, cpu_kernel=cpu_kernel)
     plain = decode(kv, req_to_token, rows, seq_lens, None, q, k, v, group)
     torch.testing.assert_close(grouped, plain, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(grouped, dense(kv, req_to_token, rows, seq_lens, q, k, v, group), atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
-def test_grouped_decode_without_saving_kv_and_fp8(kv_dtype):
+@pytest.mark.parametrize("cpu_kernel", KERNELS)
+def test_grouped_decode_without_saving_kv_and_fp8(kv_dtype, cpu_kernel):
     rng = random.Random(7)
     kv, req_to_token, rows, seq_lens, table = random_batch(rng, 2, kv_dtype)
     while table is None or table.num_groups == 0:
@@ -142,7 +151,7 @@ def test_grouped_decode_without_saving_kv_and_fp8(kv_dtype):
     q = torch.randn(len(rows), KV_HEADS * 2 * HEAD_DIM, generator=gen)
     k, v = (torch.randn(len(rows), KV_HEADS * HEAD_DIM, generator=gen) for _ in range(2))
     for save in (False, True):  # the same result whether the new token is in the pool or put in place
-        grouped = decode(kv, req_to_token, rows, seq_lens, table, q, k, v, 2, save_kv_cache=save)
+        grouped = decode(kv, req_to_token, rows, seq_lens, table, q, k, v, 2, cpu_kernel, save_kv_cache=save)
         plain = decode(kv, req_to_token, rows, seq_lens, None, q, k, v, 2, save_kv_cache=save)
         torch.testing.assert_close(grouped, plain, atol=2e-6, rtol=1e-5)
 

@@ -23,16 +23,21 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from typing import TYPE_CHECKING
 
 import torch
 
 from radixserve.cache_dir import cache_root
+
+if TYPE_CHECKING:
+    from radixserve.model_executor.forward_batch_info import PrefixGroupTable
 
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"  # "0" turns the kernels off
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 SOURCES = [os.path.join(CSRC, name) for name in ("attention.c", "elementwise.c")]
+HEADERS = [os.path.join(CSRC, "vector_math.h")]  # part of the build's cache key, as the sources are
 CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast"]
 BUILD_TIMEOUT_S = 300
 # Split a request's keys only while that leaves at least this many per split.
@@ -81,7 +86,7 @@ def _library() -> ctypes.CDLL | None:
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
         source = b""
-        for path in SOURCES:
+        for path in SOURCES + HEADERS:
             with open(path, "rb") as f:
                 source += f.read()
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -106,6 +111,9 @@ def _library() -> ctypes.CDLL | None:
     lib.rs_decode_attention.restype = i32
     lib.rs_extend_attention.argtypes = [p, i64, p, p, p, p, i64, p, p, p, p, p, i32, i32, i32, i32, f32, i32]
     lib.rs_extend_attention.restype = i32
+    lib.rs_grouped_decode_attention.argtypes = [p, i64, p, p, p, p, i64, p, p, p, i32, p, p, p, p, p, i32, i32, i32, i32,
+                                                f32, i32]
+    lib.rs_grouped_decode_attention.restype = i32
     lib.rs_add_rms_norm.argtypes = [p, i64, p, i64, p, p, p, i64, i32, f32, i32, i32]
     lib.rs_add_rms_norm.restype = None
     lib.rs_rotary.argtypes = [p, i64, p, i32, p, i64, p, i32, p, p, i64, i64, i32, i32]
@@ -130,6 +138,19 @@ def _decode_table(dtype: torch.dtype) -> torch.Tensor:
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
 
 
+def _check_operands(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
+                    num_heads: int) -> tuple[int, int, torch.Tensor | None]:
+    """What the attention kernels require of their operands (AssertionError
+    otherwise); returns the pool's KV heads, its head size and the table that
+    decodes a one-byte pool (None for float32)."""
+    num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
+    assert q.dtype == torch.float32 and k_buffer.dtype == v_buffer.dtype and k_buffer.dtype in KV_DTYPES
+    assert q.stride(1) == 1 and k_buffer.is_contiguous() and v_buffer.is_contiguous() and req_to_token.stride(1) == 1
+    assert v_buffer.shape == k_buffer.shape and req_to_token.dtype == torch.int32
+    assert q.shape[1] == num_heads * head_dim and num_heads % num_kv_heads == 0
+    return num_kv_heads, head_dim, None if k_buffer.dtype == torch.float32 else _decode_table(k_buffer.dtype)
+
+
 def decode_attention(
     q: torch.Tensor,  # [bs, num_heads * head_dim] float32, rows may be strided (a view of qkv)
     k_buffer: torch.Tensor,  # [pool_rows, num_kv_heads, head_dim] float32 or fp8, contiguous
@@ -144,16 +165,11 @@ def decode_attention(
     """One query token per request against its whole context, read straight
     from the paged pool; returns ``[bs, num_heads * head_dim]``."""
     bs = q.shape[0]
-    num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
-    assert q.dtype == torch.float32 and k_buffer.dtype == v_buffer.dtype and req_to_token.dtype == torch.int32
-    assert k_buffer.dtype in KV_DTYPES
-    assert q.stride(1) == 1 and k_buffer.is_contiguous() and v_buffer.is_contiguous() and req_to_token.stride(1) == 1
-    assert v_buffer.shape == k_buffer.shape and q.shape[1] == num_heads * head_dim and num_heads % num_kv_heads == 0
+    num_kv_heads, head_dim, lut = _check_operands(q, k_buffer, v_buffer, req_to_token, num_heads)
     rows = req_pool_indices.to(torch.int64).contiguous()
     lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty(bs, num_heads * head_dim, dtype=torch.float32)
     threads = torch.get_num_threads()
-    lut = None if k_buffer.dtype == torch.float32 else _decode_table(k_buffer.dtype)
     rc = _library().rs_decode_attention(
         q.data_ptr(), q.stride(0), k_buffer.data_ptr(), v_buffer.data_ptr(), None if lut is None else lut.data_ptr(),
         req_to_token.data_ptr(),
@@ -181,13 +197,9 @@ def extend_attention(
     the prefix and the new tokens), read straight from the paged pool, which
     already holds the new tokens' K/V; returns ``[tokens, num_heads * head_dim]``."""
     tokens = q.shape[0]
-    num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
-    assert q.dtype == torch.float32 and k_buffer.dtype == v_buffer.dtype and k_buffer.dtype in KV_DTYPES
-    assert q.stride(1) == 1 and k_buffer.is_contiguous() and v_buffer.is_contiguous() and req_to_token.stride(1) == 1
-    assert req_to_token.dtype == torch.int32 and q.shape[1] == num_heads * head_dim and num_heads % num_kv_heads == 0
+    num_kv_heads, head_dim, lut = _check_operands(q, k_buffer, v_buffer, req_to_token, num_heads)
     assert all(t.dtype == torch.int64 and t.is_contiguous() for t in (rows, prefix_lens, extend_lens, q_starts))
     out = torch.empty(tokens, num_heads * head_dim, dtype=torch.float32)
-    lut = None if k_buffer.dtype == torch.float32 else _decode_table(k_buffer.dtype)
     rc = _library().rs_extend_attention(
         q.data_ptr(), q.stride(0), k_buffer.data_ptr(), v_buffer.data_ptr(), None if lut is None else lut.data_ptr(),
         req_to_token.data_ptr(), req_to_token.stride(0), rows.data_ptr(), prefix_lens.data_ptr(),
@@ -196,6 +208,39 @@ def extend_attention(
     )
     if rc != 0:
         raise MemoryError("CPU extend attention could not allocate its scratch memory")
+    return out
+
+
+def grouped_decode_attention(
+    q: torch.Tensor,  # [bs, num_heads * head_dim] float32, rows may be strided (a view of qkv)
+    k_buffer: torch.Tensor,  # [pool_rows, num_kv_heads, head_dim] float32 or fp8, contiguous
+    v_buffer: torch.Tensor,  # same shape
+    req_to_token: torch.Tensor,  # [rows, max_context] int32
+    req_pool_indices: torch.Tensor,  # [bs] int64
+    seq_lens: torch.Tensor,  # [bs] int64, each >= 1, the new token's K/V already in the pool
+    table: "PrefixGroupTable",  # forward_batch_info.PrefixGroupTable, on the CPU
+    num_heads: int,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`decode_attention` with the shared prefixes of ``table`` read
+    once per group (docs/prefix_grouped_decode.md): each group's prefix
+    against all its members' queries in one pass, each request's own suffix
+    as decode does, the two merged by their maxima and sums. Returns
+    ``[bs, num_heads * head_dim]``."""
+    bs = q.shape[0]
+    num_kv_heads, head_dim, lut = _check_operands(q, k_buffer, v_buffer, req_to_token, num_heads)
+    ints = [t.to(torch.int64).contiguous() for t in (req_pool_indices, seq_lens, table.suffix_starts, table.prefix_rows,
+                                                   table.prefix_lens, table.member_starts, table.members)]
+    rows, lens, suffix_starts, prefix_rows, prefix_lens, member_starts, members = ints
+    out = torch.empty(bs, num_heads * head_dim, dtype=torch.float32)
+    rc = _library().rs_grouped_decode_attention(
+        q.data_ptr(), q.stride(0), k_buffer.data_ptr(), v_buffer.data_ptr(), None if lut is None else lut.data_ptr(),
+        req_to_token.data_ptr(), req_to_token.stride(0), rows.data_ptr(), lens.data_ptr(), suffix_starts.data_ptr(),
+        table.num_groups, prefix_rows.data_ptr(), prefix_lens.data_ptr(), member_starts.data_ptr(), members.data_ptr(),
+        out.data_ptr(), bs, num_heads, num_kv_heads, head_dim, scale, torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise MemoryError("CPU grouped decode attention could not allocate its scratch memory")
     return out
 
 

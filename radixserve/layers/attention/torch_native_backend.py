@@ -15,8 +15,9 @@ scattered over the pool in any page layout.
   steps: a fresh multi-MB tensor per gather costs page faults that made the
   gather 2x slower. The query heads that share a KV head are folded into the
   query-length axis, ``q: [bs, kv_heads, group, d]``, so GQA needs no copy of K/V.
-- DECODE with prefix groups (``--enable-prefix-grouped-decode``): the
-  cascade of ``cascade_decode.py``, each shared prefix read once per group.
+- DECODE with prefix groups (``--enable-prefix-grouped-decode``): each
+  shared prefix read once per group, by the C kernel's grouped decode where
+  it attends (as above), else by the cascade of ``cascade_decode.py``.
 - EXTEND on a CPU, float32 model and pool: the C kernel's extend attention,
   each new token against its request's keys up to itself, four tokens at a
   time, straight from the pool (W6's prefill 14.8 s against 15.4 with the
@@ -98,7 +99,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             # the kernel reads the new tokens' K/V back from the pool: only where that is exact
             kernel = self._kernel_attends(forward_batch) and forward_batch.token_to_kv_pool.dtype == torch.float32
             forward_batch.attn_metadata = (_extend_kernel_metadata if kernel else _extend_metadata)(forward_batch)
-        elif forward_batch.prefix_groups is not None:  # cascade_decode.py reads the table itself
+        elif forward_batch.prefix_groups is not None:  # the grouped decode reads the table itself
             forward_batch.attn_metadata = None
         elif self._kernel_attends(forward_batch):
             forward_batch.attn_metadata = DecodeMetadata(None, None, max(forward_batch.seq_lens_cpu))
@@ -137,9 +138,15 @@ class TorchNativeAttnBackend(AttentionBackend):
     def _forward_grouped_decode(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch",
                                 save_kv_cache: bool) -> torch.Tensor:
         """Decode with ``forward_batch.prefix_groups``: each shared prefix read
-        once per group (``cascade_decode.py``)."""
+        once per group, by the C kernel where it attends (straight from the
+        pool, which must hold the new tokens), else ``cascade_decode.py``."""
         k_buf, v_buf = _kv(layer, forward_batch)
         fb = forward_batch
+        if save_kv_cache and self._kernel_attends(fb):
+            return cpu_kernels.grouped_decode_attention(
+                q.reshape(fb.batch_size, -1), k_buf, v_buf, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
+                fb.seq_lens, fb.prefix_groups, layer.num_heads, layer.scaling,
+            )
         return grouped_decode_attention(
             q.reshape(fb.batch_size, -1), k_buf, v_buf, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
             fb.seq_lens, fb.seq_lens_cpu, fb.prefix_groups, layer.num_heads, layer.scaling,

@@ -1,5 +1,6 @@
-/* Attention on the CPU, straight from the paged KV pool: decode, and at the
- * end of this file extend (prefill).
+/* Attention on the CPU, straight from the paged KV pool: decode, then extend
+ * (prefill), and at the end of this file decode with shared prefixes read
+ * once per group.
  *
  * Decode: one query token per request attends to the request's whole context, whose
  * K/V rows sit at slots req_to_token[row, 0 .. seq_len) of the pool. The work
@@ -22,45 +23,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vector_math.h"
+
 #define BLOCK 32   /* keys scored before each softmax rescale */
 #define PREFETCH 4 /* keys ahead whose K rows are prefetched */
-
-/* Eight floats as one vector value (GCC's and Clang's vector extension: one
- * AVX register where the ISA has it, two SSE ones or scalars elsewhere); its
- * 4-byte alignment lets it load from any float. Dot products sum eight lanes
- * each in registers, then fold the lanes once: an OpenMP simd reduction goes
- * through memory for the fold, which cost more than the products here. */
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-
-static inline float hsum8(v8 x) {
-#if defined(__clang__) || __GNUC__ >= 12
-    v8 y = x + __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3);
-    y += __builtin_shufflevector(y, y, 2, 3, 0, 1, 6, 7, 4, 5);
-    y += __builtin_shufflevector(y, y, 1, 0, 3, 2, 5, 4, 7, 6);
-    return y[0];
-#else
-    float r = 0.0f;
-    for (int i = 0; i < 8; i++) r += x[i];
-    return r;
-#endif
-}
-
-/* Four vector sums folded into their four totals: [hsum8(a0), .., hsum8(a3)]
- * in six in-lane shuffles and four adds, where four hsum8 take twelve
- * shuffles and twelve adds. */
-static inline void fold4(v8 a0, v8 a1, v8 a2, v8 a3, float d[4]) {
-#if defined(__clang__) || __GNUC__ >= 12
-    const v8 t0 = __builtin_shufflevector(a0, a1, 0, 8, 2, 10, 4, 12, 6, 14) +
-                  __builtin_shufflevector(a0, a1, 1, 9, 3, 11, 5, 13, 7, 15);
-    const v8 t1 = __builtin_shufflevector(a2, a3, 0, 8, 2, 10, 4, 12, 6, 14) +
-                  __builtin_shufflevector(a2, a3, 1, 9, 3, 11, 5, 13, 7, 15);
-    const v8 u = __builtin_shufflevector(t0, t1, 0, 1, 8, 9, 4, 5, 12, 13) +
-                 __builtin_shufflevector(t0, t1, 2, 3, 10, 11, 6, 7, 14, 15);
-    for (int i = 0; i < 4; i++) d[i] = u[i] + u[i + 4];
-#else
-    d[0] = hsum8(a0), d[1] = hsum8(a1), d[2] = hsum8(a2), d[3] = hsum8(a3);
-#endif
-}
 
 static inline void prefetch_row(const void *pool, const float *lut, int32_t slot, int kv_row) {
     int64_t bytes = lut == NULL ? (int64_t)kv_row * 4 : kv_row;
@@ -75,54 +41,6 @@ static inline const float *pool_row(const void *pool, const float *lut, int32_t 
     const uint8_t *bytes = (const uint8_t *)pool + (int64_t)slot * kv_row;
     for (int i = 0; i < kv_row; i++) buf[i] = lut[bytes[i]];
     return buf;
-}
-
-/* exp(x) to about 2 ulp over [-87, 88] (Cephes' expf polynomial), without a
- * call, so that loops over it vectorize; 0 below -87 (-inf included), exp(88)
- * above 88. */
-static inline float exp_approx(float x) {
-    if (x < -87.0f) return 0.0f;
-    float v = x > 88.0f ? 88.0f : x;
-    float fn = floorf(v * 1.44269504088896341f + 0.5f);
-    float r = v - fn * 0.693359375f + fn * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)fn + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
-/* d[u] = x . y[u] over n floats for u < 4: four independent vector sums
- * folded once (a plain loop where n is not a multiple of 8). */
-static inline void dot4(const float *x, const float *y0, const float *y1, const float *y2, const float *y3, int n,
-                        float d[4]) {
-    if (n % 8 == 0) {
-        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        for (int i = 0; i < n; i += 8) {
-            const v8 xv = *(const v8 *)(x + i);
-            a0 += xv * *(const v8 *)(y0 + i);
-            a1 += xv * *(const v8 *)(y1 + i);
-            a2 += xv * *(const v8 *)(y2 + i);
-            a3 += xv * *(const v8 *)(y3 + i);
-        }
-        fold4(a0, a1, a2, a3, d);
-        return;
-    }
-    float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
-#pragma omp simd reduction(+ : d0, d1, d2, d3)
-    for (int i = 0; i < n; i++) {
-        d0 += x[i] * y0[i];
-        d1 += x[i] * y1[i];
-        d2 += x[i] * y2[i];
-        d3 += x[i] * y3[i];
-    }
-    d[0] = d0, d[1] = d1, d[2] = d2, d[3] = d3;
 }
 
 /* Online softmax over one block of n scores: sh becomes the weights
@@ -272,7 +190,8 @@ static void attend_span(const float *q, const void *k, const void *v, const floa
 }
 
 /* What the attention entry points share, and each one's own (decode: seq_lens,
- * num_splits, partial; extend: prefix_lens .. item_req, out). */
+ * num_splits, partial; extend: prefix_lens .. item_req, out; grouped decode:
+ * seq_lens, partial, item_req and the fields below out). */
 typedef struct {
     const float *q;
     int64_t q_stride;
@@ -288,6 +207,9 @@ typedef struct {
     float *partial;
     const int64_t *prefix_lens, *extend_lens, *q_starts, *item_req;
     float *out;
+    /* grouped decode: the batch size, each request's suffix start, and the groups' table */
+    int bs;
+    const int64_t *suffix_starts, *prefix_rows, *group_prefix_lens, *member_starts, *members;
 } Attn;
 
 typedef void (*ItemFn)(const Attn *a, int64_t it, float *scratch);
@@ -334,30 +256,11 @@ static void decode_item(const Attn *a, int64_t it, float *scratch) {
     }
 }
 
-/* k and v are float32 rows when lut is NULL, else one-byte rows that lut
- * (256 floats) decodes. */
-int rs_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v, const float *lut,
-                        const int32_t *req_to_token, int64_t rtt_stride, const int64_t *rows,
-                        const int64_t *seq_lens, float *out, int bs, int num_heads,
-                        int num_kv_heads, int head_dim, float scale, int num_splits,
-                        int num_threads) {
-    const int kv_row = num_kv_heads * head_dim; /* elements per pool slot */
-    const int part = head_dim + 2;              /* acc, m, l of one query head and split */
-    const int64_t items = (int64_t)bs * num_splits;
-    float *partial = malloc(sizeof(float) * items * num_heads * part);
-    if (partial == NULL) return -1;
-    const Attn a = {.q = q, .q_stride = q_stride, .k = k, .v = v, .lut = lut, .req_to_token = req_to_token,
-                    .rtt_stride = rtt_stride, .rows = rows, .num_heads = num_heads,
-                    .group = num_heads / num_kv_heads, .head_dim = head_dim, .kv_row = kv_row, .scale = scale,
-                    .seq_lens = seq_lens, .num_splits = num_splits, .partial = partial};
-    const int failed = for_items(&a, items, num_heads * (BLOCK + 2 + head_dim) + BLOCK * kv_row, decode_item,
-                                 num_threads);
-    if (failed) {
-        free(partial);
-        return -1;
-    }
-
-    /* Merge the splits of each (request, query head). */
+/* out [bs, num_heads, head_dim]: each (request, query head)'s num_splits
+ * partials (acc, m, l; m = -inf: an empty split) merged by their maxima. */
+static void merge_splits(const float *partial, int num_splits, int bs, int num_heads, int head_dim, float *out,
+                         int num_threads) {
+    const int part = head_dim + 2;
 #pragma omp parallel for num_threads(num_threads)
     for (int64_t bh = 0; bh < (int64_t)bs * num_heads; bh++) {
         int b = (int)(bh / num_heads), hq = (int)(bh % num_heads);
@@ -383,6 +286,32 @@ int rs_decode_attention(const float *q, int64_t q_stride, const void *k, const v
 #pragma omp simd
         for (int i = 0; i < head_dim; i++) o[i] *= inv;
     }
+}
+
+/* k and v are float32 rows when lut is NULL, else one-byte rows that lut
+ * (256 floats) decodes. */
+int rs_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v, const float *lut,
+                        const int32_t *req_to_token, int64_t rtt_stride, const int64_t *rows,
+                        const int64_t *seq_lens, float *out, int bs, int num_heads,
+                        int num_kv_heads, int head_dim, float scale, int num_splits,
+                        int num_threads) {
+    const int kv_row = num_kv_heads * head_dim; /* elements per pool slot */
+    const int part = head_dim + 2;              /* acc, m, l of one query head and split */
+    const int64_t items = (int64_t)bs * num_splits;
+    float *partial = malloc(sizeof(float) * items * num_heads * part);
+    if (partial == NULL) return -1;
+    const Attn a = {.q = q, .q_stride = q_stride, .k = k, .v = v, .lut = lut, .req_to_token = req_to_token,
+                    .rtt_stride = rtt_stride, .rows = rows, .num_heads = num_heads,
+                    .group = num_heads / num_kv_heads, .head_dim = head_dim, .kv_row = kv_row, .scale = scale,
+                    .seq_lens = seq_lens, .num_splits = num_splits, .partial = partial};
+    const int failed = for_items(&a, items, num_heads * (BLOCK + 2 + head_dim) + BLOCK * kv_row, decode_item,
+                                 num_threads);
+    if (failed) {
+        free(partial);
+        return -1;
+    }
+
+    merge_splits(partial, num_splits, bs, num_heads, head_dim, out, num_threads);
     free(partial);
     return 0;
 }
@@ -399,10 +328,14 @@ int rs_decode_attention(const float *q, int64_t q_stride, const void *k, const v
  *   rows, prefix_lens, extend_lens, q_starts: [bs] int64 (q_starts: each request's first row of q) */
 #define QROWS 4 /* the four sums below are spelled out */
 
-static void attend_rows(const float *q, int64_t q_stride, const void *k, const void *v, const float *lut,
-                        const int32_t *slots, int first_pos, int nq, int num_heads, int group, int head_dim,
-                        int kv_row, float scale, float *s, float *m, float *l, float *acc, float *rows,
-                        float *out) {
+/* Up to QROWS query rows (qs[r], every query head; rows past nq repeat the
+ * last) over keys [0, end), reading each K and V row once for all of them;
+ * row r sees the keys t <= last_key + r. Leaves per (query head, row) the
+ * running max m and sum l [num_heads * QROWS] and the unnormalized acc
+ * [nq, num_heads * head_dim]. */
+static void attend_rows(const float *const *qs, const void *k, const void *v, const float *lut,
+                        const int32_t *slots, int end, int last_key, int nq, int num_heads, int group, int head_dim,
+                        int kv_row, float scale, float *s, float *m, float *l, float *acc, float *rows) {
     const int hd = head_dim, span = num_heads * hd;
     const float *vrows[BLOCK];
     for (int i = 0; i < QROWS * num_heads; i++) {
@@ -410,7 +343,6 @@ static void attend_rows(const float *q, int64_t q_stride, const void *k, const v
         l[i] = 0.0f;
     }
     memset(acc, 0, sizeof(float) * nq * span);
-    const int end = first_pos + nq;
     for (int t0 = 0; t0 < end; t0 += BLOCK) {
         int n = end - t0 < BLOCK ? end - t0 : BLOCK;
         for (int j = 0; j < n; j++) {
@@ -421,12 +353,11 @@ static void attend_rows(const float *q, int64_t q_stride, const void *k, const v
             for (int hq = 0; hq < num_heads; hq++) {
                 const float *kh = kp + (hq / group) * hd;
                 /* rows past nq repeat the last one; their scores are not kept */
-                const float *q0 = q + hq * hd, *q1 = q0 + (nq > 1) * q_stride, *q2 = q0 + (nq > 2 ? 2 : nq - 1) * q_stride,
-                            *q3 = q0 + (nq - 1) * q_stride;
+                const int o = hq * hd;
                 float d[QROWS];
-                dot4(kh, q0, q1, q2, q3, hd, d);
+                dot4(kh, qs[0] + o, qs[1] + o, qs[2] + o, qs[3] + o, hd, d);
                 for (int r = 0; r < nq; r++)
-                    s[(hq * QROWS + r) * BLOCK + j] = t <= first_pos + r ? d[r] * scale : -INFINITY;
+                    s[(hq * QROWS + r) * BLOCK + j] = t <= last_key + r ? d[r] * scale : -INFINITY;
             }
         }
         for (int hq = 0; hq < num_heads; hq++)
@@ -458,14 +389,6 @@ static void attend_rows(const float *q, int64_t q_stride, const void *k, const v
                     }
         }
     }
-    for (int r = 0; r < nq; r++)
-        for (int hq = 0; hq < num_heads; hq++) {
-            const float li = l[hq * QROWS + r], inv = li > 0.0f ? 1.0f / li : 0.0f;
-            const float *ah = acc + r * span + hq * hd;
-            float *o = out + r * span + hq * hd;
-#pragma omp simd
-            for (int x = 0; x < hd; x++) o[x] = ah[x] * inv;
-        }
 }
 
 /* One (request, QROWS new tokens) item of extend, straight into a->out. */
@@ -477,9 +400,19 @@ static void extend_item(const Attn *a, int64_t it, float *scratch) {
     float *s = scratch, *m = s + QROWS * num_heads * BLOCK, *l = m + QROWS * num_heads;
     float *acc = l + QROWS * num_heads, *rowbuf = acc + QROWS * span;
     const int64_t tok = a->q_starts[b] + r0;
-    attend_rows(a->q + tok * a->q_stride, a->q_stride, a->k, a->v, a->lut,
-                a->req_to_token + a->rows[b] * a->rtt_stride, (int)(a->prefix_lens[b] + r0), nq, num_heads, a->group,
-                a->head_dim, a->kv_row, a->scale, s, m, l, acc, rowbuf, a->out + tok * span);
+    const int first_pos = (int)(a->prefix_lens[b] + r0), hd = a->head_dim;
+    const float *qs[QROWS];
+    for (int r = 0; r < QROWS; r++) qs[r] = a->q + (tok + (r < nq ? r : nq - 1)) * a->q_stride;
+    attend_rows(qs, a->k, a->v, a->lut, a->req_to_token + a->rows[b] * a->rtt_stride, first_pos + nq, first_pos, nq,
+                num_heads, a->group, hd, a->kv_row, a->scale, s, m, l, acc, rowbuf);
+    for (int r = 0; r < nq; r++)
+        for (int hq = 0; hq < num_heads; hq++) {
+            const float li = l[hq * QROWS + r], inv = li > 0.0f ? 1.0f / li : 0.0f;
+            const float *ah = acc + r * span + hq * hd;
+            float *o = a->out + (tok + r) * span + hq * hd;
+#pragma omp simd
+            for (int x = 0; x < hd; x++) o[x] = ah[x] * inv;
+        }
 }
 
 int rs_extend_attention(const float *q, int64_t q_stride, const void *k, const void *v, const float *lut,
@@ -506,4 +439,95 @@ int rs_extend_attention(const float *q, int64_t q_stride, const void *k, const v
     const int failed = for_items(&a, items, scratch, extend_item, num_threads);
     free(item_req);
     return failed;
+}
+
+/* Decode with shared prefixes read once per group (cascade attention): the
+ * requests members[member_starts[g] .. member_starts[g + 1]) of group g share
+ * the K/V slots req_to_token[prefix_rows[g], 0 .. prefix_lens[g]); each
+ * request's own keys are positions suffix_starts[b] .. seq_lens[b] (0 ..
+ * seq_lens[b] for one in no group). Items: one per request for its suffix
+ * (as decode), then one per QROWS members of a group for the prefix, whose
+ * K/V rows are read once for those members' queries (as extend's rows, with
+ * no causal mask). Both leave partials (acc, m, l) that are merged as
+ * decode's splits are. Layouts as rs_decode_attention's; group tables int64. */
+static void grouped_item(const Attn *a, int64_t it, float *scratch) {
+    const int num_heads = a->num_heads, hd = a->head_dim, part = hd + 2;
+    const int bs = a->bs;
+    float *s = scratch;
+    if (it < bs) { /* request it's suffix into its partial 1; partial 0 empty unless a group fills it */
+        const int b = (int)it;
+        float *m = s + num_heads * BLOCK, *l = m + num_heads, *acc = l + num_heads;
+        float *p = a->partial + ((int64_t)b * 2 + 1) * num_heads * part;
+        attend_span(a->q + b * a->q_stride, a->k, a->v, a->lut, a->req_to_token + a->rows[b] * a->rtt_stride,
+                    (int)a->suffix_starts[b], (int)a->seq_lens[b], num_heads, a->group, hd, a->kv_row, a->scale, s, m,
+                    l, acc, acc + num_heads * hd);
+        for (int hq = 0; hq < num_heads; hq++) {
+            memcpy(p + hq * part, acc + hq * hd, sizeof(float) * hd);
+            p[hq * part + hd] = m[hq];
+            p[hq * part + hd + 1] = l[hq];
+        }
+        if (a->suffix_starts[b] == 0)
+            for (int hq = 0; hq < num_heads; hq++) a->partial[(int64_t)b * 2 * num_heads * part + hq * part + hd] = -INFINITY;
+        return;
+    }
+    /* item_req: (group, first member) of each prefix item */
+    const int g = (int)a->item_req[2 * (it - bs)];
+    const int64_t first = a->item_req[2 * (it - bs) + 1], stop = a->member_starts[g + 1];
+    const int nq = stop - first < QROWS ? (int)(stop - first) : QROWS;
+    const int span = num_heads * hd, end = (int)a->group_prefix_lens[g];
+    float *m = s + QROWS * num_heads * BLOCK, *l = m + QROWS * num_heads;
+    float *acc = l + QROWS * num_heads, *rowbuf = acc + QROWS * span;
+    const float *qs[QROWS];
+    for (int r = 0; r < QROWS; r++) qs[r] = a->q + a->members[first + (r < nq ? r : nq - 1)] * a->q_stride;
+    attend_rows(qs, a->k, a->v, a->lut, a->req_to_token + a->prefix_rows[g] * a->rtt_stride, end, end, nq, num_heads,
+                a->group, hd, a->kv_row, a->scale, s, m, l, acc, rowbuf);
+    for (int r = 0; r < nq; r++) {
+        float *p = a->partial + a->members[first + r] * 2 * num_heads * part;
+        for (int hq = 0; hq < num_heads; hq++) {
+            memcpy(p + hq * part, acc + r * span + hq * hd, sizeof(float) * hd);
+            p[hq * part + hd] = m[hq * QROWS + r];
+            p[hq * part + hd + 1] = l[hq * QROWS + r];
+        }
+    }
+}
+
+int rs_grouped_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v, const float *lut,
+                                const int32_t *req_to_token, int64_t rtt_stride, const int64_t *rows,
+                                const int64_t *seq_lens, const int64_t *suffix_starts, int num_groups,
+                                const int64_t *prefix_rows, const int64_t *prefix_lens, const int64_t *member_starts,
+                                const int64_t *members, float *out, int bs, int num_heads, int num_kv_heads,
+                                int head_dim, float scale, int num_threads) {
+    const int kv_row = num_kv_heads * head_dim, part = head_dim + 2;
+    int64_t prefix_items = 0;
+    for (int g = 0; g < num_groups; g++) prefix_items += (member_starts[g + 1] - member_starts[g] + QROWS - 1) / QROWS;
+    int64_t *item_req = malloc(sizeof(int64_t) * (prefix_items > 0 ? prefix_items : 1) * 2);
+    float *partial = malloc(sizeof(float) * (bs > 0 ? bs : 1) * 2 * num_heads * part);
+    if (item_req == NULL || partial == NULL) {
+        free(item_req);
+        free(partial);
+        return -1;
+    }
+    for (int64_t g = 0, it = 0; g < num_groups; g++)
+        for (int64_t i = member_starts[g]; i < member_starts[g + 1]; i += QROWS, it++) {
+            item_req[2 * it] = g;
+            item_req[2 * it + 1] = i;
+        }
+    const Attn a = {.q = q, .q_stride = q_stride, .k = k, .v = v, .lut = lut, .req_to_token = req_to_token,
+                    .rtt_stride = rtt_stride, .rows = rows, .num_heads = num_heads,
+                    .group = num_heads / num_kv_heads, .head_dim = head_dim, .kv_row = kv_row, .scale = scale,
+                    .seq_lens = seq_lens, .partial = partial, .item_req = item_req, .bs = bs,
+                    .suffix_starts = suffix_starts, .prefix_rows = prefix_rows, .group_prefix_lens = prefix_lens,
+                    .member_starts = member_starts, .members = members};
+    const size_t scratch_decode = num_heads * (BLOCK + 2 + head_dim) + BLOCK * kv_row;
+    const size_t scratch_rows = QROWS * num_heads * (BLOCK + 2) + QROWS * num_heads * head_dim + (BLOCK + 1) * kv_row;
+    const int failed = for_items(&a, bs + prefix_items, scratch_decode > scratch_rows ? scratch_decode : scratch_rows,
+                                 grouped_item, num_threads);
+    free(item_req);
+    if (failed) {
+        free(partial);
+        return -1;
+    }
+    merge_splits(partial, 2, bs, num_heads, head_dim, out, num_threads);
+    free(partial);
+    return 0;
 }
