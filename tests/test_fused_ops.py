@@ -106,6 +106,34 @@ def test_qk_norm_over_strided_heads(tokens, head_dim, dtype):
 
 @torch.inference_mode()
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_qk_norm_and_rotary_in_one_launch(tokens, head_dim, dtype):
+    """Qwen3's per-head norms of q and k inside the rotary kernel: what the
+    norm kernel then the rotary kernel give, and the torch path, within the
+    tolerance (the sum of squares may be added up in another order)."""
+    heads, kv_heads = 16, 4
+    rope = get_rope(head_dim, 8192, 1e6).to(DEVICE)
+    qkv = 3 * randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q_norm, k_norm = make_norm(head_dim, dtype), make_norm(head_dim, dtype)
+    k_norm.weight.data = 1 - 0.1 * randn(head_dim, dtype=dtype, seed=4)
+    positions = torch.randint(0, 8192, (tokens,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    fused = rope.forward_with_head_norms(positions, q, k, q_norm, k_norm)
+    if not tokens:
+        assert [t.shape for t in fused] == [q.shape, k.shape]
+        return
+    heads_of = lambda x: x.reshape(tokens, -1, head_dim)  # noqa: E731
+    two_launches = rope(positions, q_norm(heads_of(q)).flatten(1), k_norm(heads_of(k)).flatten(1))
+    native = rope.forward_native(positions, q_norm.forward_native(heads_of(q)).flatten(1),
+                                 k_norm.forward_native(heads_of(k)).flatten(1))
+    for out, unfused, ref in zip(fused, two_launches, native):
+        assert_close(out, unfused)
+        assert_close(out, ref)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", HIDDEN)
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_silu_and_mul(tokens, d, dtype):
@@ -142,5 +170,10 @@ def test_layers_dispatch_to_the_kernels(monkeypatch):
     x = randn(5, 128)
     make_norm(128, torch.float32)(x, x)
     SiluAndMul()(x)
-    get_rope(64, 16, 10000.0).to(DEVICE)(torch.arange(5, device=DEVICE), x, x[:, :64])
+    rope = get_rope(64, 16, 10000.0).to(DEVICE)
+    rope(torch.arange(5, device=DEVICE), x, x[:, :64])
     assert calls == ["rms_norm", "silu_and_mul", "rotary_embedding"]
+    calls.clear()  # Qwen3's head norms run inside the rotary kernel
+    rope.forward_with_head_norms(torch.arange(5, device=DEVICE), x, x[:, :64], make_norm(64, torch.float32),
+                                 make_norm(64, torch.float32))
+    assert calls == ["rotary_embedding"]

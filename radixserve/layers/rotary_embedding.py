@@ -49,6 +49,20 @@ class RotaryEmbedding(nn.Module):
             return cpu_kernels.rotary(positions, q, k, self.cos_sin_cache, self.head_dim)
         return self.forward_native(positions, q, k)
 
+    def forward_with_head_norms(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's order: each head of ``q`` and ``k`` RMS-normed (``q_norm``,
+        ``k_norm``: :class:`RMSNorm` over ``head_dim``), then rotated. On CUDA
+        the norms run inside the rotary kernel: one launch for the three."""
+        if use_triton(q, k, q_norm.weight, k_norm.weight) and q_norm.variance_epsilon == k_norm.variance_epsilon:
+            from radixserve.layers.triton_ops.rotary import rotary_embedding
+
+            return rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim,
+                                    (q_norm.weight, k_norm.weight), q_norm.variance_epsilon)
+        heads = lambda x: x.reshape(x.shape[0], -1, self.head_dim)  # noqa: E731
+        return self.forward(positions, q_norm(heads(q)).flatten(1), k_norm(heads(k)).flatten(1))
+
     def forward_native(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

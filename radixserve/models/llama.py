@@ -97,12 +97,10 @@ class LlamaAttention(nn.Module):
         """Projected q, k (normed per head, rotated) and v: what attention takes."""
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
-            q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k = self.rotary_emb.forward_with_head_norms(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
         return q, k, v
-
-    def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        return norm(x.reshape(x.shape[0], -1, self.head_dim)).view(x.shape[0], -1)
 
 
 class LlamaDecoderLayer(nn.Module):

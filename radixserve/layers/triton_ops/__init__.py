@@ -3,7 +3,8 @@
 - ``norm``: RMSNorm, alone or with the residual add fused in (also over
   Qwen3's per-head q/k rows).
 - ``activation``: SiLU-and-mul over the fused ``gate_up`` output.
-- ``rotary``: neox RoPE of q and k in one launch.
+- ``rotary``: neox RoPE of q and k in one launch, with Qwen3's per-head RMSNorm
+  of q and k fused in where the model has it.
 
 Each kernel matches its layer's ``forward_native`` up to float rounding, runs
 without host syncs and allocates only its outputs, so CUDA graphs can capture
