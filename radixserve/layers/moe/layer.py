@@ -39,10 +39,12 @@ class ExpertLoad:
     def __init__(self, num_layers: int, num_experts: int):
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64)
         self.steps = torch.zeros(1, dtype=torch.int64)
+        self.one = torch.ones(1, dtype=torch.int64)
 
     def record(self, moe_index: int, topk_ids: torch.Tensor) -> None:
-        ids = topk_ids.reshape(-1).to(torch.int64)
-        self.counts[moe_index].index_add_(0, ids, torch.ones_like(ids))
+        # one launch: the ids as they are (int32 or int64), a 1 repeated by a stride of 0
+        ids = topk_ids.reshape(-1)
+        self.counts[moe_index].index_add_(0, ids, self.one.expand(ids.numel()))
         if moe_index == 0:
             self.steps.add_(1)
 
