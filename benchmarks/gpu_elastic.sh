@@ -8,7 +8,8 @@
 #   page-mb elastic_vmm.py's rates with 2, 8 and 32 MB pages per buffer (16 GB each way): does an
 #           unmap cost per driver call or per byte? (an idle server's give-back) -> page_mb.jsonl
 #   w1      W1 (qwen3-0.6b, bench.offline_throughput), static then elastic, W1_REPEATS times
-#           each, alternating -> w1.jsonl (each line's "enable_elastic_kv" says which)
+#           each, alternating -> w1.jsonl (each line's "enable_elastic_kv" says which, "flags" the
+#           whole set); W1_VARIANTS: other flag sets, ';'-separated (default ";--enable-elastic-kv")
 #   w1-reuse  W1 elastic after a warm run whose pages were given back (--warm-give-back):
 #           the timed run maps again memory the process had -> w1.jsonl ("warm_give_back": true)
 #   lone | static-pair | elastic-pair   benchmarks/two_tenants.py's phases -> two_tenants.jsonl
@@ -62,7 +63,8 @@ for line in open(sys.argv[1]):
 fi
 w1_runs=()
 if has w1; then
-    for ((i = 0; i < W1_REPEATS; i++)); do w1_runs+=("" "--enable-elastic-kv"); done
+    IFS=';' read -ra w1_variants <<<"${W1_VARIANTS:-;--enable-elastic-kv}"
+    for ((i = 0; i < W1_REPEATS; i++)); do w1_runs+=("${w1_variants[@]}"); done
 fi
 has w1-reuse && w1_runs+=("--enable-elastic-kv --warm-runs 1 --warm-give-back")
 if ((${#w1_runs[@]})); then
@@ -73,7 +75,8 @@ if ((${#w1_runs[@]})); then
             $W1_ARGS $flags >"$LOGDIR/w1.out" 2>"$LOGDIR/w1.log" || fail "W1 ${flags:-static}" "$LOGDIR/w1.log"
         grep '^{' "$LOGDIR/w1.out" | "$PY" -c "import json, sys
 for line in sys.stdin:
-    d = json.loads(line); d['enable_elastic_kv'] = bool(sys.argv[1]); d['warm_give_back'] = 'give-back' in sys.argv[1]
+    d = json.loads(line); d['enable_elastic_kv'] = 'elastic' in sys.argv[1]; d['flags'] = sys.argv[1]
+    d['warm_give_back'] = 'give-back' in sys.argv[1]
     print(json.dumps(d))" "$flags" | tee -a "$OUT/w1.jsonl"
     done
 fi

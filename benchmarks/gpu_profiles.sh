@@ -6,7 +6,8 @@
 #   fp8     llama-3.1-8b --quantization fp8, batch 1 and 32 (E16: fp8 at small batches)
 #   moe     qwen3-30b-a3b bf16, batch 1 and 32 (E15: batch-1 MoE decode against its bandwidth)
 #   lora    llama-3.1-8b with 0 and 8 rank-16 adapters, batch 1 and 256 (E17)
-# -> w2.jsonl (the cases' timings) and kernels.jsonl (the tables), a summary of each table printed.
+# -> w2.jsonl (the cases' timings) and kernels.jsonl (the tables: the device's kernels, then the
+# host's calls and the steps' wall time, "where": "host"), a summary of each table printed.
 #
 #   OUT=/some/dir PARTS="dense fp8 moe lora" benchmarks/gpu_profiles.sh
 #
@@ -42,8 +43,10 @@ rows = [dict(json.loads(line), part=sys.argv[2]) for line in open(sys.argv[1])]
 with open(sys.argv[3], 'a') as f:
     f.writelines(json.dumps(r) + '\n' for r in rows)
 for r in rows:
-    if r['name'] == '(all)' or r['share'] >= 0.03:
-        print(f\"bs {r['batch_size']:>4} lora {r['lora_adapters']} {r['us_per_step']:>9.1f} us {r['share']:>6.1%} \"
+    host = r.get('where') == 'host'
+    if r['name'].startswith('(') or host and r['us_per_step'] >= 50 or r.get('share', 0) >= 0.03:
+        share = 'host' if host else f\"{r['share']:.1%}\"
+        print(f\"bs {r['batch_size']:>4} lora {r['lora_adapters']} {r['us_per_step']:>9.1f} us {share:>6} \"
               f\"x{r['calls_per_step']:<6} {r['name'][:90]}\")" "$LOGDIR/k.jsonl" "$name" "$OUT/kernels.jsonl"
     rm -f "$LOGDIR/k.jsonl"
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
 from radixserve.bench.one_batch import main, make_prompts, parse_args, run_case
@@ -131,3 +132,23 @@ def test_kernel_profile_tables_the_decode_steps_of_each_case(tmp_path, capsys):
         assert calls["mkldnn::_linear_pointwise"] == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the LM head
         # decode attends once a layer for the whole batch (C kernel or SDPA); the prefill once a request and layer
         assert calls.get("aten::scaled_dot_product_attention", 2) == 2
+
+
+def test_host_rows_table_the_hosts_calls_and_the_steps_wall_time():
+    """The host's side of a profile (added to a GPU profile's table): its
+    calls by own CPU time, most first, then the steps' wall time, which no
+    step's own calls exceed."""
+    from radixserve.bench.kernel_profile import decode_profiler, host_rows
+
+    prof = decode_profiler(torch.device("cpu"), steps=3)
+    x = torch.randn(64, 64)
+    with prof:
+        for _ in range(6):  # the first two are skipped and warm-up: three recorded
+            for _ in range(4):
+                x = torch.tanh(x @ x)
+            prof.step()
+    *calls, wall = host_rows(prof, steps=3)
+    assert wall["name"] == "(step wall)" and all(r["where"] == "host" for r in calls + [wall])
+    assert calls == sorted(calls, key=lambda r: -r["us_per_step"]) and len(calls) <= 15
+    assert {r["name"]: r["calls_per_step"] for r in calls}["aten::tanh"] == 4
+    assert sum(r["us_per_step"] for r in calls) <= wall["us_per_step"] * 1.01

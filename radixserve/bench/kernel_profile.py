@@ -4,13 +4,17 @@ benchmark, as one table (``bench.one_batch --kernel-profile PATH``).
 On a GPU the rows are the device's kernels and copies (CUDA graph replays
 included: the profiler sees each kernel of a replay); on a CPU they are the
 operators' own CPU time. Each row: the name, launches and microseconds per
-step, and its share of the steps' total. A profiled run is extra, after the
-timed one, so profiling never touches the reported figures.
+step, and its share of the steps' total. On a GPU :func:`host_rows` adds the
+host's side: the calls that took the host's time (runtime calls such as
+``cudaGraphLaunch`` or ``cudaMemcpyAsync``, and operators, by their own CPU
+time) and the steps' wall time, so a step's time that is no kernel's shows
+where the host spent it. A profiled run is extra, after the timed one, so
+profiling never touches the reported figures.
 
     prof = decode_profiler(device, steps=8)
     with prof:
         ...  # the prefill, then prof.step() after it and after each decode step
-    rows = kernel_rows(prof, device, steps=8)
+    rows = kernel_rows(prof, device, steps=8) + host_rows(prof, steps=8)
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
 
 TOP_ROWS = 40
+TOP_HOST_ROWS = 15
 STEP_MARK = "ProfilerStep"  # the profiler's own range around each step: not work
 
 
@@ -51,6 +56,22 @@ def kernel_rows(prof: torch.profiler.profile, device: torch.device, steps: int, 
              "share": round(us / total, 4)} for e, us in timed[:top]]
     rows.append({"name": "(all)", "calls_per_step": round(sum(e.count for e, _ in timed) / steps, 2),
                  "us_per_step": round(total / steps, 2), "share": 1.0})
+    return rows
+
+
+def host_rows(prof: torch.profiler.profile, steps: int, top: int = TOP_HOST_ROWS) -> list[dict]:
+    """The host's side of the same steps (``"where": "host"``): the ``top``
+    calls by their own CPU time, then ``"(step wall)"``, the steps' wall
+    time (the profiler's step ranges), against which the kernels' total
+    says how long the device sat idle."""
+    averages = prof.key_averages()
+    timed = sorted(((e, e.self_cpu_time_total) for e in averages
+                    if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0 and not e.key.startswith(STEP_MARK)),
+                   key=lambda t: t[1], reverse=True)
+    rows = [{"where": "host", "name": e.key[:200], "calls_per_step": round(e.count / steps, 2),
+             "us_per_step": round(us / steps, 2)} for e, us in timed[:top]]
+    wall = sum(e.cpu_time_total for e in averages if e.key.startswith(STEP_MARK))
+    rows.append({"where": "host", "name": "(step wall)", "calls_per_step": 1.0, "us_per_step": round(wall / steps, 2)})
     return rows
 
 

@@ -509,14 +509,17 @@ def _profile_case(runner, sampler, prompts: torch.Tensor, output_len: int, lora,
     """Decode steps of one case under ``bench.kernel_profile`` (up to
     ``PROFILED_STEPS``, the profiler's warm-up step aside); the table goes to
     ``path`` when ``case_fields`` is given."""
-    from radixserve.bench.kernel_profile import decode_profiler, kernel_rows, write_rows
+    from radixserve.bench.kernel_profile import decode_profiler, host_rows, kernel_rows, write_rows
 
     steps = min(PROFILED_STEPS, output_len - 2)
     prof = decode_profiler(runner.device, steps)
     with prof:
         run_case(runner, sampler, prompts, steps + 2, lora, on_step=prof.step)
     if case_fields is not None:
-        write_rows(path, {**case_fields, "profiled_steps": steps}, kernel_rows(prof, runner.device, steps))
+        rows = kernel_rows(prof, runner.device, steps)
+        if runner.device.type == "cuda":
+            rows += host_rows(prof, steps)
+        write_rows(path, {**case_fields, "profiled_steps": steps}, rows)
 
 
 if __name__ == "__main__":
