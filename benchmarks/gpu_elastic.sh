@@ -5,8 +5,8 @@
 #           pages mapped ahead (llama-3.1-8b's KV geometry) -> rates.jsonl
 #   fresh   benchmarks/elastic_vmm.py's fresh-or-reused rows, a launch-bound and a memory-bound
 #           step: does growing cost the first mapping of a range, or of memory? -> fresh.jsonl
-#   page-mb elastic_vmm.py's rates with 2, 8 and 32 MB pages per buffer (16 GB each way): does an
-#           unmap cost per driver call or per byte? (an idle server's give-back) -> page_mb.jsonl
+#   page-mb elastic_vmm.py's rates with 2, 8 and 32 MB pages per buffer (PAGE_MBS; 16 GB each way):
+#           does an unmap cost per driver call or per byte? (an idle server's give-back) -> page_mb.jsonl
 #   w1      W1 (qwen3-0.6b, bench.offline_throughput), static then elastic, W1_REPEATS times
 #           each, alternating -> w1.jsonl (each line's "enable_elastic_kv" says which, "flags" the
 #           whole set); W1_VARIANTS: other flag sets, ';'-separated (default ";--enable-elastic-kv")
@@ -49,7 +49,7 @@ if has fresh; then
     cut -c1-300 "$OUT/fresh.jsonl"
 fi
 if has page-mb; then
-    for mb in 2 8 32; do
+    for mb in ${PAGE_MBS:-2 8 32}; do
         log "rates, $mb MB pages"
         timeout "$(cap 90)" "$PY" benchmarks/elastic_vmm.py --skip interference,fresh --page-mb "$mb" --pages $((256 / mb)) \
             >>"$OUT/page_mb.jsonl" 2>"$LOGDIR/page_mb.log" || fail "page-mb $mb" "$LOGDIR/page_mb.log"
