@@ -61,7 +61,7 @@ from radixserve.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000
-SHARED_POLL_MS = 100  # the idle wait of a server whose elastic KV pool shares its device with others
+SHARED_POLL_MS = 25  # the idle wait of a server whose elastic KV pool shares its device with others (an ask waits for it)
 STATS_INTERVAL_S = 0.5  # how often a busy scheduler reports its load (for /metrics)
 # A request that is not streamed sends its tokens on in batches of this many (and when it ends), as
 # SGLang's scheduler does: no one reads them before the end, and every batch costs the detokenizer and
