@@ -44,7 +44,7 @@ ELASTIC_KV_GROUP = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # an --elastic-kv-group:
 class ElasticKVConfig:
     """The elastic KV pool's options (``--enable-elastic-kv``, docs/elastic_kv.md)."""
 
-    page_mb: float = 2.0  # one elastic page in each K or V buffer: CUDA's granularity
+    page_mb: float = 8.0  # one elastic page in each K or V buffer (the driver's cost is per mapping: docs/elastic_kv.md)
     max_gb: float | None = None  # address space to reserve, beyond the static pool's size
     min_reserve_pages: int = 1  # empty pages kept mapped ahead of need
     max_reserve_pages: int = 2  # empty pages kept before unmapping
@@ -148,7 +148,7 @@ class ServerArgs:
                 "slots are all free (no request, no cached prefix) goes back"})
     elastic_kv_page_mb: float = field(default=ElasticKVConfig.page_mb, metadata={
         "help": "an elastic page in each layer's K and V buffer, in MB (rounded to whole slots and to the "
-                "device's granularity: 2 MB on CUDA, the OS page on a CPU)"})
+                "device's granularity: 2 MB on CUDA, the OS page on a CPU); larger pages map and unmap faster"})
     elastic_kv_max_gb: float | None = field(default=None, metadata={
         "help": "KV memory the elastic pool may grow to, in GB (default: the static pool's size, from "
                 "--max-total-tokens / --mem-fraction-static)"})

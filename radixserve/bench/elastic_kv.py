@@ -119,7 +119,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--page-mb", type=float, default=2.0)
+    parser.add_argument("--page-mb", type=float, default=ElasticKVConfig.page_mb)
     parser.add_argument("--pages", type=int, default=64, help="pages mapped and unmapped for the rates")
     parser.add_argument("--rounds", type=int, default=20)
     args = parser.parse_args()
