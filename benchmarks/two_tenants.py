@@ -3,7 +3,8 @@ KV pool costs a lone server (W5), in one device call. Phases (``--phases``):
 
 - ``lone``: one server with a static pool, then one with ``--enable-elastic-kv``,
   each alone on the device: W5 at ``--cost-rate`` req/s (the cost of
-  elasticity) and one W9 burst (the lone server's throughput).
+  elasticity); the static one then runs the pairs' W9 bursts, turn by turn
+  (``--lone-bursts``), as the reference each pair's burst is divided by.
 - ``static-pair``: two servers, each with a static pool of half the KV
   (``--half-tokens``), bursts in turn: A, then B.
 - ``elastic-pair``: two elastic servers, each allowed the whole free memory
@@ -14,7 +15,12 @@ KV pool costs a lone server (W5), in one device call. Phases (``--phases``):
 
 A burst is ``radixserve.bench.serving``: random prompts, ``--input-len`` in and
 ``--output-len`` out, Poisson at ``--rate`` req/s, the cache not flushed
-first. Prints one JSON line per figure and writes them, with the servers'
+first. Turn ``t`` of every phase has the seed ``100 + t``, so the lone server
+and the pairs see the same prompts at the same times: at a fixed rate a burst's
+throughput is mostly its arrivals' span (256 Poisson arrivals at 16 req/s span
+16 s give or take one), so bursts of other seeds cannot be compared. A pair's
+burst carries ``of_lone``, its output throughput over the lone server's for
+that seed. Prints one JSON line per figure and writes them, with the servers'
 logs' tails on failure, to ``OUT/two_tenants.jsonl``::
 
     python benchmarks/two_tenants.py --out DIR [--model llama-3.1-8b] [--phases lone,static-pair,elastic-pair]
@@ -153,26 +159,38 @@ def footprint(samples: list[dict], name: str, start: float, end: float) -> dict:
             "idle_given_pages": mine[-1]["elastic_kv_given_pages"] - (mine[0]["elastic_kv_given_pages"] or 0)}
 
 
-def run_lone(args, out) -> None:
+TURN_SEED = 100  # turn t's burst has the seed TURN_SEED + t in every phase
+
+
+def pool_figures(server: Server) -> dict:
+    info = server.info()
+    return {k: v for k, v in info.items()
+            if k.startswith("elastic_kv_") or k == "max_total_tokens" and isinstance(v, (int, float))}
+
+
+def run_lone(args, out) -> dict[int, float]:
+    """The lone servers' runs; returns the static one's W9 output tok/s by seed."""
+    lone = {}
     for name, flags in (("lone-static", []), ("lone-elastic", ["--enable-elastic-kv"])):
         server = Server(name, args.port, args, flags)
         try:
             server.wait_healthy(args.start_timeout)
             emit(out, {"phase": name, "event": "started", "start_s": round(time.time() - server.started, 1)})
             res = burst(server, args, args.cost_rate, args.cost_prompts, 3, f"W5 {args.cost_rate} req/s, {name}")
-            emit(out, {"phase": name, "workload": "W5", **res})
-            res = burst(server, args, args.rate, args.prompts, 11, f"W9 burst, {name}")
-            info = server.info()
-            emit(out, {"phase": name, "workload": "W9", **res,
-                       **{k: v for k, v in info.items() if k.startswith("elastic_kv_") or k == "max_total_tokens"
-                          and isinstance(v, (int, float))}})
+            emit(out, {"phase": name, "workload": "W5", **res, **pool_figures(server)})
+            for turn in range(args.lone_bursts if not flags else 0):
+                seed = TURN_SEED + turn
+                res = burst(server, args, args.rate, args.prompts, seed, f"W9 burst {turn}, {name}")
+                lone[seed] = res["output_throughput"]
+                emit(out, {"phase": name, "workload": "W9", "turn": turn, "seed": seed, **res})
         except Exception as exc:  # noqa: BLE001 - the next phase still runs
             emit(out, {"phase": name, "error": str(exc)[-3000:]})
         finally:
             server.stop()
+    return lone
 
 
-def run_pair(args, out, elastic: bool) -> None:
+def run_pair(args, out, elastic: bool, lone: dict[int, float]) -> None:
     phase = "elastic-pair" if elastic else "static-pair"
     flags = (["--enable-elastic-kv", "--elastic-kv-group", f"w9-{os.getpid()}"] if elastic
              else ["--max-total-tokens", str(args.half_tokens)])
@@ -186,15 +204,15 @@ def run_pair(args, out, elastic: bool) -> None:
         order = [0, 1, 0, 1] if elastic else [0, 1]
         for turn, i in enumerate(order):
             busy, idle = servers[i], servers[1 - i]
-            res = burst(busy, args, args.rate, args.prompts, 100 + turn, f"W9 burst {turn} on {busy.name}")
-            emit(out, {"phase": phase, "workload": "W9", "turn": turn, "server": busy.name, **res,
+            seed = TURN_SEED + turn
+            res = burst(busy, args, args.rate, args.prompts, seed, f"W9 burst {turn} on {busy.name}")
+            of_lone = round(res["output_throughput"] / lone[seed], 4) if seed in lone else None
+            emit(out, {"phase": phase, "workload": "W9", "turn": turn, "seed": seed, "server": busy.name, **res,
+                       "of_lone": of_lone,
                        **(footprint(watcher.samples, idle.name, res["start"], res["end"]) if elastic else {})})
             time.sleep(args.idle_s)
         for s in servers:
-            info = s.info()
-            emit(out, {"phase": phase, "event": "end", "server": s.name,
-                       **{k: v for k, v in info.items() if k.startswith("elastic_kv_") or k == "max_total_tokens"
-                          and isinstance(v, (int, float))}})
+            emit(out, {"phase": phase, "event": "end", "server": s.name, **pool_figures(s)})
     except Exception as exc:  # noqa: BLE001
         emit(out, {"phase": phase, "error": str(exc)[-3000:], "tails": {s.name: s.tail() for s in servers}})
     finally:
@@ -218,6 +236,7 @@ def main() -> None:
     p.add_argument("--port", type=int, default=31000)
     p.add_argument("--rate", type=float, default=16.0, help="W9 bursts, req/s")
     p.add_argument("--prompts", type=int, default=384, help="prompts per W9 burst")
+    p.add_argument("--lone-bursts", type=int, default=4, help="the lone server's W9 bursts: the pairs' turns it covers")
     p.add_argument("--cost-rate", type=float, default=20.0, help="W5 for the cost of elasticity, req/s")
     p.add_argument("--cost-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=1024)
@@ -233,12 +252,11 @@ def main() -> None:
     with open(os.path.join(args.out, "two_tenants.jsonl"), "a") as out:
         emit(out, {"event": "begin", "phases": phases, "model": args.model, "rate": args.rate, "prompts": args.prompts,
                    "input_len": args.input_len, "output_len": args.output_len})
-        if "lone" in phases:
-            run_lone(args, out)
+        lone = run_lone(args, out) if "lone" in phases else {}
         if "static-pair" in phases:
-            run_pair(args, out, elastic=False)
+            run_pair(args, out, elastic=False, lone=lone)
         if "elastic-pair" in phases:
-            run_pair(args, out, elastic=True)
+            run_pair(args, out, elastic=True, lone=lone)
 
 
 if __name__ == "__main__":
