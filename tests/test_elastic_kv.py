@@ -450,6 +450,7 @@ def _burst(url: str, seed: int, n: int = 16) -> None:
 
 ELASTIC_SERVER = ("--model-path", "tiny-llama", "--load-format", "dummy", "--device", "cpu",
                   "--json-model-override-args", WIDE, "--max-total-tokens", "65536", "--enable-elastic-kv",
+                  "--elastic-kv-page-mb", "2",  # pages of 32 MB: the tests' arithmetic
                   "--elastic-kv-min-reserve-pages", "1", "--elastic-kv-max-reserve-pages", "1")
 
 
