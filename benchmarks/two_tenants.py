@@ -178,11 +178,17 @@ def run_lone(args, out) -> dict[int, float]:
             emit(out, {"phase": name, "event": "started", "start_s": round(time.time() - server.started, 1)})
             res = burst(server, args, args.cost_rate, args.cost_prompts, 3, f"W5 {args.cost_rate} req/s, {name}")
             emit(out, {"phase": name, "workload": "W5", **res, **pool_figures(server)})
-            for turn in range(args.lone_bursts if not flags else 0):
-                seed = TURN_SEED + turn
-                res = burst(server, args, args.rate, args.prompts, seed, f"W9 burst {turn}, {name}")
-                lone[seed] = res["output_throughput"]
-                emit(out, {"phase": name, "workload": "W9", "turn": turn, "seed": seed, **res})
+            watcher = Watcher([server])  # read as the pairs' servers are, so the bursts differ only in the pair
+            watcher.start()
+            try:
+                for turn in range(args.lone_bursts if not flags else 0):
+                    seed = TURN_SEED + turn
+                    res = burst(server, args, args.rate, args.prompts, seed, f"W9 burst {turn}, {name}")
+                    lone[seed] = res["output_throughput"]
+                    emit(out, {"phase": name, "workload": "W9", "turn": turn, "seed": seed, **res})
+                    time.sleep(args.idle_s)
+            finally:
+                watcher.stop_event.set()
         except Exception as exc:  # noqa: BLE001 - the next phase still runs
             emit(out, {"phase": name, "error": str(exc)[-3000:]})
         finally:
