@@ -89,5 +89,4 @@ if ((${#tt[@]})); then
         >"$LOGDIR/tt.out" 2>"$LOGDIR/tt.log" || fail "two tenants" "$LOGDIR/tt.log"
     tail -c 6000 "$LOGDIR/tt.out"
 fi
-log "done in ${SECONDS}s; failed: ${FAILED[*]:-none}"
-((${#FAILED[@]} == 0))
+finish

@@ -69,5 +69,4 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "w4-*.json"))):
               f"  peak KV {r.get('peak_kv_usage')}")
 PYEOF
 fi
-log "done in ${SECONDS}s; failed: ${FAILED[*]:-none}"
-((${#FAILED[@]} == 0))
+finish

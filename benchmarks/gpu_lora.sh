@@ -103,5 +103,4 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "w8-*.json"))):
               f"  peak running {r.get('peak_running_requests')}")
 PYEOF
 fi
-log "done in ${SECONDS}s; failed: ${FAILED[*]:-none}"
-((${#FAILED[@]} == 0))
+finish

@@ -45,5 +45,4 @@ if has w1; then
         json "$LOGDIR/w1.out" "$OUT/w1.jsonl"
     done
 fi
-log "done in ${SECONDS}s; failed: ${FAILED[*]:-none}"
-((${#FAILED[@]} == 0))
+finish

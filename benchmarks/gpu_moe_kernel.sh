@@ -85,5 +85,4 @@ print(json.dumps({"device": torch.cuda.get_device_name() if torch.cuda.is_availa
                   "torch": torch.__version__, "triton": triton.__version__, "seconds": int(sys.argv[1]),
                   "failed": sys.argv[2:]}))
 PYEOF
-log "done in ${SECONDS}s; failed: ${FAILED[*]:-none}"
-((${#FAILED[@]} == 0))
+finish

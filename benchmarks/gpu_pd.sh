@@ -127,5 +127,4 @@ fi
 
 compgen -G "$OUT/w5-*.json" >/dev/null && "$PY" -m radixserve.bench.serving_report "$OUT"/w5-*.json
 ls -l "$OUT"
-log "done in ${SECONDS}s; failed: ${FAILED[*]:-none}"
-((${#FAILED[@]} == 0))
+finish

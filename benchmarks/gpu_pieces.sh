@@ -135,5 +135,4 @@ for piece in $PIECES; do
         *) FAILED+=("unknown piece $piece") ;;
     esac
 done
-((${#FAILED[@]})) && { log "failed: ${FAILED[*]}"; exit 1; }
-log "done"
+finish

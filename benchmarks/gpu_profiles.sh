@@ -55,5 +55,4 @@ has dense && profile dense "$MODEL" "$BS_SMALL" "$BS_LARGE"
 has fp8 && profile fp8 "$MODEL" "$BS_SMALL" 32 -- --quantization fp8
 has moe && profile moe "$MOE_MODEL" "$BS_SMALL" 32
 has lora && profile lora "$MODEL" "$BS_SMALL" "$BS_LARGE" -- --lora-adapters 0 8
-log "done in ${SECONDS}s; failed: ${FAILED[*]:-none}"
-((${#FAILED[@]} == 0))
+finish

@@ -98,5 +98,4 @@ if [[ -e ${w4_files[0]} ]]; then
 fi
 compgen -G "$OUT/*.json" >/dev/null && "$PY" -m radixserve.bench.serving_report "$OUT"/*.json
 ls -l "$OUT"
-log "done in ${SECONDS}s; failed: ${FAILED[*]:-none}"
-((${#FAILED[@]} == 0))
+finish
