@@ -334,6 +334,25 @@ def test_glibc_malloc_settings_apply_and_restore():
     assert reuse_freed_memory() and reuse_freed_memory(False)
 
 
+def test_the_heap_figures_start_no_process(monkeypatch):
+    """/get_server_info reads them in the scheduler's loop: the C library is
+    looked up once (``find_library`` runs ``ldconfig``), not at every call."""
+    import subprocess
+
+    from radixserve.model_executor.cpu_malloc import heap_figures
+
+    first = heap_figures()
+    children, popen_init = [], subprocess.Popen.__init__
+
+    def counted(self, *args, **kwargs):
+        children.append(args[0] if args else kwargs.get("args"))
+        popen_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", counted)
+    again = heap_figures()
+    assert children == [] and again.keys() == first.keys()
+
+
 def test_the_heap_trimmer_returns_what_freed_blocks_keep():
     """With freed blocks kept (reuse_freed_memory), a heap of freed tensors
     stays resident until the trimmer gives it back; the memory in use stays."""

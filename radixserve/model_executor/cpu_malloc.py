@@ -35,11 +35,23 @@ GLIBC_DEFAULTS = {M_MMAP_THRESHOLD: 128 * 1024, M_TRIM_THRESHOLD: 128 * 1024}
 
 
 @functools.cache
-def _mallopt():
+def _libc() -> ctypes.CDLL | None:
+    """The C library, looked up once: ``find_library`` runs ``ldconfig -p`` in
+    a child process, which a stats request must not pay for every time."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def _libc_function(name: str):
+    return getattr(_libc(), name, None)
+
+
+@functools.cache
+def _mallopt():
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:
         return None
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_size_t], ctypes.c_int
     return mallopt
@@ -99,13 +111,6 @@ def _rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):
         return 0
-
-
-def _libc_function(name: str):
-    try:
-        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
-    except (OSError, AttributeError):
-        return None
 
 
 def heap_figures() -> dict[str, int]:
