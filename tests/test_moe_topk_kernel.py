@@ -25,14 +25,18 @@ print(json.dumps({"errors": [check(*case, device="cpu") for case in CASES]}))
 
 
 def check(tokens, experts, top_k, renormalize, stride, device):
-    """The largest |difference| of the weights, after checking the ids are the same."""
+    """The largest |difference| of the weights, after checking the ids are
+    the same and that each choice was counted once in the expert histogram."""
     from radixserve.layers.moe import topk
     from radixserve.layers.moe.triton_ops.topk import fused_topk_softmax
 
     gen = torch.Generator().manual_seed(tokens * 1000 + experts)
     logits = (torch.randn(tokens, experts * stride, generator=gen) * 3)[:, ::stride].to(device)
     logits[:, 0] = logits[:, 1] if tokens and experts > 2 else logits[:, 0]  # a tie: the lower index first
-    weights, ids = fused_topk_softmax(logits, top_k, renormalize)
+    before = torch.arange(experts, dtype=torch.int64) * 7  # the histogram is added to, not written
+    counts = before.to(device, copy=True)
+    weights, ids = fused_topk_softmax(logits, top_k, renormalize, counts)
+    assert torch.equal(counts.cpu() - before, torch.bincount(ids.long().cpu().reshape(-1), minlength=experts))
     probs = torch.softmax(logits.float().cpu(), dim=-1)
     ref_w, ref_ids = probs.topk(top_k, dim=-1)
     if renormalize:
@@ -60,5 +64,33 @@ def test_fused_routing_on_cuda_and_select_experts_takes_it():
     for case in CASES:
         assert check(*case, device="cuda") < 1e-6
     logits = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
-    weights, ids = select_experts(logits, 8, True)
+    counts = torch.zeros(64, dtype=torch.int64, device="cuda")
+    weights, ids = select_experts(logits, 8, True, counts)
     assert ids.dtype == torch.int32 and torch.allclose(weights.sum(-1), torch.ones(4, device="cuda"))
+    assert torch.equal(counts, torch.bincount(ids.long().reshape(-1), minlength=64))
+
+
+def test_the_histogram_add_compiles_to_one_reduction_for_hopper():
+    """With ``counts`` the routing kernel adds to the histogram with a
+    relaxed reduction (no launch of its own, no returned value to wait for),
+    and without it carries none. Triton compiles for an NVIDIA target on any
+    machine whose wheel has the NVIDIA backend."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from radixserve.layers.moe.triton_ops.topk import _topk_softmax_kernel
+
+    signature = {"Logits": "*bf16", "Weights": "*fp32", "Ids": "*i32", "Counts": "*i64", "num_experts": "i32",
+                 "stride_l": "i32", **dict.fromkeys(("TOP_K", "K_PAD", "E_PAD", "RENORMALIZE", "COUNT"), "constexpr")}
+    adds = {}
+    for count in (True, False):
+        source = ASTSource(fn=_topk_softmax_kernel, signature=signature,
+                           constexprs={"TOP_K": 8, "K_PAD": 8, "E_PAD": 128, "RENORMALIZE": True, "COUNT": count})
+        try:
+            ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        except Exception as exc:  # noqa: BLE001 - a wheel without the NVIDIA backend or its ptxas
+            pytest.skip(f"Triton cannot compile for sm_90 here: {exc}")
+        adds[count] = [line.strip() for line in ptx.splitlines() if ".global" in line and ".add." in line]
+    assert adds[False] == []
+    assert adds[True] and all("red.global" in add and "relaxed" in add for add in adds[True])

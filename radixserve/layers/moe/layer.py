@@ -31,22 +31,22 @@ _PER_EXPERT_PARTS = ("gate", "up", "down")
 
 class ExpertLoad:
     """Tokens routed to each expert of each MoE layer since start, counted on
-    the device (an ``index_add_`` per layer: no host sync, CUDA graphs
-    capture it), and the forward passes that routed them. Counts are of the
-    model's routing (global expert ids), so rank 0 alone sees every expert;
-    a padded CUDA-graph row is routed, and counted, like any other."""
+    the device by the routing itself (``topk.select_experts``: no host sync,
+    and no launch of its own in the fused kernel; CUDA graphs capture it),
+    and the forward passes that routed them. Counts are of the model's
+    routing (global expert ids), so rank 0 alone sees every expert; a padded
+    CUDA-graph row is routed, and counted, like any other."""
 
     def __init__(self, num_layers: int, num_experts: int):
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64)
         self.steps = torch.zeros(1, dtype=torch.int64)
-        self.one = torch.ones(1, dtype=torch.int64)
 
-    def record(self, moe_index: int, topk_ids: torch.Tensor) -> None:
-        # one launch: the ids as they are (int32 or int64), a 1 repeated by a stride of 0
-        ids = topk_ids.reshape(-1)
-        self.counts[moe_index].index_add_(0, ids, self.one.expand(ids.numel()))
+    def layer_counts(self, moe_index: int) -> torch.Tensor:
+        """The histogram row the routing of MoE layer ``moe_index`` adds to;
+        the first layer's call counts a forward pass."""
         if moe_index == 0:
             self.steps.add_(1)
+        return self.counts[moe_index]
 
     def read(self) -> tuple[list[list[int]], int]:
         """``(counts per layer and expert, steps)``: one copy to the host."""
@@ -144,9 +144,8 @@ class FusedMoE(nn.Module):
 
     # -- forward -------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        if self.load is not None:
-            self.load.record(self.moe_index, topk_ids)
+        counts = None if self.load is None else self.load.layer_counts(self.moe_index)
+        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, counts)
         work = self.dispatcher.dispatch(hidden, topk_weights, topk_ids)
         out = self.experts(work.hidden, work.topk_weights, work.topk_ids)
         return self.dispatcher.combine(out, work)
