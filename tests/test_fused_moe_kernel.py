@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import re
 from dataclasses import dataclass
 
 import pytest
@@ -139,11 +138,9 @@ def _interpreter_takes_runtime_loop_bounds() -> bool:
     host with the older pair runs the GPU cases only."""
     triton = pytest.importorskip("triton")
     import numpy
+    from packaging.version import Version
 
-    def major_minor(version):
-        return tuple(int(x) for x in re.findall(r"\d+", version)[:2])
-
-    return major_minor(triton.__version__) >= (3, 9) or major_minor(numpy.__version__) < (2, 0)
+    return Version(triton.__version__) >= Version("3.9") or Version(numpy.__version__) < Version("2")
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,6 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     ids = ids.to(torch.int32)
-    if counts is not None:  # one launch: a 1 repeated by a stride of 0
+    if counts is not None:  # a 1 repeated by a stride of 0: no tensor of ones the size of the ids
         counts.index_add_(0, ids.reshape(-1), counts.new_ones(1).expand(ids.numel()))
     return weights, ids
