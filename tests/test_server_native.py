@@ -151,6 +151,11 @@ def test_info_endpoints(client):
     assert info["is_generation"] and info["vocab_size"] == 49152 and info["context_length"] > 0
     srv = client.get("/get_server_info").json()
     assert srv["api_version"] == "v1" and srv["version"] and srv["max_total_tokens"] == 16384
+    usage = srv["internal_states"][0]["memory_usage"]  # SGLang's: GiB of weights and of KV, and the slots
+    assert usage["token_capacity"] == 16384
+    kv_itemsize = usage["kvcache"] * 2**30 / (16384 + 1) / (30 * 2 * 3 * 64)  # SmolLM2-135M: 30 layers, 3 KV heads of 64
+    weight_itemsize = usage["weight"] * 2**30 / 134.5e6
+    assert round(kv_itemsize, 1) in (2.0, 4.0) and round(weight_itemsize, 1) in (2.0, 4.0), usage
     assert client.post("/flush_cache").status_code == 200
 
 

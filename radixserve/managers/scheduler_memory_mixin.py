@@ -79,6 +79,16 @@ class SchedulerMemoryMixin:
         return {"memory_saver": arena is not None, "memory_released": sorted(self.offload_tags),
                 "weights_mapped_bytes": arena.mapped_bytes() if arena is not None else None}
 
+    def memory_usage(self) -> dict:
+        """SGLang's ``memory_usage`` in ``/get_server_info``: the weights' and
+        the KV cache's GiB on this rank (an elastic pool's: what is mapped
+        now) and the KV slots."""
+        runner, gib = self.model_runner, 2**30
+        pool = runner.token_to_kv_pool
+        kv = pool.arena.mapped_bytes() if self.allocator.elastic else pool.mem_bytes()
+        return {"weight": round(runner.weight_bytes / gib, 3), "kvcache": round(kv / gib, 3),
+                "token_capacity": int(self.allocator.size)}
+
     def _memory_tags(self, tags: list[str] | None) -> tuple[list[str], str | None]:
         """The tags asked for, in release order, or why they cannot be."""
         tags = list(tags or MEMORY_TAGS)

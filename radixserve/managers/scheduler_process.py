@@ -307,6 +307,7 @@ class SchedulerProcess:
         state = self.load_stats()
         state["overlap"] = self.scheduler.overlap  # overlap scheduling, on by default on CUDA
         state.update(self.scheduler.memory_occupation())  # what /release_memory_occupation gave back
+        state["memory_usage"] = self.scheduler.memory_usage()
         state["process_memory"] = {**heap_figures(), "trimmed_bytes": self.heap.returned_bytes}
         state["memory_check"] = "busy"
         if self.scheduler.is_idle():

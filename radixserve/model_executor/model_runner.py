@@ -162,6 +162,8 @@ class ModelRunner:
         check_quantization(quantization, self.device)
         self.quantization = quantization
         self.model = (model if model is not None else self._load_model()).eval()
+        self.weight_bytes = sum(t.numel() * t.element_size()  # tied weights once: parameters() yields each once
+                                for t in (*self.model.parameters(), *self.model.buffers()))
         if getattr(self.model, "pp_stage", self.pp) != self.pp:
             raise ValueError(f"the model given is pipeline stage {self.model.pp_stage}, not {self.pp}")
         if quantization:
