@@ -6,7 +6,11 @@ KV pool costs a lone server (W5), in one device call. Phases (``--phases``):
   elasticity); the static one then runs the pairs' W9 bursts, turn by turn
   (``--lone-bursts``), as the reference each pair's burst is divided by.
 - ``static-pair``: two servers, each with a static pool of half the KV
-  (``--half-tokens``), bursts in turn: A, then B.
+  that two servers leave room for, bursts in turn: A, then B. Half is
+  ``--half-tokens``, or else taken from the lone static server: its KV
+  (``memory_usage`` of ``/get_server_info``) less what else it took of the
+  device (nvidia-smi's used memory, before it started and at its end),
+  halved, so the pair takes what the lone server took.
 - ``elastic-pair``: two elastic servers, each allowed the whole free memory
   (one ``--elastic-kv-group``), alternating bursts A, B, A, B: while one runs,
   the other is idle with its radix cache full of the last burst's prompts.
@@ -77,9 +81,13 @@ class Server:
         return {**info, **(info.pop("internal_states") or [{}])[0]}
 
     def tail(self, n: int = 15) -> str:
+        """The log's last ``n`` lines, after its first traceback's first 30 if it has one."""
         self.log.flush()
         with open(self.log_path) as f:
-            return "".join(f.readlines()[-n:])
+            lines = f.readlines()
+        first = next((i for i, line in enumerate(lines) if line.startswith("Traceback")), None)
+        head = lines[first:first + 30] + ["...\n"] if first is not None and first < len(lines) - n else []
+        return "".join(head + lines[-n:])
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -95,8 +103,8 @@ class Server:
 class Watcher(threading.Thread):
     """Reads each server's KV bytes every ``period`` seconds."""
 
-    KEYS = ("elastic_kv_mapped_bytes", "elastic_kv_used_bytes", "elastic_kv_floor_bytes", "elastic_kv_given_pages",
-            "elastic_kv_asks", "elastic_kv_reserve_pages")
+    KEYS = ("elastic_kv_mapped_bytes", "elastic_kv_used_bytes", "elastic_kv_lead_bytes", "elastic_kv_floor_bytes",
+            "elastic_kv_given_pages", "elastic_kv_asks", "elastic_kv_reserve_pages")
 
     def __init__(self, servers: list[Server], period: float = 0.1):
         super().__init__(daemon=True)
@@ -140,8 +148,10 @@ def burst(server: Server, args: argparse.Namespace, rate: float, prompts: int, s
 
 def footprint(samples: list[dict], name: str, start: float, end: float) -> dict:
     """The idle server ``name``'s KV bytes while the other ran [start, end]:
-    at the start, the least, and when it first came within 64 MB of its floor
-    plus one page (the dummy page's) after the other server's first ask."""
+    at the start, the least, and how long after the other server's first
+    ask it first came down to its least plus 64 MB, and to its floor plus
+    64 MB (E13's goal: the floor plus the reserve, at most 64 MB above the
+    floor, within a second)."""
     mine = [s for s in samples if s["server"] == name and start <= s["t"] <= end]
     theirs = [s for s in samples if s["server"] != name and start <= s["t"] <= end]
     if not mine:
@@ -150,12 +160,16 @@ def footprint(samples: list[dict], name: str, start: float, end: float) -> dict:
                   (theirs[0]["elastic_kv_asks"] or 0)), None)
     floor = mine[0]["elastic_kv_floor_bytes"] or 0
     low = min(s["elastic_kv_mapped_bytes"] for s in mine)
-    reached = next((s["t"] for s in mine if asked and s["t"] >= asked
-                    and s["elastic_kv_mapped_bytes"] <= max(floor, low) + (64 << 20)), None)
+
+    def first_at(bound: int) -> float | None:
+        t = next((s["t"] for s in mine if asked and s["t"] >= asked and s["elastic_kv_mapped_bytes"] <= bound), None)
+        return None if t is None else round(t - asked, 2)
+
     return {"idle_mapped_gb_at_start": round(mine[0]["elastic_kv_mapped_bytes"] / 2**30, 3),
             "idle_mapped_gb_min": round(low / 2**30, 3), "idle_floor_gb": round(floor / 2**30, 3),
             "other_first_ask_s": None if asked is None else round(asked - start, 2),
-            "idle_down_to_min_s_after_ask": None if reached is None or asked is None else round(reached - asked, 2),
+            "idle_down_to_min_s_after_ask": first_at(max(floor, low) + (64 << 20)),
+            "idle_within_64mb_of_floor_s_after_ask": first_at(floor + (64 << 20)),
             "idle_given_pages": mine[-1]["elastic_kv_given_pages"] - (mine[0]["elastic_kv_given_pages"] or 0)}
 
 
@@ -168,10 +182,37 @@ def pool_figures(server: Server) -> dict:
             if k.startswith("elastic_kv_") or k == "max_total_tokens" and isinstance(v, (int, float))}
 
 
+def device_used_bytes() -> int | None:
+    """The first GPU's used memory (nvidia-smi, so this process opens no
+    CUDA context), or None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return int(out.split()[0]) << 20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def half_split(server: Server, used_before: int | None) -> dict:
+    """Each static pair server's KV tokens, so that the two take what the
+    lone ``server`` took of the device: its KV, less its other memory
+    (weights, CUDA graphs, activations: nvidia-smi's growth less the KV),
+    halved."""
+    used_after, usage = device_used_bytes(), server.info()["memory_usage"]
+    kv, tokens = usage["kvcache"] * 2**30, usage["token_capacity"]
+    if used_before is None or used_after is None:
+        return {"half_tokens": None, "why": "no nvidia-smi: give --half-tokens"}
+    other = used_after - used_before - kv
+    return {"half_tokens": int((kv - other) / 2 / (kv / tokens)), "lone_kv_gib": usage["kvcache"],
+            "lone_tokens": tokens, "lone_other_gib": round(other / 2**30, 2)}
+
+
 def run_lone(args, out) -> dict[int, float]:
-    """The lone servers' runs; returns the static one's W9 output tok/s by seed."""
+    """The lone servers' runs; returns the static one's W9 output tok/s by
+    seed, and sets ``args.half_tokens`` from it unless given."""
     lone = {}
     for name, flags in (("lone-static", []), ("lone-elastic", ["--enable-elastic-kv"])):
+        used_before = device_used_bytes()
         server = Server(name, args.port, args, flags)
         try:
             server.wait_healthy(args.start_timeout)
@@ -189,6 +230,10 @@ def run_lone(args, out) -> dict[int, float]:
                     time.sleep(args.idle_s)
             finally:
                 watcher.stop_event.set()
+            if not flags and args.half_tokens is None:
+                split = half_split(server, used_before)
+                args.half_tokens = split["half_tokens"]
+                emit(out, {"phase": name, "event": "split", **split})
         except Exception as exc:  # noqa: BLE001 - the next phase still runs
             emit(out, {"phase": name, "error": str(exc)[-3000:]})
         finally:
@@ -198,6 +243,9 @@ def run_lone(args, out) -> dict[int, float]:
 
 def run_pair(args, out, elastic: bool, lone: dict[int, float]) -> None:
     phase = "elastic-pair" if elastic else "static-pair"
+    if not elastic and args.half_tokens is None:
+        emit(out, {"phase": phase, "error": "no split: give --half-tokens, or run the lone phase on a GPU first"})
+        return
     flags = (["--enable-elastic-kv", "--elastic-kv-group", f"w9-{os.getpid()}"] if elastic
              else ["--max-total-tokens", str(args.half_tokens)])
     servers = [Server(f"{phase}-{x}", args.port + i, args, flags) for i, x in enumerate("AB")]
@@ -247,7 +295,8 @@ def main() -> None:
     p.add_argument("--cost-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--half-tokens", type=int, default=360_000, help="each static server's KV tokens in the pair")
+    p.add_argument("--half-tokens", type=int, default=None,
+                   help="each static server's KV tokens in the pair (default: from the lone static server)")
     p.add_argument("--idle-s", type=float, default=2.0, help="pause between bursts")
     p.add_argument("--start-timeout", type=float, default=300)
     p.add_argument("--burst-timeout", type=float, default=240)
