@@ -12,8 +12,9 @@ KV pool costs a lone server (W5), in one device call. Phases (``--phases``):
   device (nvidia-smi's used memory, before it started and at its end),
   halved, so the pair takes what the lone server took.
 - ``elastic-pair``: two elastic servers, each allowed the whole free memory
-  (one ``--elastic-kv-group``), alternating bursts A, B, A, B: while one runs,
-  the other is idle with its radix cache full of the last burst's prompts.
+  (one ``--elastic-kv-group``), alternating bursts A, B, A, B
+  (``--elastic-turns``): while one runs, the other is idle with its radix
+  cache full of the last burst's prompts.
   Both servers' mapped and used KV bytes are read every 0.1 s, so each idle
   server's footprint while the busy one needs memory shows.
 
@@ -255,7 +256,7 @@ def run_pair(args, out, elastic: bool, lone: dict[int, float]) -> None:
             s.wait_healthy(args.start_timeout)
         emit(out, {"phase": phase, "event": "started", "start_s": round(time.time() - servers[0].started, 1)})
         watcher.start()
-        order = [0, 1, 0, 1] if elastic else [0, 1]
+        order = [0, 1] * (args.elastic_turns // 2 if elastic else 1)
         for turn, i in enumerate(order):
             busy, idle = servers[i], servers[1 - i]
             seed = TURN_SEED + turn
@@ -291,6 +292,7 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=16.0, help="W9 bursts, req/s")
     p.add_argument("--prompts", type=int, default=384, help="prompts per W9 burst")
     p.add_argument("--lone-bursts", type=int, default=4, help="the lone server's W9 bursts: the pairs' turns it covers")
+    p.add_argument("--elastic-turns", type=int, default=4, help="the elastic pair's bursts, A and B in turn (even)")
     p.add_argument("--cost-rate", type=float, default=20.0, help="W5 for the cost of elasticity, req/s")
     p.add_argument("--cost-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=1024)

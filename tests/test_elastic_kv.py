@@ -89,7 +89,7 @@ class ElasticMachine(RequestRules):
     def setup(self, page_size, epage_kv_pages, reserve):
         epage_slots = page_size * epage_kv_pages * max(16 // (page_size * epage_kv_pages), 1)
         size = 12 * epage_slots - page_size
-        self.arena = RefusingArena([epage_slots * SLOT_FLOATS * 4], 12)
+        self.arena = RefusingArena([epage_slots * SLOT_FLOATS * 4], 12, lead_bytes=page_size * SLOT_FLOATS * 4)
         self.arena.lag = 0.002 if self.background else 0.0
         alloc = MarkedAllocator(size, page_size, "cpu", self.arena, epage_slots, *reserve, background=self.background)
         self.h = Harness(page_size=page_size, max_reqs=6, max_len=256, allocator=alloc)
@@ -99,7 +99,7 @@ class ElasticMachine(RequestRules):
     def rebalance(self):
         self.h.alloc.rebalance()
         used = self.h.alloc.epage_used().tolist()
-        empty = [e for e in self.h.alloc.mapped_epages() if e and not used[e]]
+        empty = [e for e in self.h.alloc.mapped_epages() if not used[e]]
         assert len(empty) <= self.reserve[1], "an empty page kept beyond the reserve"
         alloc = self.h.alloc
         room = min(alloc.num_epages, alloc.limit_pages) - len(alloc.mapped_epages()) - len(alloc._ahead)
@@ -128,9 +128,9 @@ class ElasticMachine(RequestRules):
     def _check_shrunk(self, pages):
         alloc = self.h.alloc
         used = alloc.epage_used().tolist()
-        if len(alloc.mapped_epages()) > max(pages, 1):  # only pages that hold a running request's or a locked node's slot
+        if len(alloc.mapped_epages()) > pages:  # only pages that hold a running request's or a locked node's slot
             assert self.h.cache.evictable_size() == 0, "cached KV kept over the limit"
-            assert all(used[e] for e in alloc.mapped_epages() if e), "an empty page kept over the limit"
+            assert all(used[e] for e in alloc.mapped_epages()), "an empty page kept over the limit"
 
     @rule(full=st.booleans())
     def device_full(self, full):
@@ -146,7 +146,7 @@ class ElasticMachine(RequestRules):
             return
         self.h.cache.reset()
         self.h.alloc.clear()
-        assert len(self.h.alloc.mapped_epages()) <= 1 + self.reserve[1]
+        assert len(self.h.alloc.mapped_epages()) <= self.reserve[1]
 
     @invariant()
     def held_and_cached_slots_are_mapped_and_intact(self):
@@ -156,7 +156,7 @@ class ElasticMachine(RequestRules):
                 for r in h.live]
         owned = torch.cat([*held, h.cache.all_values()])
         mapped = set(h.alloc.mapped_epages())
-        assert all(int(s) // h.alloc.epage_slots in mapped for s in owned), "a used slot in an unmapped page"
+        assert all(int(e) in mapped for e in h.alloc.epage_of(owned // h.alloc.page_size)), "a used slot in an unmapped page"
         marks = self.arena.tensors[0].view(torch.float32).view(-1, SLOT_FLOATS)[owned, 0]
         assert torch.equal(marks, owned.to(torch.float32)), "a used slot lost its contents"
 
@@ -211,17 +211,52 @@ def test_a_busy_pool_looks_for_empty_pages_once_in_look_steps_calls():
     waits LOOK_STEPS calls; an idle call looks at once."""
     from radixserve.mem_cache.elastic_allocator import LOOK_STEPS
 
-    alloc = ElasticTokenToKVPoolAllocator(12 * 16 - 1, 1, "cpu", CpuArena([16 * SLOT_FLOATS * 4], 12), 16, 0, 0)
+    arena = CpuArena([16 * SLOT_FLOATS * 4], 12, lead_bytes=SLOT_FLOATS * 4)
+    alloc = ElasticTokenToKVPoolAllocator(12 * 16, 1, "cpu", arena, 16, 0, 0)
     for busy in (True, False):
         slots = alloc.alloc(16 * 6)
-        assert slots is not None and len(alloc.mapped_epages()) == 7
+        assert slots is not None and len(alloc.mapped_epages()) == 6
         alloc.free(slots)
         for _ in range(LOOK_STEPS if busy else 0):
             alloc.rebalance(busy=True)
-            assert len(alloc.mapped_epages()) == 7  # not looked yet
+            assert len(alloc.mapped_epages()) == 6  # not looked yet
         alloc.rebalance(busy=busy)
         alloc.mapper.drain()
-        assert alloc.mapped_epages() == [0], busy  # the dummy page's, the six empty ones unmapped
+        assert alloc.mapped_epages() == [], busy  # the six empty ones unmapped; the dummy page is the lead's
+    alloc.close()
+
+
+def test_the_dummy_page_is_a_lead_apart_from_the_pages():
+    """Slot 0's page (padded tokens write there) lies before elastic page 0,
+    in a lead mapped while the pool holds memory: elastic page 0 holds KV
+    pages 1..E, no page ever holds the dummy, and giving every page back
+    leaves the lead (one granule on CUDA, shared by the buffers). An arena
+    without the lead is refused."""
+    with pytest.raises(ValueError, match="dummy page"):
+        ElasticTokenToKVPoolAllocator(12 * 16, 2, "cpu", CpuArena([16 * SLOT_FLOATS * 4], 12), 16, 0, 0)
+    arena = CpuArena([16 * SLOT_FLOATS * 4], 12, lead_bytes=2 * SLOT_FLOATS * 4)
+    alloc = ElasticTokenToKVPoolAllocator(12 * 16, 2, "cpu", arena, 16, 0, 0)
+    assert alloc.num_epages == 12 and arena.lead_mapped and alloc.mapped_epages() == []
+    assert alloc.epage_of(torch.tensor([1, 8, 9, 96])).tolist() == [0, 0, 1, 11]
+    slots = alloc.alloc(16)  # the first 8 KV pages: all of elastic page 0
+    assert slots.min() == 2 and slots.max() == 17 and alloc.mapped_epages() == [0]
+    view = arena.tensors[0].view(torch.float32).view(-1, SLOT_FLOATS)
+    view[slots, 0] = 1.0
+    view[0:2, 0] = 7.0  # padding writes the dummy page
+    assert arena.map_many([1]) == 1  # the page after it: its slots untouched by the dummy page's
+    assert bool((view[slots, 0] == 1.0).all()) and float(view[18, 0]) == 0.0
+    stats = alloc.pool_stats()
+    assert stats["elastic_kv_mapped_bytes"] == 2 * arena.bytes_per_page + arena.lead_physical_bytes()
+    alloc.free(slots)
+    alloc.shrink(0, lambda n: 0)
+    alloc.mapper.drain()
+    arena.unmap(1)
+    assert alloc.mapped_epages() == [] and alloc.pool_stats()["elastic_kv_mapped_bytes"] == arena.lead_physical_bytes()
+    alloc.check_invariants()
+    alloc.release()
+    assert not arena.lead_mapped and alloc.pool_stats()["elastic_kv_mapped_bytes"] == 0
+    assert alloc.resume() and arena.lead_mapped
+    alloc.check_invariants()
     alloc.close()
 
 
@@ -265,32 +300,32 @@ def _member(path: str, tenant: int, floor_pages: int = 1, budget_pages: int | No
     """A server's pool (16-slot elastic pages of 4 KB, 12 of them) in the registry at ``path``."""
     per_page = 16 * SLOT_FLOATS * 4
     registry = ElasticRegistry(path, tenant, floor_pages * per_page, budget_pages and budget_pages * per_page)
-    alloc = ElasticTokenToKVPoolAllocator(12 * 16 - 1, 1, "cpu", CpuArena([per_page], 12), 16, 0, 0,
-                                          registry=registry, floor_pages=floor_pages)
+    alloc = ElasticTokenToKVPoolAllocator(12 * 16, 1, "cpu", CpuArena([per_page], 12, lead_bytes=SLOT_FLOATS * 4), 16,
+                                          0, 0, registry=registry, floor_pages=floor_pages)
     return Harness(page_size=1, max_reqs=8, max_len=256, allocator=alloc)
 
 
 def test_a_server_that_cannot_map_gets_the_cached_kv_of_the_others(tmp_path, monkeypatch):
-    """Two pools whose group may map 10 pages together: the first fills 8
+    """Two pools whose group may map 9 pages together: the first fills 7
     with cached prefixes; the second, refused, asks; the first, at its next
     look, evicts in LRU order and unmaps down to what was asked, never
     under its floor; the second then maps. Ranks of one server (one
     tenant) never give to each other, and a member that leaves frees its row."""
     monkeypatch.setattr("radixserve.mem_cache.elastic_registry.HEARTBEAT_S", 0.0)  # look at every call
     path = str(tmp_path / "registry")
-    a, b = _member(path, tenant=1, floor_pages=3, budget_pages=10), _member(path, tenant=2, budget_pages=10)
-    for i in range(7):  # 7 prompts of 16 tokens: the dummy page's and 7 more pages, all cached once finished
+    a, b = _member(path, tenant=1, floor_pages=3, budget_pages=9), _member(path, tenant=2, budget_pages=9)
+    for i in range(7):  # 7 prompts of 16 tokens: 7 pages, all cached once finished
         a.finish(a.start([100 + i] * 16))
-    assert len(a.alloc.mapped_epages()) == 8 and a.cache.evictable_size() == 7 * 16
+    assert len(a.alloc.mapped_epages()) == 7 and a.cache.evictable_size() == 7 * 16
     assert a.alloc.pages_to_keep(a.cache.evictable_size(), idle=True) is None  # nobody asked
-    # 40 slots: 15 in b's dummy page, 2 more pages, of which the budget leaves one (10 - 8 - 1)
+    # 40 slots: 3 pages, of which the budget leaves two (9 - 7)
     assert b.start(list(range(40))) is None
     assert b.alloc.asks >= 1 and [m.want for m in b.alloc.registry.members() if m.tenant == 2] == [4096]
     keep = a.alloc.pages_to_keep(a.cache.evictable_size(), idle=False)
-    assert keep == 7  # busy, a gives the ask, in whole pages: what b could not map
-    assert a.alloc.give(keep, a.cache.evict) == 8 - keep and len(a.alloc.mapped_epages()) == keep
-    # the least recently used prompts went (the first two: their 32 slots straddle pages 0 to 2)
-    assert sorted(a.cache.all_values().tolist()) == list(range(33, 113))
+    assert keep == 6  # busy, a gives the ask, in whole pages: what b could not map
+    assert a.alloc.give(keep, a.cache.evict) == 7 - keep and len(a.alloc.mapped_epages()) == keep
+    # the least recently used prompt went (the first: its 16 slots are page 0)
+    assert sorted(a.cache.all_values().tolist()) == list(range(17, 113))
     b.alloc.rebalance()
     req = b.start(list(range(40)))
     assert req is not None and b.alloc.registry.members()[1].want == 0
@@ -398,13 +433,14 @@ def test_a_limit_lowered_below_use_holds_requests_until_it_rises(reference):
         while len(sched.running_batch.reqs) < 3:
             sched.step()
         page = eng.get_kv_limit()["elastic_kv_page_bytes"]
-        state = eng.set_kv_limit(2 * page)  # the dummy page's and one more: less than the running requests hold
+        state = eng.set_kv_limit(2 * page)  # two pages: less than the running requests hold
         assert state["elastic_kv_limit_bytes"] == 2 * page and eng.get_kv_limit() == state
+        lead = state["elastic_kv_lead_bytes"]  # the dummy page's, outside the limit
         for _ in range(60):
             sched.step()
             state = eng.get_kv_limit()
-            assert state["elastic_kv_mapped_bytes"] <= max(state["elastic_kv_used_bytes"], 2 * page)
-        assert state["elastic_kv_mapped_bytes"] <= 2 * page  # the cache keeps only what fits under the limit
+            assert state["elastic_kv_mapped_bytes"] - lead <= max(state["elastic_kv_used_bytes"] - lead, 2 * page)
+        assert state["elastic_kv_mapped_bytes"] - lead <= 2 * page  # the cache keeps only what fits under the limit
         assert not sched.running_batch.reqs and not any(r.finished() for r in reqs[5:])  # held, none cut
         eng.set_kv_limit(None)
         pending = {id(r) for r in reqs if not r.finished()}
@@ -496,18 +532,20 @@ def test_two_servers_on_one_device_take_turns_with_its_memory(group_servers):
         def turn(busy: int, prompts: int) -> list[dict]:
             _burst(servers[busy].url, seed=100 * prompts + busy, n=prompts)  # 125 KB of KV a prompt
             after = [s.wait_idle() for s in servers]
-            assert sum(st["elastic_kv_mapped_bytes"] for st in after) <= 8 * page  # the group's budget held
+            pages = [st["elastic_kv_mapped_bytes"] - st["elastic_kv_lead_bytes"] for st in after]  # the dummy pages' apart
+            assert sum(pages) <= 8 * page  # the group's budget held
             assert after[busy]["elastic_kv_mapped_bytes"] >= prompts * 8_000_000 // page * page  # its prompts, cached
             return after
 
-        turn(0, 16)  # 4 pages of prompts, the dummy page's and the reserve: 6, and 2 for the idle server
+        turn(0, 16)  # 4 pages of prompts and the reserve: 5, and 3 for the idle server
         before = servers[0].wait_idle()["elastic_kv_given_pages"]
         after = turn(1, 16)  # needs 4 more pages than the budget leaves it: the first server gives them
         assert after[0]["elastic_kv_given_pages"] > before and after[1]["elastic_kv_asks"] > 0
         given = after[1]["elastic_kv_given_pages"]
         after = turn(0, 26)  # about 7 pages: the other server goes down to its floor and its reserve
         assert after[1]["elastic_kv_given_pages"] > given
-        assert after[1]["elastic_kv_mapped_bytes"] <= after[1]["elastic_kv_floor_bytes"] + page == 2 * page
+        idle_pages = after[1]["elastic_kv_mapped_bytes"] - after[1]["elastic_kv_lead_bytes"]
+        assert idle_pages <= after[1]["elastic_kv_floor_bytes"] + page == 2 * page
     finally:
         assert [s.stop() for s in servers] == [0] * len(servers)
 
@@ -518,8 +556,9 @@ def test_an_idle_server_holds_the_reserve_a_burst_grows_it_and_a_flush_gives_it_
     try:
         pid = srv.children()["scheduler"]
         state = srv.wait_idle()
-        page = state["elastic_kv_mapped_bytes"] // 2  # the dummy page's and one in reserve
-        assert state["elastic_kv_mapped_bytes"] == 2 * page and page == 32 << 20
+        lead = state["elastic_kv_lead_bytes"]  # the dummy page's: a few KB on a CPU
+        page = state["elastic_kv_mapped_bytes"] - lead  # one in reserve
+        assert page == 32 << 20 and 0 < lead < 1 << 20
 
         def burst(seed: int) -> dict:
             _burst(srv.url, seed)
@@ -531,11 +570,11 @@ def test_an_idle_server_holds_the_reserve_a_burst_grows_it_and_a_flush_gives_it_
 
         # A first burst and flush leave what the scheduler's malloc keeps of the prefills' activations.
         burst(0)
-        assert flush()["elastic_kv_mapped_bytes"] == 2 * page
+        assert flush()["elastic_kv_mapped_bytes"] == page + lead
         idle = rss_anon(pid)
         assert burst(1)["elastic_kv_mapped_bytes"] >= 100 << 20  # the prompts stay cached: their pages stay mapped
         assert rss_anon(pid) - idle >= 80 << 20  # what was mapped beyond the reserve, which idle holds already
-        assert flush()["elastic_kv_mapped_bytes"] == 2 * page
+        assert flush()["elastic_kv_mapped_bytes"] == page + lead
         assert rss_anon(pid) - idle < page  # back to the reserve, give or take the allocator's own
 
         # The run-time limit, through kvctl and the endpoints.
@@ -552,7 +591,7 @@ def test_an_idle_server_holds_the_reserve_a_burst_grows_it_and_a_flush_gives_it_
             reply = httpx.post(srv.url + "/set_kv_limit", json=body, timeout=30)
             assert reply.status_code == 400 and reply.json()["error"]["param"] == field, (body, reply.text)
         burst(2)  # cached: 125 MB mapped
-        assert kvctl("limit", "64M")[0]["elastic_kv_mapped_bytes"] <= 64 << 20  # the cache evicted down to it
+        assert kvctl("limit", "64M")[0]["elastic_kv_mapped_bytes"] - lead <= 64 << 20  # the cache evicted down to it
         assert httpx.get(srv.url + "/get_kv_limit", timeout=30).json()[0]["elastic_kv_limit_bytes"] == 64 << 20
         states = []
         watcher = threading.Timer(3.0, lambda: states.append(kvctl("limit", "none")))

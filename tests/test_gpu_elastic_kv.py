@@ -163,6 +163,31 @@ def test_a_cuda_arena_leaves_the_device_the_margin_it_keeps():
         arena.close()
 
 
+def test_the_leads_of_all_buffers_share_one_granule():
+    """The dummy page's lead: one 2 MB allocation mapped before page 0 of
+    every buffer (what one buffer's lead holds, all of them read), apart
+    from the pages; unmapped, the device gets the 2 MB back."""
+    from radixserve.mem_cache.virtual_memory import CudaArena
+
+    arena = CudaArena([2 * MB] * 8, 4, torch.device("cuda"), lead_bytes=4096)
+    try:
+        torch.cuda.synchronize()
+        free = torch.cuda.mem_get_info()[0]
+        assert arena.map_lead() and arena.lead_physical_bytes() == 2 * MB and arena.mapped_bytes() == 2 * MB
+        assert free - torch.cuda.mem_get_info()[0] <= 2 * MB  # not 16 MB: one granule for the 8 leads
+        arena.tensors[0][:4096] = 7
+        assert all(int(t[:4096].sum()) == 7 * 4096 for t in arena.tensors)  # aliases of the same memory
+        assert arena.map(0)
+        arena.tensors[3][4096: 4096 + 2 * MB] = 1  # page 0 of buffer 3, right after its lead
+        assert int(arena.tensors[3][4095]) == 7 and int(arena.tensors[0][4095]) == 7  # the leads untouched
+        arena.unmap_lead()
+        torch.cuda.synchronize()
+        assert not arena.lead_mapped and arena.mapped_bytes() == arena.bytes_per_page
+        assert int(arena.tensors[3][4096]) == 1  # the pages keep their contents
+    finally:
+        arena.close()
+
+
 DUMMY = dict(model_path="tiny-llama", load_format="dummy", dtype="bfloat16", disable_tqdm=True, check_invariants=True,
              max_total_tokens=1 << 16, max_running_requests=16,
              # 2 KB of KV a token and layer: 1,024 tokens in each 2 MB elastic page
@@ -185,8 +210,8 @@ def test_greedy_tokens_are_the_same_over_an_elastic_pool():
     elastic, stats = _greedy(enable_elastic_kv=True, elastic_kv_page_mb=2)  # pages of 1,024 tokens: several maps
     assert elastic == static
     assert stats["elastic_kv_maps"] >= 3 and stats["elastic_kv_unmaps"] >= 1
-    # flushed: the dummy page's page and the reserve
-    assert stats["elastic_kv_mapped_bytes"] == stats["elastic_kv_used_bytes"] * (1 + stats["elastic_kv_reserve_pages"])
+    # flushed: the reserve, and the dummy page's lead: one 2 MB granule behind all 8 buffers
+    assert stats["elastic_kv_used_bytes"] == stats["elastic_kv_lead_bytes"] == 2 * MB
     assert stats["elastic_kv_reserve_pages"] <= 2
 
 
@@ -200,7 +225,7 @@ def test_refused_maps_queue_requests_on_the_gpu(monkeypatch):
 
     def flaky(self, first, count):
         calls["n"] += 1
-        return calls["n"] % 2 == 1 and original(self, first, count)  # the first (the dummy page's) maps
+        return calls["n"] % 2 == 1 and original(self, first, count)  # the first maps
 
     monkeypatch.setattr(CudaArena, "_map_run", flaky)
     elastic, stats = _greedy(enable_elastic_kv=True, elastic_kv_page_mb=2)
@@ -224,8 +249,8 @@ def test_two_pools_on_one_gpu_give_each_other_memory(monkeypatch):
     (_, a), (_, b) = (build_elastic_pool(*shape, config=config, tenant=t) for t in (1, 2))
     try:
         assert a.arena.bytes_per_page == 16 * MB and str(torch.cuda.get_device_properties(0).uuid) in a.registry.path
-        cached = [a.alloc(1024) for _ in range(11)]  # the dummy page's and 11 more: 12 mapped
-        assert all(c is not None for c in cached) and len(a.mapped_epages()) == 12
+        cached = [a.alloc(1024) for _ in range(13)]  # 13 pages mapped
+        assert all(c is not None for c in cached) and len(a.mapped_epages()) == 13
 
         def evict(n: int) -> int:  # the cache's LRU order: oldest first
             freed = 0
@@ -239,11 +264,11 @@ def test_two_pools_on_one_gpu_give_each_other_memory(monkeypatch):
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         keep = a.pages_to_keep(0, idle=False)
-        assert keep is not None and a.give(keep, evict) == 12 - keep >= 1
+        assert keep is not None and a.give(keep, evict) == 13 - keep >= 1
         a.mapper.drain()  # the mapper's thread unmaps once the device is done
         torch.cuda.synchronize()
         # back to the device (less a 2 MB block or two that torch's allocator may take for the frees' own tensors)
-        assert torch.cuda.mem_get_info()[0] - free_before >= (12 - keep) * 16 * MB - 4 * MB
+        assert torch.cuda.mem_get_info()[0] - free_before >= (13 - keep) * 16 * MB - 4 * MB
         b.rebalance()
         assert b.alloc(1024 * 4) is not None
     finally:

@@ -5,9 +5,13 @@ and unmapped when every slot in them is free (kvcached's rule).
 
 Region map (``E`` KV pages of ``page_size`` slots per elastic page)::
 
-    KV page:      0 | 1 .. E-1 | E .. 2E-1 | ... | (n-1)E .. num_pages
-    elastic page: 0            | 1         | ... | n-1
-                  (always mapped: the dummy page 0 lies in it)
+    KV page:      0    | 1 .. E | E+1 .. 2E | ... | (n-1)E+1 .. num_pages
+    elastic page: lead | 0      | 1         | ... | n-1
+
+The dummy KV page 0 (padded tokens write there) is each buffer's *lead*
+(``virtual_memory.py``), mapped while the pool holds memory at all: on CUDA
+one granule behind every buffer's lead, so a server that gives every page
+back keeps 2 MB, not an elastic page.
 
 - Only KV pages of mapped elastic pages are on the free list, so
   ``available_size`` counts *mapped* free slots plus the slots of elastic pages
@@ -91,13 +95,16 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
             raise ValueError(f"an elastic page of {epage_slots} slots holds no whole number of {page_size}-slot pages")
         if not 0 <= min_reserve <= max_reserve:
             raise ValueError(f"reserve pages: need 0 <= min ({min_reserve}) <= max ({max_reserve})")
+        if any(arena.lead_bytes * epage_slots != page_size * b for b in arena.page_bytes):
+            raise ValueError(f"the arena's buffers must start with the dummy page: a lead of {page_size} slots "
+                             f"of {arena.page_bytes[0] // epage_slots} bytes, not {arena.lead_bytes} bytes")
         self.arena = arena
         self.epage_slots = epage_slots
         self.kv_pages_per_epage = epage_slots // page_size
         self.min_reserve, self.max_reserve = min_reserve, max_reserve
         self._agree_min = agree_min or (lambda value: value)
         num_pages = page_floor(size, page_size) // page_size  # the pool's whole pages, as the base class counts
-        self.num_epages = pages_for(num_pages + 1, self.kv_pages_per_epage)
+        self.num_epages = pages_for(num_pages, self.kv_pages_per_epage)
         if self.num_epages > arena.num_pages:
             raise ValueError(f"the arena has {arena.num_pages} pages, the pool needs {self.num_epages}")
         self.limit_pages = self.num_epages  # elastic pages that may be mapped at once (a run-time limit lowers it)
@@ -105,7 +112,7 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
         self._dirty = True  # slots freed (or pages mapped) since the last rebalance
         self._unlooked = 0  # calls since the last look for empty pages, while busy
         self.registry = registry  # the other servers on this device (elastic_registry.py), or None
-        self.floor_pages = max(floor_pages, 1)  # what another server's ask leaves mapped
+        self.floor_pages = max(floor_pages, 0)  # what another server's ask leaves mapped
         self.given_pages = self.asks = 0
         self.mapper = PageMapper(arena, background)
         self._owned: set[int] = set()  # elastic pages whose KV pages are free-listed or in use
@@ -116,15 +123,19 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
 
     # -- geometry ----------------------------------------------------------
     def _kv_pages(self, epages: list[int]) -> torch.Tensor:
-        """The allocatable KV pages of ``epages`` (never the dummy page 0)."""
+        """The KV pages of ``epages``."""
         e = self.kv_pages_per_epage
-        ranges = [torch.arange(max(p * e, 1), min((p + 1) * e, self.num_pages + 1)) for p in epages]
+        ranges = [torch.arange(1 + p * e, min(1 + (p + 1) * e, self.num_pages + 1)) for p in epages]
         return torch.cat(ranges).to(self.device) if ranges else torch.empty(0, dtype=torch.int64, device=self.device)
+
+    def epage_of(self, kv_pages: torch.Tensor) -> torch.Tensor:
+        """The elastic page of each of ``kv_pages`` (never the dummy page 0)."""
+        return (kv_pages - 1) // self.kv_pages_per_epage
 
     def epage_used(self) -> torch.Tensor:
         """KV pages in use in each elastic page."""
         padded = torch.zeros(self.num_epages * self.kv_pages_per_epage, dtype=torch.int64, device=self.device)
-        padded[: self.num_pages + 1] = (self.page_used > 0).to(torch.int64)
+        padded[: self.num_pages] = (self.page_used[1:] > 0).to(torch.int64)
         return padded.view(self.num_epages, -1).sum(dim=1)
 
     def mapped_epages(self) -> list[int]:
@@ -143,10 +154,8 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
     # -- state -------------------------------------------------------------
     def clear(self) -> None:
         """Every slot free; elastic pages beyond the reserve unmapped."""
-        if not self.mapper.map_now(0):  # the dummy page: padded tokens write there
+        if not self.arena.map_lead():  # the dummy page: padded tokens write there
             raise MemoryError("elastic KV pool: the device has no memory for the dummy page")
-        self._owned.add(0)
-        self._ahead = [e for e in self._ahead if e != 0]
         self._released: list[torch.Tensor] = []
         self._group = None
         self.slot_in_use.zero_()
@@ -168,15 +177,15 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
     def _mappable_pages(self, n_epages: int) -> int:
         """KV pages in the ``n_epages`` lowest unmapped elastic pages under
         the limit (counted, not listed: admission asks often). Every elastic
-        page holds ``kv_pages_per_epage`` but the dummy page's, always
-        mapped, and the last, which the lowest-first order reaches last."""
+        page holds ``kv_pages_per_epage`` but the last, which the
+        lowest-first order reaches last."""
         owned = self._owned
         unowned = self.num_epages - len(owned)
         room = max(min(n_epages, self.limit_pages - len(owned), unowned), 0)
         pages = room * self.kv_pages_per_epage
         last = self.num_epages - 1
         if room and room == unowned and last not in owned:
-            pages -= (last + 1) * self.kv_pages_per_epage - (self.num_pages + 1)
+            pages -= (last + 1) * self.kv_pages_per_epage - self.num_pages
         return pages
 
     def _unowned(self, n: int, skip: set[int] | list[int] = ()) -> list[int]:
@@ -294,10 +303,12 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
     def _plan_ahead(self, free_epages: int) -> None:
         """Keep ``min_reserve`` pages, plus the recent pace, in free slots and
         pages mapped ahead; give back those mapped ahead beyond that and the
-        reserve's slack (``max_reserve - min_reserve``). Never asks the
-        other servers: the reserve is no one's need."""
+        reserve's slack (``max_reserve - min_reserve``), unless the free
+        pages and those mapped ahead are no more than ``max_reserve``: empty
+        pages are the reserve, mapped ahead or not. Never asks the other
+        servers: the reserve is no one's need."""
         want = max(self.min_reserve + max(self._pace) - free_epages, 0)
-        keep = want + (self.max_reserve - self.min_reserve if want else 0)
+        keep = max(want + (self.max_reserve - self.min_reserve if want else 0), self.max_reserve - free_epages)
         if len(self._ahead) > keep:
             self._drop_ahead(len(self._ahead) - keep)
         room = min(want - len(self._ahead), self.limit_pages - self._held())
@@ -321,9 +332,9 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
             self.mapper.unmap(drop)
 
     def _empty_epages(self) -> list[int]:
-        """Mapped elastic pages with every slot free, lowest first (never the dummy page's)."""
+        """Mapped elastic pages with every slot free, lowest first."""
         used = self.epage_used().tolist()
-        return [e for e in self.mapped_epages() if e != 0 and used[e] == 0]
+        return [e for e in self.mapped_epages() if used[e] == 0]
 
     def _unmap(self, epages: list[int]) -> None:
         """Give owned, empty ``epages`` back (the mapper unmaps them once the device is done)."""
@@ -367,7 +378,8 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
     # -- the run-time limit and giving memory to others ------------------------
     def set_limit(self, epages: int | None) -> None:
         """At most ``epages`` elastic pages mapped (None: the pool's size);
-        at least the dummy page's. Applied by the next :meth:`rebalance`."""
+        at least one (a pool that may map none would hold every admission
+        for ever). Applied by the next :meth:`rebalance`."""
         self.limit_pages = self.num_epages if epages is None else min(max(int(epages), 1), self.num_epages)
         self._dirty = True
 
@@ -405,7 +417,7 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
         self._drop_ahead(len(self._ahead))
         while True:
             empty = self._empty_epages()
-            over = len(self._owned) - max(epages, 1)
+            over = len(self._owned) - max(epages, 0)
             self._unmap(empty[len(empty) - min(over, len(empty)):] if over > 0 else [])
             over -= min(max(over, 0), len(empty))
             if over <= 0 or not evict(over * self.epage_slots):
@@ -416,31 +428,32 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
     def _drop_free(self, epages: set[int]) -> None:
         """Take the KV pages of ``epages`` (all free) off the free lists."""
         free = torch.cat([self.free_pages, *self._released]) if self._released else self.free_pages
-        keep = ~torch.isin(free // self.kv_pages_per_epage,
+        keep = ~torch.isin(self.epage_of(free),
                            torch.tensor(sorted(epages), dtype=torch.int64, device=self.device))
         self.free_pages, self._released = free[keep].sort().values, []
 
     # -- all of its memory given back (/release_memory_occupation) -------------------
     def release(self) -> None:
         """Every slot free, as :meth:`clear` (the caller emptied the cache and
-        no request holds KV), and every elastic page given back, the dummy
-        page's too, by the time this returns; nothing maps until :meth:`resume`
-        (the scheduler admits nothing meanwhile). Same on every rank."""
+        no request holds KV), and every elastic page given back, and the
+        dummy page's lead, by the time this returns; nothing maps until
+        :meth:`resume` (the scheduler admits nothing meanwhile). Same on
+        every rank."""
         self._group = None
         self.slot_in_use.zero_()
         self.page_used.zero_()
         self._drop_ahead(len(self._ahead))
         self._unmap(self.mapped_epages())
         self.mapper.drain()
+        self.arena.unmap_lead()
         self.memory_released, self._can_map = True, 0
 
     def resume(self) -> bool:
-        """Map the dummy page's elastic page back and refill the reserve
+        """Map the dummy page's lead back and refill the reserve
         (:meth:`clear`); False, and still released, when the device of any
-        rank refuses the dummy page."""
-        if not self._agree_min(int(self.mapper.map_now(0))):
-            self.mapper.unmap([0])
-            self.mapper.drain()
+        rank refuses the lead."""
+        if not self._agree_min(int(self.arena.map_lead())):
+            self.arena.unmap_lead()
             return False
         self.memory_released = False
         self.clear()
@@ -448,14 +461,16 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
 
     # -- figures and checks ------------------------------------------------------
     def pool_stats(self) -> dict[str, float]:
-        """Bytes reserved, mapped and used (pages holding a used slot), the
-        empty mapped pages (the reserve), map and unmap counts and seconds."""
-        s, per_page = self.arena.stats, self.arena.bytes_per_page
-        used = self.epage_used()
-        used_pages = int((used > 0).sum()) + int(used[0] == 0 and not self.memory_released)  # the dummy page's: padding
-        return {"elastic_kv_reserved_bytes": self.arena.reserved_bytes(),
-                "elastic_kv_mapped_bytes": self.arena.mapped_bytes(),
-                "elastic_kv_used_bytes": used_pages * per_page,
+        """Bytes reserved, mapped and used (pages holding a used slot, and
+        the dummy page's lead: padding writes there), the empty mapped pages
+        (the reserve), map and unmap counts and seconds."""
+        s, per_page, arena = self.arena.stats, self.arena.bytes_per_page, self.arena
+        used_pages = int((self.epage_used() > 0).sum())
+        lead = arena.lead_physical_bytes() if arena.lead_mapped else 0
+        return {"elastic_kv_reserved_bytes": arena.reserved_bytes(),
+                "elastic_kv_mapped_bytes": arena.mapped_bytes(),
+                "elastic_kv_used_bytes": used_pages * per_page + lead,
+                "elastic_kv_lead_bytes": lead,
                 "elastic_kv_reserve_pages": len(s.mapped) - used_pages,
                 "elastic_kv_limit_bytes": self.limit_pages * per_page,
                 "elastic_kv_maps": s.maps, "elastic_kv_unmaps": s.unmaps, "elastic_kv_failed_maps": s.failed_maps,
@@ -471,21 +486,22 @@ class ElasticTokenToKVPoolAllocator(TokenToKVPoolAllocator):
     def _problems(self) -> list[str]:
         """The paged allocator's invariant over the mapped pages, and
         kvcached's rule: no used slot and no free-listed page in an unmapped
-        elastic page; the dummy page's elastic page mapped."""
-        problems, e = super()._problems(), self.kv_pages_per_epage
+        elastic page; the dummy page's lead mapped."""
+        problems = super()._problems()
         mapped = torch.zeros(self.num_epages, dtype=torch.bool, device=self.device)
         mapped[self.mapped_epages()] = True
-        if not bool(mapped[0]) and not self.memory_released:
-            problems.append("the dummy page's elastic page is unmapped")
+        if not self.arena.lead_mapped and not self.memory_released:
+            problems.append("the dummy page's lead is unmapped")
         if any(not self.arena.is_mapped(p) for p in self._owned):
             problems.append("an owned elastic page is not mapped")
         if self._owned.intersection(self._ahead):
             problems.append("an owned elastic page is also mapped ahead")
         free = torch.cat([self.free_pages, *self._released]) if self._released else self.free_pages
-        if len(free) and not bool(mapped[free // e].all()):
+        if len(free) and not bool(mapped[self.epage_of(free)].all()):
             problems.append("a free-listed page lies in an unmapped elastic page")
         used_pages = torch.nonzero(self.page_used).flatten()
-        if len(used_pages) and not bool(mapped[used_pages // e].all()):
+        used_pages = used_pages[used_pages > 0]  # the dummy page 0 is the lead's, checked above
+        if len(used_pages) and not bool(mapped[self.epage_of(used_pages)].all()):
             problems.append("a used slot lies in an unmapped elastic page")
         return problems
 
@@ -495,15 +511,16 @@ def build_elastic_pool(size: int, page_size: int, dtype: torch.dtype, head_num: 
                        agree_min: Callable[[int], int] | None = None, tenant: int = 0, keep_free: int = 0,
                        ) -> tuple[MHATokenToKVPool, ElasticTokenToKVPoolAllocator]:
     """A KV pool of ``size`` slots over a virtual arena (its K and V buffers
-    reserved, nothing mapped beyond the dummy page and the reserve) and its
+    reserved, nothing mapped beyond the dummy page's lead and the reserve) and its
     allocator, a member of the device's registry (``config.group``) for the
     server ``tenant``; a map never leaves the device less than ``keep_free``
     bytes. The pool keeps the arena (``pool.arena``)."""
     slot_bytes = head_num * head_dim * dtype.itemsize
     epage_slots = elastic_page_slots([slot_bytes], page_size, granularity(torch.device(device)),
                                      int(config.page_mb * 2**20))
-    num_epages = pages_for(size + page_size, epage_slots)
-    arena = make_arena([epage_slots * slot_bytes] * (2 * layer_num), num_epages, torch.device(device), keep_free)
+    num_epages = pages_for(page_floor(size, page_size), epage_slots)
+    arena = make_arena([epage_slots * slot_bytes] * (2 * layer_num), num_epages, torch.device(device), keep_free,
+                       lead_bytes=page_size * slot_bytes)  # the dummy page
     pool = MHATokenToKVPool(size, page_size, dtype, head_num, head_dim, layer_num, device, buffers=arena.tensors)
     pool.arena = arena
     registry = None

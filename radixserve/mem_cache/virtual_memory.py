@@ -10,6 +10,13 @@ whole range that never moves, so kernels, views and CUDA graphs made once stay
 valid; touching an unmapped page is the caller's bug (on a GPU, an illegal
 address).
 
+A buffer may start with a *lead* of ``lead_bytes`` before its page 0 (the
+KV pool's dummy page, where padded tokens write), mapped apart from the
+pages: :meth:`VirtualArena.map_lead` backs the leads of all the buffers with
+one physical allocation on CUDA (each lead in a granule of its own range,
+all of them aliases of the same memory: what padding writes there is never
+read as anyone's KV), so the lead costs one granule, not one page per buffer.
+
 - :class:`CpuArena`: one anonymous ``mmap`` per buffer (``MAP_NORESERVE``:
   nothing is committed until written); unmapping is ``madvise(MADV_DONTNEED)``,
   so resident memory falls and the page reads as zeros again. Mapping asks
@@ -86,12 +93,15 @@ class VirtualArena(abc.ABC):
     """Buffers of ``num_pages`` pages each (see the module docstring).
     Subclasses give the physical side: ``_map_run`` and ``_unmap_runs``."""
 
-    def __init__(self, page_bytes: list[int], num_pages: int):
+    def __init__(self, page_bytes: list[int], num_pages: int, lead_bytes: int = 0, lead_unit: int = 1):
         self.page_bytes = list(page_bytes)
         self.num_pages = num_pages
+        self.lead_bytes = lead_bytes  # each tensor's bytes before its page 0
+        self.lead_span = -(-lead_bytes // lead_unit) * lead_unit  # what each range reserves for them
+        self.lead_mapped = False
         self.stats = ArenaStats()
         self._stats_lock = threading.Lock()  # a background mapper (page_mapper.py) maps while the scheduler does
-        self.tensors: list[torch.Tensor] = []  # one uint8 tensor per buffer, over its whole range
+        self.tensors: list[torch.Tensor] = []  # one uint8 tensor per buffer: its lead, then its pages
 
     @property
     def bytes_per_page(self) -> int:
@@ -99,10 +109,34 @@ class VirtualArena(abc.ABC):
         return sum(self.page_bytes)
 
     def reserved_bytes(self) -> int:
-        return self.bytes_per_page * self.num_pages
+        return self.bytes_per_page * self.num_pages + self.lead_span * len(self.page_bytes)
 
     def mapped_bytes(self) -> int:
-        return self.bytes_per_page * len(self.stats.mapped)
+        """The pages' bytes mapped, and the leads' (:meth:`lead_physical_bytes`)."""
+        return self.bytes_per_page * len(self.stats.mapped) + (self.lead_physical_bytes() if self.lead_mapped else 0)
+
+    def lead_physical_bytes(self) -> int:
+        """What the buffers' leads take of memory once mapped."""
+        return self.lead_span * len(self.page_bytes)
+
+    def map_lead(self) -> bool:
+        """Back every buffer's lead (once; True if it already is); False when
+        there is no memory for it."""
+        if not self.lead_mapped:
+            self.lead_mapped = self._map_lead()
+        return self.lead_mapped
+
+    def unmap_lead(self) -> None:
+        """Give the leads' memory back (their contents are lost)."""
+        if self.lead_mapped:
+            self._unmap_lead()
+            self.lead_mapped = False
+
+    def _map_lead(self) -> bool:
+        return True
+
+    def _unmap_lead(self) -> None:
+        pass
 
     @abc.abstractmethod
     def physical_free(self) -> int:
@@ -149,6 +183,7 @@ class VirtualArena(abc.ABC):
 
     def close(self) -> None:
         self.unmap_many(list(self.stats.mapped))
+        self.unmap_lead()
 
     def enter_thread(self) -> None:
         """Make the calling (background) thread able to map and unmap."""
@@ -193,13 +228,14 @@ def granularity(device: torch.device) -> int:
 
 
 def make_arena(page_bytes: list[int], num_pages: int, device: torch.device, keep_free: int = 0,
-               zero_pages: bool = False) -> VirtualArena:
-    """An arena on ``device``; on CUDA a map never leaves the device less than
+               zero_pages: bool = False, lead_bytes: int = 0) -> VirtualArena:
+    """An arena on ``device`` whose buffers start with ``lead_bytes`` before
+    their pages; on CUDA a map never leaves the device less than
     ``keep_free`` bytes free (on a CPU the margin is ``CPU_MIN_AVAILABLE``)."""
     if device.type == "cuda":
-        return CudaArena(page_bytes, num_pages, device, keep_free, zero_pages)
+        return CudaArena(page_bytes, num_pages, device, keep_free, zero_pages, lead_bytes)
     if device.type == "cpu":
-        return CpuArena(page_bytes, num_pages)
+        return CpuArena(page_bytes, num_pages, lead_bytes)
     raise ValueError(f"--enable-elastic-kv: no virtual memory on device {device}")
 
 
@@ -218,11 +254,14 @@ def available_ram() -> int:
 
 
 class CpuArena(VirtualArena):
-    def __init__(self, page_bytes: list[int], num_pages: int):
-        super().__init__(page_bytes, num_pages)
-        self._maps = [mmap.mmap(-1, b * num_pages, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
-                      for b in page_bytes]
-        self.tensors = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
+    """A lead needs no mapping: it faults in where it is written (the
+    dummy page's few slots), and :meth:`unmap_lead` drops what it holds."""
+
+    def __init__(self, page_bytes: list[int], num_pages: int, lead_bytes: int = 0):
+        super().__init__(page_bytes, num_pages, lead_bytes, mmap.PAGESIZE)
+        self._maps = [mmap.mmap(-1, self.lead_span + b * num_pages,
+                                flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE) for b in page_bytes]
+        self.tensors = [torch.frombuffer(m, dtype=torch.uint8, offset=self.lead_span - lead_bytes) for m in self._maps]
         self._populate = True  # until the kernel says it cannot
 
     def physical_free(self) -> int:
@@ -234,7 +273,7 @@ class CpuArena(VirtualArena):
         if self._populate:
             try:
                 for m, b in zip(self._maps, self.page_bytes):
-                    m.madvise(MADV_POPULATE_WRITE, first * b, count * b)
+                    m.madvise(MADV_POPULATE_WRITE, self.lead_span + first * b, count * b)
             except OSError:  # an older kernel: the pages fault in when first written
                 self._populate = False
         return True
@@ -242,7 +281,12 @@ class CpuArena(VirtualArena):
     def _unmap_runs(self, runs: list[tuple[int, int]]) -> None:
         for m, b in zip(self._maps, self.page_bytes):
             for first, count in runs:
-                m.madvise(mmap.MADV_DONTNEED, first * b, count * b)
+                m.madvise(mmap.MADV_DONTNEED, self.lead_span + first * b, count * b)
+
+    def _unmap_lead(self) -> None:
+        if self.lead_span:
+            for m in self._maps:
+                m.madvise(mmap.MADV_DONTNEED, 0, self.lead_span)
 
 
 # -- CUDA ------------------------------------------------------------------------------------------
@@ -298,10 +342,10 @@ class CudaArena(VirtualArena):
     alone")."""
 
     def __init__(self, page_bytes: list[int], num_pages: int, device: torch.device, keep_free: int = 0,
-                 zero_pages: bool = False):
+                 zero_pages: bool = False, lead_bytes: int = 0):
         from cuda.bindings import driver
 
-        super().__init__(page_bytes, num_pages)
+        super().__init__(page_bytes, num_pages, lead_bytes, granularity(device))
         self.keep_free = keep_free  # left on the device for activations, this process's and the others'
         self._seen_free, self._looked_at = 0, -FREE_LOOK_S  # the driver's figure, less what was mapped since
         self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
@@ -320,10 +364,15 @@ class CudaArena(VirtualArena):
         self._ranges = []
         with torch.cuda.device(self.device):
             self.span_access, self.span_unmap = probe_spans(self._prop, self._access, gran)
-            for b in page_bytes:
-                ptr = int(_check(driver.cuMemAddressReserve(b * num_pages, gran, 0, 0)))
-                self._ranges.append(_CudaRange(ptr, b * num_pages))
-            self.tensors = [torch.as_tensor(r, device=self.device) for r in self._ranges]
+            for b in page_bytes:  # each range: its lead's granules, then its pages
+                ptr = int(_check(driver.cuMemAddressReserve(self.lead_span + b * num_pages, gran, 0, 0)))
+                self._ranges.append(_CudaRange(ptr, self.lead_span + b * num_pages))
+            skip = self.lead_span - lead_bytes
+            self.tensors = [torch.as_tensor(_CudaRange(r.ptr + skip, r.nbytes - skip), device=self.device)
+                            for r in self._ranges]
+
+    def lead_physical_bytes(self) -> int:
+        return self.lead_span  # one allocation behind every buffer's lead
 
     def physical_free(self) -> int:
         """The device's free memory beyond ``keep_free``, from a look at most
@@ -362,7 +411,7 @@ class CudaArena(VirtualArena):
         try:
             with torch.cuda.device(self.device):
                 for r, b in zip(self._ranges, self.page_bytes):
-                    start = r.ptr + first * b
+                    start = self._page_ptr(r, b, first)
                     for ptr in range(start, start + count * b, b):
                         handle = _check(driver.cuMemCreate(b, self._prop, 0))
                         (err,) = driver.cuMemMap(ptr, b, 0, handle, 0)
@@ -374,7 +423,7 @@ class CudaArena(VirtualArena):
                 if self.zero_pages:
                     stream = torch.cuda.current_stream().cuda_stream
                     for r, b in zip(self._ranges, self.page_bytes):
-                        _check(driver.cuMemsetD8Async(r.ptr + first * b, 0, count * b, stream))
+                        _check(driver.cuMemsetD8Async(self._page_ptr(r, b, first), 0, count * b, stream))
         except CudaVmmError as exc:
             for ptr, size in reversed(mapped):
                 driver.cuMemUnmap(ptr, size)
@@ -383,6 +432,45 @@ class CudaArena(VirtualArena):
             return False
         self._seen_free -= need
         return True
+
+    def _page_ptr(self, r: _CudaRange, page_bytes: int, page: int) -> int:
+        return r.ptr + self.lead_span + page * page_bytes
+
+    def _map_lead(self) -> bool:
+        """One allocation of ``lead_span`` bytes, mapped at the start of every
+        range (the driver keeps it until its last mapping goes), zeroed if
+        pages are."""
+        driver = self._driver
+        if not self.lead_span:
+            return True
+        mapped: list[int] = []
+        try:
+            with torch.cuda.device(self.device):
+                handle = _check(driver.cuMemCreate(self.lead_span, self._prop, 0))
+                try:
+                    for r in self._ranges:
+                        _check(driver.cuMemMap(r.ptr, self.lead_span, 0, handle, 0))
+                        mapped.append(r.ptr)
+                        _check(driver.cuMemSetAccess(r.ptr, self.lead_span, self._access, 1))
+                finally:
+                    _check(driver.cuMemRelease(handle))
+                if self.zero_pages:
+                    _check(driver.cuMemsetD8(self._ranges[0].ptr, 0, self.lead_span))
+        except CudaVmmError as exc:
+            for ptr in mapped:
+                driver.cuMemUnmap(ptr, self.lead_span)
+            if exc.err != driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+                raise
+            return False
+        self._seen_free -= self.lead_span
+        return True
+
+    def _unmap_lead(self) -> None:
+        if self.lead_span:
+            torch.cuda.synchronize(self.device)
+            for r in self._ranges:
+                _check(self._driver.cuMemUnmap(r.ptr, self.lead_span))
+            self._seen_free += self.lead_span
 
     def _set_access(self, start: int, page_bytes: int, count: int) -> None:
         driver = self._driver
@@ -397,7 +485,7 @@ class CudaArena(VirtualArena):
         torch.cuda.synchronize(self.device)  # once for them all: no kernel on any stream may still use them
         for r, b in zip(self._ranges, self.page_bytes):
             for first, count in runs:
-                start = r.ptr + first * b
+                start = self._page_ptr(r, b, first)
                 if count > 1 and self.span_unmap:
                     if driver.cuMemUnmap(start, count * b)[0] == driver.CUresult.CUDA_SUCCESS:
                         continue
