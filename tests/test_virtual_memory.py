@@ -222,3 +222,21 @@ def test_the_benchmark_runs_on_the_cpu_arena(elastic_vmm, capsys):
     assert list(fresh) == ["alone", "new_range_new_memory", "same_range_reused_memory", "new_range_reused_memory"]
     for case in list(fresh)[1:]:  # each pass mapped all 4 pages while steps ran
         assert fresh[case]["steps"] > 0 and fresh[case]["map_s"] > 0
+
+
+def test_unmapping_returns_resident_memory():
+    def rss_anon() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon:"))
+
+    arena = CpuArena([8 << 20, 8 << 20], 16)  # 16 pages of 16 MB
+    before = rss_anon()
+    for page in range(8):
+        assert arena.map(page)
+        for t in arena.tensors:
+            t[page * (8 << 20): (page + 1) * (8 << 20)].fill_(1)
+    grown = rss_anon()
+    for page in range(8):
+        arena.unmap(page)
+    assert grown - before >= 120 << 20 and rss_anon() - before < 16 << 20
+    assert int(arena.tensors[0][0]) == 0 and arena.stats.maps == arena.stats.unmaps == 8

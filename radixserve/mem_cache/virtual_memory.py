@@ -132,11 +132,13 @@ class VirtualArena(abc.ABC):
             self._unmap_lead()
             self.lead_mapped = False
 
+    @abc.abstractmethod
     def _map_lead(self) -> bool:
-        return True
+        """Back the buffers' leads, or map nothing and return False."""
 
+    @abc.abstractmethod
     def _unmap_lead(self) -> None:
-        pass
+        """Give the leads' memory back."""
 
     @abc.abstractmethod
     def physical_free(self) -> int:
@@ -282,6 +284,9 @@ class CpuArena(VirtualArena):
         for m, b in zip(self._maps, self.page_bytes):
             for first, count in runs:
                 m.madvise(mmap.MADV_DONTNEED, self.lead_span + first * b, count * b)
+
+    def _map_lead(self) -> bool:
+        return True  # anonymous memory: it faults in where padding writes
 
     def _unmap_lead(self) -> None:
         if self.lead_span:
