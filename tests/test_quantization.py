@@ -31,16 +31,27 @@ def fake_quantize_rows_in_chunks(t: torch.Tensor, chunks: int) -> torch.Tensor:
     return torch.cat([fake_quantize_rows(c) for c in t.chunk(chunks, dim=-1)], dim=-1)
 
 
-def fake_quantize_fp8(hf: nn.Module, tp_size: int = 1) -> nn.Module:
+def fake_quantize_fp8(hf: nn.Module, tp_size: int = 1, quantized_rows: list[int] | None = None) -> nn.Module:
     """HF's model with every ``nn.Linear`` but the LM head computing on
     e4m3-rounded weights (per output row) and inputs (per token). Under
     ``tp_size`` ranks the row-parallel layers (o_proj, down_proj) are split
-    along their input, so each rank scales its own slice of a row or token."""
+    along their input, so each rank scales its own slice of a row or token.
+    ``quantized_rows``, a one-element list set before each forward, limits
+    the rounded inputs to the first that many positions: a prompt's prefill
+    rows, while the decode rows after them stay as they are, as the skinny fp8
+    kernel takes a decode batch's activations on a GPU."""
+    def round_inputs(_, args, n):
+        x = args[0]
+        if quantized_rows is None:
+            return (fake_quantize_rows_in_chunks(x, n),)
+        p = quantized_rows[0]
+        return (torch.cat([fake_quantize_rows_in_chunks(x[..., :p, :], n), x[..., p:, :]], dim=-2),)
+
     for name, module in hf.named_modules():
         if isinstance(module, nn.Linear) and not name.endswith("lm_head"):
             chunks = tp_size if name.endswith(("o_proj", "down_proj")) else 1
             module.weight.data = fake_quantize_rows_in_chunks(module.weight.data, chunks)
-            module.register_forward_pre_hook(lambda _, args, n=chunks: (fake_quantize_rows_in_chunks(args[0], n),))
+            module.register_forward_pre_hook(lambda mod, args, n=chunks: round_inputs(mod, args, n))
     return hf
 
 

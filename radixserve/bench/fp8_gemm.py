@@ -1,39 +1,53 @@
-"""The linear layers' GEMMs in bf16 against ``--quantization fp8`` (per-token
-activation quantization + ``torch._scaled_mm``), on one model's shapes.
+"""The linear layers' GEMMs in bf16 against ``--quantization fp8``, on one
+model's shapes.
 
     python -m radixserve.bench.fp8_gemm [--hidden 4096 --intermediate 14336 --q-heads 32 --kv-heads 8 --head-dim 128]
-                                        [--tokens 1 64 256 1024 4096 8192]
+                                        [--tokens 1 4 16 64 256 1024 4096 8192] [--sweep-s 20]
 
-Prints one JSON object per (projection, token count): the bf16 ``F.linear``
-time, the fp8 time with and without the quantization kernel, and the TFLOP/s
-and weight-read TB/s of each, plus a line with the square 8192³ matmul in
-bf16 and fp8 (the machine's ceilings, measured in the same run). Defaults are
-llama-3.1-8b's shapes. Each time is the best of ``--repeats`` CUDA-event
-timings of a CUDA graph of ``--inner`` back-to-back calls, as decode steps
-run. GPU only (fp8 tensor cores).
+Prints one JSON object per (projection, token count) with the time and the
+weight-read TB/s of: bf16 ``F.linear``; ``fp8_linear`` (the engine's fp8
+path: the skinny kernel up to ``SKINNY_MAX_ROWS`` rows, else the next one);
+per-token quantization + ``torch._scaled_mm``, with and without the
+quantization kernel; and, up to 64 rows, the skinny kernel
+(``layers/triton_ops/skinny_gemm.py``) on the fp8 and on the bf16 weight. A
+first line has the square 8192³ matmul in bf16 and fp8 (the machine's
+ceilings, measured in the same run). Defaults are llama-3.1-8b's shapes.
+
+Each time is the best of ``--repeats`` CUDA-event timings of a CUDA graph of
+``--inner`` back-to-back calls, as decode steps run, cycling through copies
+of the weight (``--rotate-mb`` in all) so that none is read from L2.
+``--sweep-s`` also searches the skinny kernel's tiles for each case up to 64
+rows and prints the best beside the default choice. GPU only (fp8 tensor
+cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import itertools
 import json
+import time
 
 import torch
 import torch.nn.functional as F
 
-from radixserve.layers.quantization import FP8_DTYPE, fp8_linear, quantize_fp8_rows, quantize_tokens
+from radixserve.layers.quantization import FP8_DTYPE, fp8_linear, quantize_fp8_rows, quantize_tokens, scaled_mm_linear
+from radixserve.layers.triton_ops.skinny_gemm import MAX_ROWS, SkinnyConfig, skinny_linear, split_for
 
 
-def cuda_time(fn, repeats: int, inner: int) -> float:
-    """Best seconds per call of ``fn`` over ``repeats`` replays of a CUDA
-    graph of ``inner`` calls: the device's time, as in a decode step's
-    graph, without the host's launch cost (which dominates at a few rows)."""
-    fn()
+def cuda_time(calls: list, repeats: int) -> float:
+    """Best seconds per call over ``repeats`` replays of a CUDA graph of
+    ``calls`` back to back: the device's time, as in a decode step's graph,
+    without the host's launch cost (which dominates at a few rows)."""
+    for call in calls:
+        call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
+        for call in calls:
+            call()
     graph.replay()
     best = float("inf")
     for _ in range(repeats):
@@ -42,7 +56,7 @@ def cuda_time(fn, repeats: int, inner: int) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / inner)
+        best = min(best, start.elapsed_time(end) / 1e3 / len(calls))
     return best
 
 
@@ -59,48 +73,103 @@ def ceilings(repeats: int) -> dict:
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     aq, bq = a.to(FP8_DTYPE), b.to(FP8_DTYPE)
     one = torch.ones((), device="cuda")
-    bf16 = cuda_time(lambda: a @ b.t(), repeats, 5)
-    fp8 = cuda_time(lambda: torch._scaled_mm(aq, bq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
-                                             use_fast_accum=True), repeats, 5)
+    bf16 = cuda_time([lambda: a @ b.t()] * 5, repeats)
+    fp8 = cuda_time([lambda: torch._scaled_mm(aq, bq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                              use_fast_accum=True)] * 5, repeats)
     return {"bench": "fp8_gemm", "case": "8192^3", "bf16_tflops": 2 * n**3 / bf16 / 1e12,
             "fp8_tflops": 2 * n**3 / fp8 / 1e12}
+
+
+def weight_copies(w: torch.Tensor, min_bytes: int) -> list[torch.Tensor]:
+    """``w`` and clones of it, together at least ``min_bytes``: cycling
+    through them keeps a small weight from being read out of L2 (50-60 MB),
+    as a decode step's next layer is not."""
+    return [w] + [w.clone() for _ in range(max(0, -(-min_bytes // (w.numel() * w.element_size())) - 1))]
+
+
+def rotating(fn, weights: list[torch.Tensor], inner: int) -> list:
+    """``inner`` calls of ``fn(weight)`` cycling through ``weights``."""
+    return [functools.partial(fn, weights[i % len(weights)]) for i in range(inner)]
+
+
+def sweep(name: str, m: int, x, weights, scale, repeats: int, inner: int, budget_s: float) -> dict:
+    """The fastest skinny config for this case, within ``budget_s``: first
+    the tiles (N, K) with K split to 2, 4 or 8 programs an SM at 4 warps and 4
+    stages, then the best of those at other warps and stages."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n, k = weights[0].shape
+    block_m = max(16, 1 << (m - 1).bit_length())
+    tiles = [(block_m, bn, bk) for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (64, 128), (64, 256),
+                                              (128, 128))]
+    deadline, tried = time.monotonic() + budget_s, {}
+
+    def attempt(cfg: SkinnyConfig) -> None:
+        if cfg in tried or time.monotonic() > deadline:
+            return
+        try:
+            tried[cfg] = cuda_time(rotating(lambda w: skinny_linear(x, w, scale, config=cfg), weights, inner), repeats)
+        except Exception:  # noqa: BLE001 (a tile the compiler rejects: out of shared memory or registers)
+            tried[cfg] = float("inf")
+
+    for (bm, bn, bk), per_sm in itertools.product(tiles, (2, 4, 8)):
+        attempt(SkinnyConfig(bm, bn, bk, split_for(n, k, bn, bk, per_sm * sms)))
+    top = min(tried, key=tried.get)
+    for warps, stages in itertools.product((2, 4, 8), (2, 3, 4, 6)):
+        attempt(dataclasses.replace(top, num_warps=warps, num_stages=stages))
+    best = min(tried, key=tried.get)
+    return {"bench": "skinny_sweep", "projection": name, "weight": str(weights[0].dtype).split(".")[-1],
+            "tokens": m, "best_us": tried[best] * 1e6, "config": dataclasses.asdict(best), "tried": len(tried),
+            "default_us": cuda_time(rotating(lambda w: skinny_linear(x, w, scale), weights, inner), repeats) * 1e6}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name, default in (("hidden", 4096), ("intermediate", 14336), ("q-heads", 32), ("kv-heads", 8), ("head-dim", 128)):
         parser.add_argument(f"--{name}", type=int, default=default)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096, 8192])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 32, 64, 256, 1024, 4096, 8192])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--inner", type=int, default=20)
+    parser.add_argument("--rotate-mb", type=int, default=256, help="weights cycled per timing, at least this many MB")
+    parser.add_argument("--sweep-s", type=float, default=0.0,
+                        help="per (projection, weight dtype, tokens <= 64): search the skinny kernel's tiles this long")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fp8_gemm needs a CUDA device")
     torch.manual_seed(0)
     rows = [ceilings(args.repeats)]
     print(json.dumps(rows[0]), flush=True)
+    time_of = lambda fn, ws: cuda_time(rotating(fn, ws, args.inner), args.repeats)  # noqa: E731
     for name, (k, n) in projections(args).items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         wq, ws = quantize_fp8_rows(w)
         ws = ws.reshape(1, -1).contiguous()
+        bf16s, fp8s = weight_copies(w, args.rotate_mb << 20), weight_copies(wq, args.rotate_mb << 20)
         for m in args.tokens:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq, xs = quantize_tokens(x)
             times = {
-                "bf16": cuda_time(lambda: F.linear(x, w), args.repeats, args.inner),
-                "fp8": cuda_time(lambda: fp8_linear(x, wq, ws), args.repeats, args.inner),
-                "fp8_gemm_only": cuda_time(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws,
-                                                                    out_dtype=torch.bfloat16, use_fast_accum=True),
-                                           args.repeats, args.inner),
-                "quantize_only": cuda_time(lambda: quantize_tokens(x), args.repeats, args.inner),
+                "bf16": time_of(lambda w_: F.linear(x, w_), bf16s),
+                "fp8": time_of(lambda w_: fp8_linear(x, w_, ws), fp8s),
+                "fp8_scaled_mm": time_of(lambda w_: scaled_mm_linear(x, w_, ws), fp8s),
+                "fp8_gemm_only": time_of(lambda w_: torch._scaled_mm(xq, w_.t(), scale_a=xs, scale_b=ws,
+                                                                     out_dtype=torch.bfloat16, use_fast_accum=True),
+                                         fp8s),
+                "quantize_only": cuda_time([lambda: quantize_tokens(x)] * args.inner, args.repeats),
             }
+            if m <= MAX_ROWS:
+                times["skinny_fp8"] = time_of(lambda w_: skinny_linear(x, w_, ws.view(-1)), fp8s)
+                times["skinny_bf16"] = time_of(lambda w_: skinny_linear(x, w_), bf16s)
             row = {"bench": "fp8_gemm", "projection": name, "in": k, "out": n, "tokens": m,
                    **{f"{key}_us": t * 1e6 for key, t in times.items()},
-                   "bf16_tflops": 2 * m * k * n / times["bf16"] / 1e12, "fp8_tflops": 2 * m * k * n / times["fp8"] / 1e12,
-                   "bf16_weight_tbs": 2 * k * n / times["bf16"] / 1e12, "fp8_weight_tbs": k * n / times["fp8"] / 1e12,
+                   **{f"{key}_weight_tbs": k * n * (1 if "fp8" in key else 2) / t / 1e12
+                      for key, t in times.items() if key != "quantize_only"},
                    "speedup": times["bf16"] / times["fp8"]}
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if m <= MAX_ROWS and args.sweep_s > 0:
+                for weights, scale in ((fp8s, ws.view(-1)), (bf16s, None)):
+                    rows.append(sweep(name, m, x, weights, scale, args.repeats, args.inner, args.sweep_s))
+                    print(json.dumps(rows[-1]), flush=True)
     return rows
 
 

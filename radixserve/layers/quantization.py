@@ -5,9 +5,15 @@ SGLang and vLLM, on a bf16 / fp16 / fp32 checkpoint): W8A8 in float8 e4m3.
   of ``W`` ``[out, in]`` gets a float32 scale ``amax(|row|) / 448`` and is
   stored in fp8 after division by it: half the bytes of bf16, and the memory
   freed goes to the KV pool.
-- **Activations** are quantized per token, dynamically, before each GEMM: one
-  Triton kernel on CUDA (``triton_ops/fp8_quant.py``), torch ops elsewhere.
-- **The GEMM** is ``torch._scaled_mm``, which applies the per-token and
+- **Activations** are quantized per token, dynamically, before each
+  ``_scaled_mm`` GEMM: one Triton kernel on CUDA (``triton_ops/fp8_quant.py``),
+  torch ops elsewhere.
+- **The GEMM** at a few rows (decode batches up to ``SKINNY_MAX_ROWS``, on
+  CUDA) is the skinny kernel (``triton_ops/skinny_gemm.py``): it streams the
+  fp8 weight, converts it to bf16 in registers and leaves the activations
+  unquantized: a weight-bound GEMM reads half the bytes of bf16 and does no
+  more work than a bf16 one.
+  Above that it is ``torch._scaled_mm``, which applies the per-token and
   per-channel scales to its float32 accumulator (cuBLASLt / CUTLASS on a GPU
   with fp8 tensor cores, compute capability 8.9 or higher; a reference kernel
   on the CPU, which CI runs). On CUDA the output is bf16 (what row-wise
@@ -30,6 +36,7 @@ from radixserve.server_args import QUANTIZATIONS
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # an all-zero row still gets a finite, positive scale
+SKINNY_MAX_ROWS = 16  # up to here the skinny kernel beats quantization + _scaled_mm (benchmarks/README.md)
 
 
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,21 +61,33 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` with ``W ≈ weight * weight_scale`` (fp8 ``[N, K]``,
-    float32 ``[1, N]``) and ``x`` quantized per token on the way in."""
+    float32 ``[1, N]``): on CUDA at up to :data:`SKINNY_MAX_ROWS` rows the
+    skinny kernel (``x`` as it is, the weight converted in registers), else
+    ``x`` quantized per token and :func:`scaled_mm_linear`."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
-    if x2.shape[0] == 0:
-        y = x2.new_empty((0, weight.shape[0]))
+    if 0 < x2.shape[0] <= SKINNY_MAX_ROWS and use_triton(x2, weight):
+        from radixserve.layers.triton_ops.skinny_gemm import skinny_linear
+
+        y = skinny_linear(x2, weight, weight_scale.view(-1), bias)
     else:
-        q, scale = quantize_tokens(x2)
-        y = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=out_dtype,
-                             use_fast_accum=x.is_cuda)
-    if y.dtype != x.dtype:
-        y = y.to(x.dtype)
-    if bias is not None:
-        y = y.add_(bias)
+        y = scaled_mm_linear(x2, weight, weight_scale)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        if bias is not None:
+            y = y.add_(bias)
     return y.reshape(*shape[:-1], weight.shape[0])
+
+
+def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[M, K]`` quantized per token, times the fp8 ``weight``, by
+    ``torch._scaled_mm`` (bf16 out on CUDA, ``x``'s dtype elsewhere)."""
+    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+    if x.shape[0] == 0:
+        return x.new_empty((0, weight.shape[0]), dtype=out_dtype)
+    q, scale = quantize_tokens(x)
+    return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=out_dtype,
+                            use_fast_accum=x.is_cuda)
 
 
 def check_quantization(name: str | None, device: torch.device) -> None:

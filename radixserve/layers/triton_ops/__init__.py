@@ -3,6 +3,8 @@
 - ``norm``: RMSNorm, alone or with the residual add fused in (also over
   Qwen3's per-head q/k rows).
 - ``activation``: SiLU-and-mul over the fused ``gate_up`` output.
+- ``skinny_gemm``: the linear layers' GEMM at a few rows, streaming fp8 or
+  bf16 weights at the bandwidth of reading them.
 - ``rotary``: neox RoPE of q and k in one launch, with Qwen3's per-head RMSNorm
   of q and k fused in where the model has it.
 
@@ -15,6 +17,7 @@ after :func:`use_triton` says yes, so a CPU install (no triton) never does.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -26,6 +29,13 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``,
+    the CPU tests): numpy has no bfloat16, so a bf16 dot there is computed
+    wrongly and the kernels run their dots in float32 instead."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def use_triton(*tensors: torch.Tensor | None) -> bool:

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.triton_ops import interpreting
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -234,17 +236,13 @@ def _grouped_gemm_kernel(
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=row_ok[:, None] & (cols < N)[None, :])
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _grouped_gemm(a, b, c, topk_weights, sorted_ids, expert_ids, num_post, num_pairs, a_rows_per_pair, config,
                   *, gated: bool, mul_routed_weight: bool) -> None:
     n, k = c.shape[1], a.shape[1]
     bm, bn, bk = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
     num_blocks = sorted_ids.numel() // bm
     # numpy has no bfloat16: Triton's interpreter computes bf16 dots wrongly, so there they run in float32.
-    dot_f32 = a.dtype == torch.float32 or (_interpreting() and a.dtype == torch.bfloat16)
+    dot_f32 = a.dtype == torch.float32 or (interpreting() and a.dtype == torch.bfloat16)
     grid = (num_blocks * triton.cdiv(n, bn),)
     _grouped_gemm_kernel[grid](
         a, b, c, topk_weights, sorted_ids, expert_ids, num_post,

@@ -1,0 +1,91 @@
+"""The skinny GEMM (``radixserve.layers.triton_ops.skinny_gemm``), the fp8
+path at a few rows, against a float32 reference of the dequantized weight:
+fp8 weights with their per-row scales and bf16 / float32 weights without,
+one to 64 rows, N and K off the tiles, K split into partials (a last split
+shorter than the others), a bias, and strided rows of ``x``. On the CPU the
+kernel runs in Triton's interpreter, in one subprocess;
+``tests/test_gpu_quantization.py`` runs it on CUDA at llama-3.1-8b's shapes
+against ``torch._scaled_mm``, under a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from triton_interpreter import run_interpreted
+
+# (name, rows, N, K, weight dtype, (block_m, block_n, block_k, split_k) or None for the default, bias)
+CASES = [
+    ("one row, fp8", 1, 40, 72, "fp8", (16, 16, 32, 1), True),
+    ("one row, default tiles", 1, 80, 300, "fp8", None, True),
+    ("one row, K split in 3", 1, 48, 100, "fp8", (16, 16, 32, 3), False),
+    ("7 rows, uneven last split", 7, 33, 200, "fp8", (16, 32, 64, 3), True),
+    ("20 rows, default tiles", 20, 64, 96, "fp8", None, False),
+    ("64 rows", 64, 24, 64, "fp8", (64, 16, 32, 2), True),
+    ("bf16 weight, no scale", 5, 40, 80, "bf16", (16, 16, 32, 2), True),
+    ("float32", 3, 17, 50, "fp32", (16, 16, 16, 4), False),
+]
+
+
+def make_case(rows, n, k, wdtype, bias, *, seed):
+    """(x with a row stride, weight, scale or None, bias or None, the float32 reference)."""
+    from radixserve.layers.quantization import quantize_fp8_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    xdtype = torch.float32 if wdtype == "fp32" else torch.bfloat16
+    x = torch.randn(rows, k + 5, generator=gen).to(xdtype)[:, :k]
+    b = torch.randn(n, generator=gen).to(xdtype) if bias else None
+    if wdtype == "fp8":
+        w, scale = quantize_fp8_rows(w)
+        scale = scale.view(-1)
+        dense = w.float() * scale[:, None]
+    else:
+        w, scale = w.to(xdtype), None
+        dense = w.float()
+    ref = x.float() @ dense.t() + (b.float() if b is not None else 0.0)
+    return x, w, scale, b, ref
+
+
+SCRIPT = r"""
+import json, sys
+import torch
+sys.path.insert(0, json.loads(sys.argv[1]))
+from test_skinny_gemm import CASES, make_case
+from radixserve.layers.triton_ops.skinny_gemm import SkinnyConfig, skinny_linear
+
+out = {}
+for seed, (name, rows, n, k, wdtype, tiles, bias) in enumerate(CASES):
+    x, w, scale, b, ref = make_case(rows, n, k, wdtype, bias, seed=seed)
+    y = skinny_linear(x, w, scale, b, SkinnyConfig(*tiles) if tiles else None)
+    out[name] = {"dtype": str(y.dtype), "shape": list(y.shape),
+                 "error": float((y.float() - ref).abs().max() / ref.abs().max())}
+try:
+    skinny_linear(torch.zeros(65, 8), torch.zeros(4, 8))
+except ValueError as e:
+    out["too many rows"] = str(e)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted(SCRIPT, os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_kernel_matches_the_float32_reference(interpreted, case):
+    _, rows, n, _, wdtype, _, _ = next(c for c in CASES if c[0] == case)
+    got = interpreted[case]
+    assert got["shape"] == [rows, n]
+    assert got["dtype"] == ("torch.float32" if wdtype == "fp32" else "torch.bfloat16")
+    # bf16 output: one ulp of the largest value (the interpreter casts float32 to bf16 toward
+    # zero, the GPU to nearest); float32: accumulation order only
+    assert got["error"] < (1e-5 if wdtype == "fp32" else 2**-7), got
+
+
+def test_more_rows_than_the_kernel_takes_is_an_error(interpreted):
+    assert "at most 64 rows, got 65" in interpreted["too many rows"]
