@@ -14,8 +14,9 @@ on average:
 Each timing cycles through 16 routings, so that a few tokens' experts are
 read from HBM, not from L2. Candidates whose shared memory cannot fit are
 left out, ones that fail to compile are skipped, and ``--budget-s`` bounds
-the whole search (each batch gets its share; phase 2 is cut first). Routing is random softmax top-k, so
-the experts' loads are balanced as in a large batch of real traffic.
+the whole search (each batch gets its share; phase 2 is cut first).
+Routing is random softmax top-k, so the experts' loads are balanced as in a
+large batch of real traffic.
 GPU only. Prints one JSON line per batch and the file it wrote::
 
     python benchmarks/tune_fused_moe.py --model qwen3-30b-a3b

@@ -1,10 +1,11 @@
 """``--quantization fp8`` on the GPU (GPU only): the per-token quantization
 kernel against the torch reference, the fp8 GEMM against the dequantized
-product (the skinny kernel up to ``SKINNY_MAX_ROWS`` rows, ``_scaled_mm`` above), the skinny
-kernel against ``_scaled_mm`` and under a CUDA graph, and the Engine (CUDA
-graphs, piecewise graphs, overlap) against HF transformers in bfloat16 with
-the same fake-quantized linear layers (``test_quantization.fake_quantize_fp8``;
-decode rows unquantized, as the skinny kernel takes them)."""
+product (the skinny kernel up to ``SKINNY_MAX_ROWS`` rows, ``_scaled_mm``
+above), the skinny kernel against ``_scaled_mm`` and under a CUDA graph, and
+the Engine (CUDA graphs, piecewise graphs, overlap) against HF transformers
+in bfloat16 with the same fake-quantized linear layers
+(``test_quantization.fake_quantize_fp8``; decode rows unquantized, as the
+skinny kernel takes them)."""
 
 from __future__ import annotations
 
