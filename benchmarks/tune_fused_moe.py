@@ -141,7 +141,8 @@ def tune_batch(weights: tuple, shape: dict, tokens: int, dtype: torch.dtype, dea
             if any(cfg == c for _, c in timings):
                 continue
             try:
-                calls = [functools.partial(fused_experts, *r[:1], *weights, *r[1:], config=cfg) for r in routings]
+                calls = [functools.partial(fused_experts, x, *weights, topk_weights, topk_ids, config=cfg)
+                         for x, topk_weights, topk_ids in routings]
                 calls[0]()  # compiles
                 timings.append((graph_ms(calls), cfg))
             except Exception as exc:  # out of resources, or a compiler error for this tile

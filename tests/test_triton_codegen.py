@@ -93,7 +93,7 @@ def error(out, q, kk, vv, visible=None):
 
 _DECODE_SCRIPT = _POOLS + """
 from radixserve.layers.attention.triton_ops import decode_attention as dec
-dec._num_sms = lambda device: 132  # an H200's; the interpreter has no device to ask
+dec.num_sms = lambda device: 132  # an H200's; the interpreter has no device to ask
 lens, kv_name = json.loads(sys.argv[1])
 k, v = pools(kv_name, torch.bfloat16, sum(lens) + 1)
 q = torch.randn(len(lens), heads, dim).to(torch.bfloat16)

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.layers.quantization import FP8_DTYPE, fp8_linear, quantize_fp8_rows, quantize_tokens, scaled_mm_linear
+from radixserve.layers.triton_ops import num_sms
 from radixserve.layers.triton_ops.skinny_gemm import MAX_ROWS, SkinnyConfig, skinny_linear, split_for
 
 
@@ -96,7 +97,7 @@ def sweep(name: str, m: int, x, weights, scale, repeats: int, inner: int, budget
     """The fastest skinny config for this case, within ``budget_s``: first
     the tiles (N, K) with K split to 2, 4 or 8 programs an SM at 4 warps and 4
     stages, then the best of those at other warps and stages."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = num_sms(x.device)
     n, k = weights[0].shape
     block_m = max(16, 1 << (m - 1).bit_length())
     tiles = [(block_m, bn, bk) for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (64, 128), (64, 256),

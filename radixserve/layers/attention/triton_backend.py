@@ -30,6 +30,7 @@ from radixserve.layers.attention.base import AttentionBackend
 from radixserve.layers.attention.triton_ops import decode_attention as decode_ops
 from radixserve.layers.attention.triton_ops.extend_attention import extend_attention_fwd
 from radixserve.layers.attention.triton_ops.kv_store import can_store_kv, store_kv
+from radixserve.layers.triton_ops import num_sms
 
 if TYPE_CHECKING:
     from radixserve.layers.radix_attention import RadixAttention
@@ -80,7 +81,6 @@ class TritonAttnBackend(AttentionBackend):
         self._mid_lse: torch.Tensor | None = None
         self._prefix_o: torch.Tensor | None = None  # the same for the shared prefixes' partials
         self._prefix_lse: torch.Tensor | None = None
-        self._num_sms: dict[torch.device, int] = {}
         if model_runner is not None:
             heads, device = model_runner.head_layout, model_runner.device  # this TP rank's heads
             if device.type == "cuda":
@@ -238,12 +238,7 @@ class TritonAttnBackend(AttentionBackend):
 
     def _sm_count(self, device: torch.device) -> int:
         device = _canonical(device)
-        if device not in self._num_sms:
-            cuda = device.type == "cuda"
-            self._num_sms[device] = (
-                torch.cuda.get_device_properties(device).multi_processor_count if cuda else DEFAULT_NUM_SMS
-            )
-        return self._num_sms[device]
+        return num_sms(device) if device.type == "cuda" else DEFAULT_NUM_SMS
 
 
 def _canonical(device) -> torch.device:

@@ -38,6 +38,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@functools.cache
+def num_sms(device: torch.device | str) -> int:
+    """The streaming multiprocessors of a CUDA device: kernels size their
+    grids (K splits, key splits) to keep every one of them busy."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def use_triton(*tensors: torch.Tensor | None) -> bool:
     """Whether the fused kernels take these tensors (``None`` is skipped):
     all on a CUDA device with unit stride along the last dimension, and

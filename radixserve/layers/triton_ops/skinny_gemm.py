@@ -24,14 +24,13 @@ does that itself.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from radixserve.layers.triton_ops import interpreting
+from radixserve.layers.triton_ops import interpreting, num_sms
 
 MAX_ROWS = 64  # beyond this the GEMM is no longer bound by the weight read
 
@@ -105,11 +104,6 @@ def _split_sum_kernel(Scale, Bias, Y, Part, M, N, stride_ym, HAS_SCALE: tl.const
     _epilogue(acc, Scale, Bias, Y, rn, rm, n_ok, m_ok, stride_ym, HAS_SCALE, HAS_BIAS)
 
 
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def split_for(n: int, k: int, block_n: int, block_k: int, programs: int) -> int:
     """K splits that bring N's tiles up to about ``programs`` programs, each
     split at least two K tiles long."""
@@ -138,7 +132,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    cfg = config or default_config(m, n, k, _num_sms(x.device.index or 0) if x.is_cuda else 1)
+    cfg = config or default_config(m, n, k, num_sms(x.device) if x.is_cuda else 1)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from radixserve.layers.attention.triton_ops.launch import CachedLaunch
+from radixserve.layers.triton_ops import num_sms
 from radixserve.mem_cache.memory_pool import FP8_DTYPES
 
 MAX_KV_SPLITS = 64  # splits per request at most
@@ -324,11 +325,6 @@ _launch_split, _launch_merge = CachedLaunch(_decode_split_kernel), CachedLaunch(
 _launch_prefix = CachedLaunch(_prefix_split_kernel)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def splits_grid(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
     """The grid's split axis for a batch: enough programs for a few per
     multiprocessor, at most ``MAX_KV_SPLITS``. Depends on the batch size only,
@@ -425,7 +421,7 @@ def decode_attention_fwd(
             PREFIX_SPLITS=PREFIX_SPLITS, MIN_PREFIX_SPLIT=MIN_PREFIX_SPLIT, **dims, **dtypes, **PREFIX_CONFIG,
         )
     config = dict(STAGE1_CONFIG if shared is None else SUFFIX_CONFIG)
-    if max(head_dim, v_head_dim) > 128 or q.dtype == torch.float32 or bs * kv_heads < _num_sms(q.device):
+    if max(head_dim, v_head_dim) > 128 or q.dtype == torch.float32 or bs * kv_heads < num_sms(q.device):
         config["BLOCK_N"] = min(config["BLOCK_N"], SMALL_BLOCK_N)
     starts = seq_lens if shared is None else shared.prefix_lens  # read only when HAS_START
     po, pl = (mid_o, mid_lse) if shared is None else (shared.mid_o, shared.mid_lse)
