@@ -1,7 +1,7 @@
 """The skinny GEMM (``radixserve.layers.triton_ops.skinny_gemm``), the fp8
 path at a few rows, against a float32 reference of the dequantized weight:
 fp8 weights with their per-row scales and bf16 / float32 weights without,
-one to 64 rows, N and K off the tiles, K split into partials (a last split
+on the tensor cores and on the CUDA cores, one to 64 rows, N and K off the tiles, K split into partials (a last split
 shorter than the others), a bias, and strided rows of ``x``. On the CPU the
 kernel runs in Triton's interpreter, in one subprocess;
 ``tests/test_gpu_quantization.py`` runs it on CUDA at llama-3.1-8b's shapes
@@ -27,6 +27,12 @@ CASES = [
     ("64 rows", 64, 24, 64, "fp8", (64, 16, 32, 2), True),
     ("bf16 weight, no scale", 5, 40, 80, "bf16", (16, 16, 32, 2), True),
     ("float32", 3, 17, 50, "fp32", (16, 16, 16, 4), False),
+    # block_m below 16: the CUDA cores
+    ("one row, CUDA cores", 1, 40, 72, "fp8", (1, 16, 32, 1), True),
+    ("one row, CUDA cores, default tiles", 1, 70, 600, "fp8", None, False),
+    ("3 rows in 4, CUDA cores, uneven split", 3, 33, 200, "fp8", (4, 16, 64, 3), True),
+    ("8 rows, CUDA cores, bf16 weight", 8, 20, 96, "bf16", (8, 16, 32, 2), False),
+    ("float32, CUDA cores", 2, 17, 50, "fp32", (2, 16, 16, 2), False),
 ]
 
 
@@ -67,6 +73,10 @@ try:
     skinny_linear(torch.zeros(65, 8), torch.zeros(4, 8))
 except ValueError as e:
     out["too many rows"] = str(e)
+try:
+    skinny_linear(torch.zeros(3, 8), torch.zeros(4, 8), config=SkinnyConfig(2, 16, 16, 1))
+except ValueError as e:
+    out["config too small"] = str(e)
 print(json.dumps(out))
 """
 
@@ -89,3 +99,35 @@ def test_kernel_matches_the_float32_reference(interpreted, case):
 
 def test_more_rows_than_the_kernel_takes_is_an_error(interpreted):
     assert "at most 64 rows, got 65" in interpreted["too many rows"]
+    assert "fewer rows than x (3)" in interpreted["config too small"]
+
+
+def test_a_tuned_table_gives_the_config_for_the_fewest_rows_at_least_m(tmp_path, monkeypatch):
+    """The engine's lookup: the table of this shape, dtype and GPU name; the
+    entry for the fewest rows covering m; the default beyond the table, for
+    other shapes and off CUDA."""
+    import json
+
+    pytest.importorskip("triton")
+    from radixserve.layers.triton_ops import skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "device_name", lambda device: "Fake_GPU")
+    monkeypatch.setattr(skinny_gemm, "num_sms", lambda device: 100)
+    skinny_gemm.get_config.cache_clear()
+    cuda = torch.device("cuda", 0)
+    name = skinny_gemm.table_file_name(4096, 1024, torch.float8_e4m3fn, cuda)
+    assert name == "N=4096,K=1024,dtype=fp8,device_name=Fake_GPU.json"
+    table = {"1": dict(block_m=1, block_n=16, block_k=512, split_k=2, num_warps=8, num_stages=3),
+             "4": dict(block_m=4, block_n=32, block_k=256, split_k=4, num_warps=4, num_stages=2)}
+    (tmp_path / name).write_text(json.dumps(table))
+    get = lambda m, n=4096, dtype=torch.float8_e4m3fn, device=cuda: skinny_gemm.get_config(  # noqa: E731
+        m, n, 1024, dtype, device, tmp_path)
+    try:
+        assert get(1) == skinny_gemm.SkinnyConfig(**table["1"])
+        assert get(2) == get(4) == skinny_gemm.SkinnyConfig(**table["4"])
+        assert get(5) == skinny_gemm.default_config(5, 4096, 1024, 100)
+        assert get(1, n=2048) == skinny_gemm.default_config(1, 2048, 1024, 100)
+        assert get(1, dtype=torch.bfloat16) == skinny_gemm.default_config(1, 4096, 1024, 100)
+        assert get(1, device=torch.device("cpu")) == skinny_gemm.default_config(1, 4096, 1024, 1)
+    finally:
+        skinny_gemm.get_config.cache_clear()

@@ -3,6 +3,7 @@ model's shapes.
 
     python -m radixserve.bench.fp8_gemm [--hidden 4096 --intermediate 14336 --q-heads 32 --kv-heads 8 --head-dim 128]
                                         [--tokens 1 4 16 64 256 1024 4096 8192] [--sweep-s 20]
+                                        [--sweep-weights fp8 bf16] [--write-tables DIR]
 
 Prints one JSON object per (projection, token count) with the time and the
 weight-read TB/s of: bf16 ``F.linear``; ``fp8_linear`` (the engine's fp8
@@ -17,7 +18,9 @@ Each time is the best of ``--repeats`` CUDA-event timings of a CUDA graph of
 ``--inner`` back-to-back calls, as decode steps run, cycling through copies
 of the weight (``--rotate-mb`` in all) so that none is read from L2.
 ``--sweep-s`` also searches the skinny kernel's tiles for each case up to 64
-rows and prints the best beside the default choice. GPU only (fp8 tensor
+rows (on the CUDA cores and on the tensor cores) and prints the best beside
+the default choice; ``--write-tables DIR`` writes the fp8 bests as the
+kernel's tuned tables for this GPU (``layers/triton_ops/configs/skinny``). GPU only (fp8 tensor
 cores).
 """
 
@@ -29,13 +32,16 @@ import functools
 import itertools
 import json
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from radixserve.layers.quantization import FP8_DTYPE, fp8_linear, quantize_fp8_rows, quantize_tokens, scaled_mm_linear
 from radixserve.layers.triton_ops import num_sms
-from radixserve.layers.triton_ops.skinny_gemm import MAX_ROWS, SkinnyConfig, skinny_linear, split_for
+from radixserve.layers.triton_ops.skinny_gemm import (
+    MAX_ROWS, SkinnyConfig, default_config, skinny_linear, split_for, table_file_name,
+)
 
 
 def cuda_time(calls: list, repeats: int) -> float:
@@ -93,15 +99,20 @@ def rotating(fn, weights: list[torch.Tensor], inner: int) -> list:
     return [functools.partial(fn, weights[i % len(weights)]) for i in range(inner)]
 
 
+TENSOR_CORE_TILES = ((64, 128), (32, 256), (64, 256), (128, 128), (32, 128))
+CUDA_CORE_TILES = ((8, 1024), (16, 1024), (4, 2048), (8, 2048), (16, 512), (8, 512), (32, 256), (16, 256),
+                   (4, 1024), (32, 128), (64, 128))
+
+
 def sweep(name: str, m: int, x, weights, scale, repeats: int, inner: int, budget_s: float) -> dict:
-    """The fastest skinny config for this case, within ``budget_s``: first
-    the tiles (N, K) with K split to 2, 4 or 8 programs an SM at 4 warps and 4
-    stages, then the best of those at other warps and stages."""
+    """The fastest skinny config for this case, within ``budget_s``: the
+    default, then the tiles (N, K) on the CUDA cores (up to 8 rows) and on the
+    tensor cores, K split to 4, 2 or 8 programs an SM at 4 warps and 4 stages,
+    then the best of those at other warps and stages."""
     sms = num_sms(x.device)
     n, k = weights[0].shape
-    block_m = max(16, 1 << (m - 1).bit_length())
-    tiles = [(block_m, bn, bk) for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (64, 128), (64, 256),
-                                              (128, 128))]
+    tiles = [(1 << (m - 1).bit_length(), bn, bk) for bn, bk in CUDA_CORE_TILES] if m <= 8 else []
+    tiles += [(max(16, 1 << (m - 1).bit_length()), bn, bk) for bn, bk in TENSOR_CORE_TILES]
     deadline, tried = time.monotonic() + budget_s, {}
 
     def attempt(cfg: SkinnyConfig) -> None:
@@ -112,15 +123,31 @@ def sweep(name: str, m: int, x, weights, scale, repeats: int, inner: int, budget
         except Exception:  # noqa: BLE001 (a tile the compiler rejects: out of shared memory or registers)
             tried[cfg] = float("inf")
 
-    for (bm, bn, bk), per_sm in itertools.product(tiles, (2, 4, 8)):
+    default = default_config(m, n, k, sms)
+    attempt(default)
+    for per_sm, (bm, bn, bk) in itertools.product((4, 2, 8), tiles):
         attempt(SkinnyConfig(bm, bn, bk, split_for(n, k, bn, bk, per_sm * sms)))
     top = min(tried, key=tried.get)
-    for warps, stages in itertools.product((2, 4, 8), (2, 3, 4, 6)):
+    for warps, stages in itertools.product((4, 8, 2), (4, 2, 3, 1, 6)):
         attempt(dataclasses.replace(top, num_warps=warps, num_stages=stages))
     best = min(tried, key=tried.get)
     return {"bench": "skinny_sweep", "projection": name, "weight": str(weights[0].dtype).split(".")[-1],
-            "tokens": m, "best_us": tried[best] * 1e6, "config": dataclasses.asdict(best), "tried": len(tried),
-            "default_us": cuda_time(rotating(lambda w: skinny_linear(x, w, scale), weights, inner), repeats) * 1e6}
+            "in": k, "out": n, "tokens": m, "best_us": tried[best] * 1e6, "config": dataclasses.asdict(best),
+            "best_weight_tbs": n * k * weights[0].element_size() / tried[best] / 1e12,
+            "tried": len(tried), "default_us": tried[default] * 1e6}
+
+
+def write_table(table_dir: str, sweeps: list[dict], dtype: torch.dtype) -> str:
+    """One weight shape's tuned table (rows -> best config) where
+    ``skinny_gemm.get_config`` looks for it on this GPU, the sweep's rows
+    replacing or joining those of a table already there."""
+    n, k = sweeps[0]["out"], sweeps[0]["in"]
+    path = Path(table_dir) / table_file_name(n, k, dtype, torch.device("cuda"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = json.loads(path.read_text()) if path.exists() else {}
+    table.update({str(row["tokens"]): row["config"] for row in sweeps})
+    path.write_text(json.dumps(dict(sorted(table.items(), key=lambda item: int(item[0]))), indent=1) + "\n")
+    return str(path)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -133,6 +160,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--rotate-mb", type=int, default=256, help="weights cycled per timing, at least this many MB")
     parser.add_argument("--sweep-s", type=float, default=0.0,
                         help="per (projection, weight dtype, tokens <= 64): search the skinny kernel's tiles this long")
+    parser.add_argument("--sweep-weights", nargs="+", choices=("fp8", "bf16"), default=["fp8"])
+    parser.add_argument("--write-tables", metavar="DIR",
+                        help="write the sweep's best configs as the kernel's tuned tables (fp8 weights) into DIR")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fp8_gemm needs a CUDA device")
@@ -141,6 +171,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(json.dumps(rows[0]), flush=True)
     time_of = lambda fn, ws: cuda_time(rotating(fn, ws, args.inner), args.repeats)  # noqa: E731
     for name, (k, n) in projections(args).items():
+        swept = []
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         wq, ws = quantize_fp8_rows(w)
         ws = ws.reshape(1, -1).contiguous()
@@ -168,9 +199,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append(row)
             print(json.dumps(row), flush=True)
             if m <= MAX_ROWS and args.sweep_s > 0:
-                for weights, scale in ((fp8s, ws.view(-1)), (bf16s, None)):
-                    rows.append(sweep(name, m, x, weights, scale, args.repeats, args.inner, args.sweep_s))
-                    print(json.dumps(rows[-1]), flush=True)
+                for label, weights, scale in (("fp8", fp8s, ws.view(-1)), ("bf16", bf16s, None)):
+                    if label in args.sweep_weights:
+                        rows.append(sweep(name, m, x, weights, scale, args.repeats, args.inner, args.sweep_s))
+                        print(json.dumps(rows[-1]), flush=True)
+                        swept += [rows[-1]] if label == "fp8" else []
+        if args.write_tables and swept:
+            print(json.dumps({"bench": "skinny_table", "path": write_table(args.write_tables, swept, FP8_DTYPE)}),
+                  flush=True)
     return rows
 
 

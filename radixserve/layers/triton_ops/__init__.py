@@ -45,6 +45,21 @@ def num_sms(device: torch.device | str) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# how the kernels' tuned tables name a dtype in their file names
+DTYPE_NAMES = {torch.float8_e4m3fn: "fp8", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def device_name(device: torch.device) -> str:
+    """A CUDA device's name, which keys the kernels' tuned tables, spaces as
+    underscores: ``NVIDIA_H200``."""
+    return _device_name(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index).replace(" ", "_")
+
+
 def use_triton(*tensors: torch.Tensor | None) -> bool:
     """Whether the fused kernels take these tensors (``None`` is skipped):
     all on a CUDA device with unit stride along the last dimension, and

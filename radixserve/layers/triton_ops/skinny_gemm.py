@@ -15,30 +15,46 @@ cores with the weight as the left operand and the rows padded to 16, so the
 output tile is ``y``'s transpose: the weight fills the MMA's large dimension
 and the few rows its small one.
 
+At one to a few rows the tensor cores gain nothing: the MMA pads the rows to
+16 and its operands go through shared memory. A config with ``block_m``
+below 16 multiplies on the CUDA cores instead: each weight tile, loaded
+straight to registers, times each row, summed along K in registers.
+
 Programs tile N. Where N's tiles are too few to keep every SM streaming, K is
 split too: each split writes a float32 partial ``[split, M, N]`` and a second
 launch sums the partials in order (the result does not depend on timing),
 applies the scale and the bias and casts. With one split the first launch
 does that itself.
+
+The tiles come from a tuned table of the weight's shape on this GPU
+(``configs/skinny``, written by ``python -m radixserve.bench.fp8_gemm
+--sweep-s S --write-tables DIR``), else from :func:`default_config`.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from radixserve.layers.triton_ops import interpreting, num_sms
+from radixserve.layers.triton_ops import DTYPE_NAMES, device_name, interpreting, num_sms
 
 MAX_ROWS = 64  # beyond this the GEMM is no longer bound by the weight read
+FMA_MAX_ROWS = 1  # the default config's CUDA-core rows
+TABLE_DIR = Path(__file__).parent / "configs" / "skinny"  # tuned tables: configs/skinny/README.md
 
 
 @dataclass(frozen=True)
 class SkinnyConfig:
-    """One launch's tiles: rows (padded, 16 to 64), N and K tiles, K splits,
-    warps and software-pipeline stages."""
+    """One launch's tiles: rows (padded; 16 to 64 on the tensor cores, 1 to 8
+    on the CUDA cores), N and K tiles, K splits, warps and software-pipeline
+    stages."""
 
     block_m: int
     block_n: int
@@ -51,7 +67,7 @@ class SkinnyConfig:
 @triton.jit
 def _skinny_gemm_kernel(X, W, Scale, Bias, Y, Part, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
                         HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, DOT_F32: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        FMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,7 +83,9 @@ def _skinny_gemm_kernel(X, W, Scale, Bias, Y, Part, M, N, K, stride_xm, stride_w
         k_ok = rk < k_hi - k0
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-        if DOT_F32:
+        if FMA:  # the CUDA cores: [N, K] x [K, M] products summed along K
+            acc += tl.sum(w.to(tl.float32)[:, :, None] * x.to(tl.float32)[None, :, :], axis=1)
+        elif DOT_F32:
             acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(w.to(x.dtype), x, acc)
@@ -111,12 +129,49 @@ def split_for(n: int, k: int, block_n: int, block_k: int, programs: int) -> int:
 
 
 def default_config(m: int, n: int, k: int, sms: int) -> SkinnyConfig:
-    """Tiles for ``[m, k] @ [n, k].T``: the rows padded to 16 at least, N
-    tiles of 64 rows of W, K tiles of 128, and K split until there are about
-    four programs an SM: the best tiles of a sweep over llama-3.1-8b's
-    projections at 1 to 16 rows on an H100 (benchmarks/README.md)."""
-    block_n, block_k = 64, 128
-    return SkinnyConfig(max(16, triton.next_power_of_2(m)), block_n, block_k, split_for(n, k, block_n, block_k, 4 * sms))
+    """Untuned tiles for ``[m, k] @ [n, k].T``, K split until there are
+    about four programs an SM. One row (:data:`FMA_MAX_ROWS`) goes to the
+    CUDA cores with N tiles of 8 rows of W and K tiles of 2048 (or all of a
+    shorter K); more go to the tensor cores, the rows padded to 16 at least,
+    N tiles of 64 and K tiles of 128. Those won most often in sweeps over
+    llama-3.1-8b's projections at 1 to 16 rows on an H100
+    (benchmarks/README.md); GPUs and shapes with a tuned table take its."""
+    if m <= FMA_MAX_ROWS:
+        block_m, block_n, block_k = triton.next_power_of_2(m), 8, min(2048, triton.next_power_of_2(k))
+    else:
+        block_m, block_n, block_k = max(16, triton.next_power_of_2(m)), 64, 128
+    return SkinnyConfig(block_m, block_n, block_k, split_for(n, k, block_n, block_k, 4 * sms))
+
+
+def table_file_name(n: int, k: int, dtype: torch.dtype, device: torch.device) -> str:
+    """The tuned table of one weight shape on this GPU, e.g.
+    ``N=6144,K=4096,dtype=fp8,device_name=NVIDIA_H200.json``."""
+    return f"N={n},K={k},dtype={DTYPE_NAMES[dtype]},device_name={device_name(device)}.json"
+
+
+@functools.cache
+def load_table(path: str) -> dict[int, SkinnyConfig] | None:
+    """A tuned table (rows -> config), read once; None where there is no such file."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return {int(rows): SkinnyConfig(**cfg) for rows, cfg in json.load(f).items()}
+
+
+@functools.cache
+def get_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
+               table_dir: str | Path = TABLE_DIR) -> SkinnyConfig:
+    """The config for ``m`` rows of this weight: the tuned table's entry for
+    the fewest rows at least ``m`` (a config for more rows also computes
+    fewer), else :func:`default_config`. Off a CUDA device (Triton's
+    interpreter), the default. Cached: the engine asks once per layer and step."""
+    if device.type == "cuda":
+        table = load_table(str(Path(table_dir) / table_file_name(n, k, dtype, device)))
+        fits = [rows for rows in table or () if rows >= m]
+        if fits:
+            return table[min(fits)]
+        return default_config(m, n, k, num_sms(device))
+    return default_config(m, n, k, 1)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
@@ -132,7 +187,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    cfg = config or default_config(m, n, k, num_sms(x.device) if x.is_cuda else 1)
+    cfg = config or get_config(m, n, k, weight.dtype, x.device)
+    if cfg.block_m < m:
+        raise ValueError(f"config {cfg} has fewer rows than x ({m})")
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
@@ -141,7 +198,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     bias_arg = bias if bias is not None else y
     _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, weight, scale_arg, bias_arg, y, part, m, n, k, x.stride(0), weight.stride(0), y.stride(0), k_per_split,
-        PARTIAL=split > 1, DOT_F32=x.dtype == torch.float32 or (interpreting() and x.dtype == torch.bfloat16),
+        PARTIAL=split > 1, FMA=cfg.block_m < 16, DOT_F32=x.dtype == torch.float32 or (interpreting() and x.dtype == torch.bfloat16),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
     if split > 1:

@@ -33,11 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.layers.triton_ops import interpreting
+from radixserve.layers.triton_ops import DTYPE_NAMES, device_name, interpreting
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 _ALIGN_CHUNK = 128  # pairs placed by one program of the align kernel
 _ALIGN_COUNT_BLOCK = 1024  # pairs counted per step of its histogram loop
@@ -294,11 +293,6 @@ def load_configs(path: str) -> dict[int, dict] | None:
         return {int(tokens): {key: int(cfg[key]) for key in CONFIG_KEYS} for tokens, cfg in json.load(f).items()}
 
 
-@functools.cache
-def device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
-
 def default_config(num_experts: int, tokens: int, top_k: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Untuned tiles by the pairs an expert gets on average, with no more
     pipeline stages than fit the shared memory of any GPU since Ampere."""
@@ -321,8 +315,7 @@ def get_config(num_experts: int, hidden: int, intermediate: int, top_k: int, dty
     of these shapes and this device (the entry of the nearest batch size),
     else :func:`default_config`. Off a CUDA device (Triton's interpreter), the default."""
     if device is not None and torch.device(device).type == "cuda":
-        index = torch.device(device).index
-        name = device_name(torch.cuda.current_device() if index is None else index)
+        name = device_name(torch.device(device))
         table = load_configs(str(Path(config_dir) / config_file_name(num_experts, hidden, intermediate, dtype, name)))
         if table:
             return dict(table[min(table, key=lambda batch: (abs(batch - tokens), batch))])
