@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,27 +30,45 @@ def free_port() -> int:
 class ServerProcess:
     """``radixserve.launch_server`` with ``args``; ``env`` adds environment
     variables (``TMPDIR`` decides where its IPC directory goes); its output
-    goes to ``log_path`` if given. Without
-    ``warmup`` it starts with ``--skip-server-warmup``, so that a test's
-    requests are the first the server sees (its figures and cache start
-    empty); test_server_native.py tests the warm-up."""
+    goes to ``log_path`` if given, else to a temporary file whose end a
+    failed start-up's error shows (or to the console with
+    ``RADIXSERVE_TEST_LOG=1``). Without ``warmup`` it starts with
+    ``--skip-server-warmup``, so that a test's requests are the first the
+    server sees (its figures and cache start empty); test_server_native.py
+    tests the warm-up. A start-up that loses its port (``free_port``'s port
+    taken by another process before the server binds it) is retried on another."""
+
+    START_TRIES = 3
 
     def __init__(self, *args: str, api_key: str | None = None, timeout: float = 300, env: dict | None = None,
                  warmup: bool = False, log_path=None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        cmd = [sys.executable, "-m", "radixserve.launch_server", "--port", str(self.port), *args]
-        if not warmup:
-            cmd.append("--skip-server-warmup")
-        if api_key:
-            cmd += ["--api-key", api_key]
-        self.log = open(os.devnull, "w") if not os.environ.get("RADIXSERVE_TEST_LOG") else None
-        if log_path is not None:
-            self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT if self.log else None,
-                                     env={**os.environ, **(env or {})})
-        self._wait(timeout)
+        self._own_log = log_path is None and not os.environ.get("RADIXSERVE_TEST_LOG")
+        self.log_path = tempfile.mkstemp(prefix="radixserve-server-", suffix=".log")[1] if self._own_log else log_path
+        for attempt in range(1, self.START_TRIES + 1):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            cmd = [sys.executable, "-m", "radixserve.launch_server", "--port", str(self.port), *args]
+            if not warmup:
+                cmd.append("--skip-server-warmup")
+            if api_key:
+                cmd += ["--api-key", api_key]
+            self.log = open(self.log_path, "w") if self.log_path is not None else None
+            self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT if self.log else None,
+                                         env={**os.environ, **(env or {})})
+            try:
+                self._wait(timeout)
+                return
+            except RuntimeError as e:
+                if attempt == self.START_TRIES or "address already in use" not in str(e).lower():
+                    raise
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The end of the server's output, where it went to a file."""
+        if self.log_path is None:
+            return "(its output went to the console)"
+        with open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
 
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -58,7 +77,9 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up")
+                self.stop()
+                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up; "
+                                   f"its output ended:\n{self.log_tail()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -66,7 +87,7 @@ class ServerProcess:
                 pass
             time.sleep(0.1)  # a start-up takes seconds: a short poll answers sooner after it
         self.stop()
-        raise RuntimeError("server did not become healthy in time")
+        raise RuntimeError(f"server did not become healthy in {timeout:g} s; its output ended:\n{self.log_tail()}")
 
     def state(self) -> dict:
         """The scheduler's internal state (its figures and ``memory_check``)."""
@@ -107,6 +128,10 @@ class ServerProcess:
         if self.log:
             self.log.close()
         return self.proc.returncode
+
+    def __del__(self):
+        if getattr(self, "_own_log", False) and os.path.exists(self.log_path):
+            os.unlink(self.log_path)
 
 
 def terminate(proc: subprocess.Popen, timeout: float = 30) -> int:
