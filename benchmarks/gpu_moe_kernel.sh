@@ -4,7 +4,8 @@
 #            -> tests.json (each test's outcome), gpu-tests.txt (pytest's output)
 #   before   the layer benchmark with the untuned defaults, qwen3-30b-a3b -> moe-layer-default.jsonl (not by
 #            default: the tuning lines carry the default's time beside the best)
-#   tune     benchmarks/tune_fused_moe.py for each of TUNE_MODELS (TUNE_BUDGET s each) -> tune-MODEL.jsonl
+#   tune     benchmarks/tune_fused_moe.py for each of TUNE_MODELS (TUNE_BUDGET s each; TUNE_BATCHES: the batch
+#            sizes, else the tuner's) -> tune-MODEL.jsonl
 #            (tune-MODEL.log: the candidates that failed), and the tables it wrote -> configs/ (copy them
 #            into radixserve/layers/moe/configs/)
 #   bench    the layer benchmark with those tables, each of BENCH_MODELS -> moe-layer-MODEL.jsonl
@@ -16,6 +17,7 @@ set -uo pipefail
 
 PIECES=${PIECES:-tests tune bench}
 TUNE_MODELS=${TUNE_MODELS:-qwen3-30b-a3b mixtral-8x7b} BENCH_MODELS=${BENCH_MODELS:-qwen3-30b-a3b mixtral-8x7b}
+TUNE_BATCHES=${TUNE_BATCHES:-}  # batch sizes to tune (tokens); empty: the tuner's own list
 BUDGET=${BUDGET:-570} TUNE_BUDGET=${TUNE_BUDGET:-150} TESTS_TIMEOUT=${TESTS_TIMEOUT:-150}
 RESERVE=5
 PY=${PYTHON:-python3}
@@ -62,6 +64,7 @@ run_tune() {
         t=$(cap $((TUNE_BUDGET + 40))); ((t >= 40)) || { FAILED+=("tune $model (no time left)"); continue; }
         log "tuning $model (search budget ${TUNE_BUDGET}s, timeout ${t}s)"
         timeout -k 10 "$t" "$PY" benchmarks/tune_fused_moe.py --model "$model" --budget-s "$((t - 40 < TUNE_BUDGET ? t - 40 : TUNE_BUDGET))" \
+            ${TUNE_BATCHES:+--batches $TUNE_BATCHES} \
             --output-dir "$OUT/configs" >"$OUT/tune-$model.jsonl" 2>"$OUT/tune-$model.log" \
             || fail "tune $model" "$OUT/tune-$model.log"
         tail -n 3 "$OUT/tune-$model.jsonl"

@@ -8,7 +8,8 @@ grid of candidates, pruned by how many (token, choice) pairs an expert gets
 on average:
 
 - phase 1, the tiles: BLOCK_SIZE_M / N / K at one choice of warps, stages
-  and grouping, plus the kernel's untuned default;
+  and grouping, plus the kernel's untuned default (at a few tokens, tiles of
+  one row on the CUDA cores first);
 - phase 2, the best tile with other warps, pipeline stages and groupings.
 
 Each timing cycles through 16 routings, so that a few tokens' experts are
@@ -60,13 +61,19 @@ def fits(cfg: dict, elem: int) -> bool:
     return cfg["num_stages"] * (m * k + 2 * k * n) * elem <= SHARED_MEMORY
 
 
+# (N, K) tiles of one row a block on the CUDA cores (BLOCK_SIZE_M 1), for a step's few tokens
+CUDA_CORE_TILES = [(8, 512), (16, 512), (8, 1024), (16, 256), (8, 256), (32, 256), (16, 1024), (32, 128)]
+
+
 def regime(per_expert: float) -> dict:
     """The grid for an average of ``per_expert`` pairs an expert: decode
-    reads weights (small M, narrow N for more programs, deep K); prefill
-    is compute-bound (tall, wide tiles)."""
+    reads weights (small M, narrow N for more programs, deep K), and where
+    an expert gets a quarter of a pair or less (a step of a few tokens) one
+    row a block on the CUDA cores too; prefill is compute-bound (tall, wide
+    tiles)."""
     if per_expert <= 8:
         return dict(m=[16], n=[16, 32, 64, 128], k=[64, 128, 256], base=(1, 4, 4), groups=[1], warps=[2, 4, 8],
-                    stages=[2, 3, 4, 5])
+                    stages=[2, 3, 4, 5], cuda_cores=CUDA_CORE_TILES if per_expert <= 0.25 else [])
     if per_expert <= 128:
         return dict(m=[16, 32, 64], n=[64, 128], k=[64, 128], base=(8, 4, 3), groups=[1, 16], warps=[4, 8],
                     stages=[3, 4])
@@ -75,7 +82,8 @@ def regime(per_expert: float) -> dict:
 
 
 def phase_one(grid: dict, elem: int) -> list[dict]:
-    out = [config(m, n, k, *grid["base"]) for m, n, k in itertools.product(grid["m"], grid["n"], grid["k"])]
+    out = [config(1, n, k, 1, 4, 2) for n, k in grid.get("cuda_cores", [])]
+    out += [config(m, n, k, *grid["base"]) for m, n, k in itertools.product(grid["m"], grid["n"], grid["k"])]
     return [c for c in out if fits(c, elem)]
 
 

@@ -10,6 +10,7 @@ in bf16, and under CUDA graph capture and replay.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -45,6 +46,12 @@ KERNEL_CASES = [
     Case("several align programs", 6, 2, 70, 32, 16, skipped=0.2),
     Case("bf16", 8, 2, 19, 64, 32, torch.bfloat16, config=dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32)),
     Case("fp16, odd expert count, int64 ids", 3, 1, 5, 32, 16, torch.float16, ids_dtype=torch.int64),
+    # BLOCK_SIZE_M below 16: the CUDA cores
+    Case("one token, CUDA cores", 4, 2, 1, 40, 24, config=dict(BLOCK_SIZE_M=1, BLOCK_SIZE_N=8, BLOCK_SIZE_K=32)),
+    Case("tokens on the CUDA cores, skipped ids", 8, 3, 6, 32, 16, skipped=0.3,
+         config=dict(BLOCK_SIZE_M=1, BLOCK_SIZE_N=16, BLOCK_SIZE_K=16)),
+    Case("bf16, two rows a block on the CUDA cores", 8, 2, 5, 64, 32, torch.bfloat16,
+         config=dict(BLOCK_SIZE_M=2, BLOCK_SIZE_N=16, BLOCK_SIZE_K=32)),
 ]
 # (tokens, top_k, experts, block size, share of -1 ids)
 ALIGN_CASES = [(1, 1, 4, 16, 0.0), (5, 3, 7, 4, 0.3), (100, 3, 7, 8, 0.2), (64, 8, 128, 16, 0.0), (3, 2, 5, 4, 1.0)]
@@ -231,7 +238,8 @@ def test_fused_experts_on_the_gpu(case):
     dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=3),
     dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=16, num_warps=8, num_stages=3),
     dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=64, BLOCK_SIZE_K=32, GROUP_SIZE_M=8, num_warps=4, num_stages=4),
-], ids=["decode tiles", "wide tiles", "tall tiles"])
+    dict(BLOCK_SIZE_M=1, BLOCK_SIZE_N=16, BLOCK_SIZE_K=512, GROUP_SIZE_M=1, num_warps=4, num_stages=2),
+], ids=["decode tiles", "wide tiles", "tall tiles", "CUDA-core tiles"])
 def test_fused_experts_on_the_gpu_with_other_tiles(config):
     case = Case("tiles", 64, 6, 200, 512, 192, torch.bfloat16, 0.1, config)
     check_kernel_result(case, kernel_case(case, "cuda"))
@@ -270,3 +278,28 @@ def test_fused_experts_under_a_cuda_graph():
         torch.testing.assert_close(out, fused_experts(x, w13, w2, weights, ids), atol=0, rtol=0)
         want = reference(x, w13, w2, weights, ids)
         assert float((out.float() - want).abs().max() / want.abs().max()) < TOLERANCE[torch.bfloat16]
+
+
+def test_a_tuned_table_covers_the_batches_up_to_its_largest(tmp_path, monkeypatch):
+    """The table of these shapes and this GPU name: the nearest batch's entry
+    up to the largest the table has; the default beyond it (unless that is a
+    prefill-sized batch) and off CUDA."""
+    pytest.importorskip("triton")
+    from radixserve.layers.moe.triton_ops import fused_moe
+
+    monkeypatch.setattr(fused_moe, "device_name", lambda device: "Fake_GPU")
+    name = fused_moe.config_file_name(128, 2048, 768, torch.bfloat16, "Fake_GPU")
+    one = dict(BLOCK_SIZE_M=1, BLOCK_SIZE_N=8, BLOCK_SIZE_K=1024, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
+    four = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=256, GROUP_SIZE_M=1, num_warps=2, num_stages=3)
+    (tmp_path / name).write_text(json.dumps({"1": one, "4": four}))
+    cuda = torch.device("cuda", 0)
+
+    def get(tokens, device=cuda):
+        return fused_moe.get_config(128, 2048, 768, 8, torch.bfloat16, tokens, device, config_dir=tmp_path)
+
+    assert get(1) == one and get(2) == one and get(3) == four and get(4) == four
+    assert get(5) == fused_moe.default_config(128, 5, 8) and get(64) == fused_moe.default_config(128, 64, 8)
+    assert get(1, torch.device("cpu")) == fused_moe.default_config(128, 1, 8)
+    (tmp_path / name).write_text(json.dumps({"1": one, "4096": four}))
+    fused_moe.load_configs.cache_clear()
+    assert get(8192) == four and get(2) == one

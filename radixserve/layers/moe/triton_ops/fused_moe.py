@@ -36,6 +36,7 @@ import triton.language as tl
 from radixserve.layers.triton_ops import DTYPE_NAMES, device_name, interpreting
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+TABLE_COVERS_ALL = 1024  # a table tuned up to this many tokens serves any larger batch with its largest entry
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 
 _ALIGN_CHUNK = 128  # pairs placed by one program of the align kernel
@@ -169,7 +170,9 @@ def moe_align_block_size(
 
 
 @triton.jit
-def _dot(a, b, acc, DOT_F32: tl.constexpr):
+def _dot(a, b, acc, DOT_F32: tl.constexpr, FMA: tl.constexpr):
+    if FMA:  # the CUDA cores: [M, K] x [K, N] products summed along K
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     if DOT_F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc)
@@ -182,11 +185,14 @@ def _grouped_gemm_kernel(
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
     GATED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    FMA: tl.constexpr,
 ):
     # C[pair, :N] = A[pair // a_rows_per_pair] @ B[expert].T for the pairs of
     # one block. GATED: B holds 2N rows (gate, then up) and C gets
     # silu(gate) * up. Blocks are swizzled in groups of GROUP_SIZE_M so that
-    # neighbouring programs share weight tiles in L2.
+    # neighbouring programs share weight tiles in L2. FMA (BLOCK_SIZE_M below
+    # 16: a decode step's one row per expert) multiplies on the CUDA cores:
+    # no MMA padding the rows to 16, no weight tile through shared memory.
     pid = tl.program_id(0)
     blocks_n = tl.cdiv(N, BLOCK_SIZE_N)
     in_group = GROUP_SIZE_M * blocks_n
@@ -221,9 +227,9 @@ def _grouped_gemm_kernel(
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
             if GATED:
                 b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None], other=0.0)
-        acc = _dot(a, b, acc, DOT_F32)
+        acc = _dot(a, b, acc, DOT_F32, FMA)
         if GATED:
-            acc_up = _dot(a, b_up, acc_up, DOT_F32)
+            acc_up = _dot(a, b_up, acc_up, DOT_F32, FMA)
         a_ptrs += BLOCK_SIZE_K * stride_ak
         b_ptrs += BLOCK_SIZE_K * stride_bk
 
@@ -248,7 +254,7 @@ def _grouped_gemm(a, b, c, topk_weights, sorted_ids, expert_ids, num_post, num_p
         n, k, num_pairs, num_blocks, a_rows_per_pair,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
-        GATED=gated, MUL_ROUTED_WEIGHT=mul_routed_weight, EVEN_K=k % bk == 0, DOT_F32=dot_f32,
+        GATED=gated, MUL_ROUTED_WEIGHT=mul_routed_weight, EVEN_K=k % bk == 0, DOT_F32=dot_f32, FMA=bm < 16,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
 
@@ -312,12 +318,14 @@ def default_config(num_experts: int, tokens: int, top_k: int, dtype: torch.dtype
 def get_config(num_experts: int, hidden: int, intermediate: int, top_k: int, dtype: torch.dtype, tokens: int,
                device: torch.device | None = None, config_dir: str | Path = CONFIG_DIR) -> dict:
     """The launch configuration for ``tokens`` tokens: from the tuned table
-    of these shapes and this device (the entry of the nearest batch size),
-    else :func:`default_config`. Off a CUDA device (Triton's interpreter), the default."""
+    of these shapes and this device (the entry of the nearest batch size;
+    past the table's largest only if that is a prefill-sized batch of
+    :data:`TABLE_COVERS_ALL` tokens or more: a table tuned for a few tokens
+    says nothing of more), else :func:`default_config`. Off a CUDA device (Triton's interpreter), the default."""
     if device is not None and torch.device(device).type == "cuda":
         name = device_name(torch.device(device))
         table = load_configs(str(Path(config_dir) / config_file_name(num_experts, hidden, intermediate, dtype, name)))
-        if table:
+        if table and (tokens <= max(table) or max(table) >= TABLE_COVERS_ALL):
             return dict(table[min(table, key=lambda batch: (abs(batch - tokens), batch))])
     return default_config(num_experts, tokens, top_k, dtype)
 
