@@ -94,6 +94,14 @@ class _Worker:
     def poll(self, room):
         return self.halves[room].poll()
 
+    def wait_given_up(self, room, timeout):
+        """Wait (without polling the room's sender) until this prefill rank's
+        control thread has taken the decode side's abort of ``room``; its reason."""
+        deadline = time.monotonic() + timeout
+        while (reason := self.mgr.control.given_up(room)) is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return reason
+
     def abort(self, room):
         self.halves[room].abort()
 

@@ -200,17 +200,20 @@ def test_decode_killed_mid_transfer(pair):
 
 def test_decode_client_hangs_up_while_the_kv_is_waited_for(pair):
     """The decode server ends the request and frees its pages while the
-    prefill server is stopped; the prefill server, resumed, is told."""
+    prefill server is stopped; the prefill server, resumed, is told, and its
+    request for the room ends at once. (The request reaches it after the
+    abort: had it been prefilled and sent first, the transfer would complete
+    into the decode side's own buffers and end normally, docs/disaggregation.md;
+    test_disagg_transfer.py covers an abort that comes just before the send.)"""
     body = pair.body(fresh_prompt(40))
-    with ThreadPoolExecutor(1) as pool:
-        with stopped(pair.prefill):
-            prefill = pool.submit(generate, pair.prefill.url, body)
-            used = pair.decode.state()["kv_used"]
-            client = HangingUp(pair.decode.url, body)
-            wait_state(pair.decode, lambda s: s["kv_used"] > used, "the decode server reserving the KV")
-            client.hang_up()
-            assert_memory_ok(pair.decode, timeout=FAULT_DEADLINE_S)
-        text = abort_message(prefill.result(timeout=FAULT_DEADLINE_S))
+    with stopped(pair.prefill):
+        used = pair.decode.state()["kv_used"]
+        client = HangingUp(pair.decode.url, body)
+        wait_state(pair.decode, lambda s: s["kv_used"] > used, "the decode server reserving the KV")
+        client.hang_up()
+        assert_memory_ok(pair.decode, timeout=FAULT_DEADLINE_S)
+    time.sleep(1.0)  # the decode side's abort, queued while the prefill server was stopped, goes through
+    text = abort_message(generate(pair.prefill.url, body, timeout=FAULT_DEADLINE_S))
     assert "the decode side gave the transfer up: the request was aborted" in text, text
     assert_memory_ok(pair.prefill, pair.decode, timeout=FAULT_DEADLINE_S)
     assert_serves(pair)

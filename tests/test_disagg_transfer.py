@@ -253,6 +253,23 @@ def test_an_abort_on_either_side_ends_the_other_half_at_once_and_keeps_the_pair(
     assert transfer_ok(prefill, decode, addr, [1, 2], [3, 4]) == pair
 
 
+def test_a_decode_abort_between_the_last_poll_and_the_send_stops_the_send(workers, bootstrap):
+    """The decode side gives the room up after the prefill side polled ready
+    and before it sends (a scheduler computing the KV meanwhile): the send
+    posts nothing and fails the room with the decode side's reason."""
+    prefill, decode = workers
+    addr, room = bootstrap.address, new_room()
+    handshake(prefill, decode, addr, room, [1, 2], [3, 4])
+    pair = decode.call("info", room=room)["pair_ids"]
+    decode.call("abort", room=room)
+    assert "the request was aborted" in (prefill.call("wait_given_up", room=room, timeout=10) or "")
+    prefill.call("send", room=room, pages=[1, 2])
+    assert prefill.call("info", room=room)["messages_sent"] == 0
+    state, _, failure = prefill.call("wait", room=room, states=["Failed", "Success"], timeout=10)
+    assert state == "Failed" and "decode side gave the transfer up: the request was aborted" in failure
+    assert transfer_ok(prefill, decode, addr, [1, 2], [3, 4]) == pair
+
+
 def test_a_prefill_abort_after_the_send_ends_the_decode_half_at_once_and_keeps_the_pair_in_step(workers, bootstrap):
     """The decode side is stopped while the prefill side sends, then gives the
     room up: resumed, the receiver fails at once instead of taking the KV,

@@ -181,6 +181,13 @@ class PrefillControl:
             entry = self._rooms.pop(room, None)
         return (entry[0] if entry else []), (gone[0] if gone else None)
 
+    def given_up(self, room: int) -> str | None:
+        """Why ``room`` was given up, if it was (a sender re-checks before it
+        sends: the decode side's abort can come after the room's registration)."""
+        with self._lock:
+            gone = self._gone.get(room)
+        return gone[0] if gone else None
+
     def give_up_room(self, room: int, reason: str) -> None:
         """Remember a room given up, so registrations that arrive later are
         answered with an abort."""

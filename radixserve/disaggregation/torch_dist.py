@@ -151,6 +151,9 @@ class TorchDistKVSender(BaseKVSender):
     def send(self, kv_indices) -> None:
         if self._state == KVPoll.Failed:
             return
+        if self._state == KVPoll.WaitingForInput and (gone := self.mgr.control.given_up(self.room)) is not None:
+            self._fail(gone)  # the decode side gave the room up while its KV was computed: nothing to send
+            return
         if self._state != KVPoll.WaitingForInput:
             raise RuntimeError(f"send() on room {self.room} in state {self._state.name}; poll() must return WaitingForInput first")
         try:
