@@ -47,7 +47,12 @@ KERNEL_CASES = [
     Case("bf16", 8, 2, 19, 64, 32, torch.bfloat16, config=dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32)),
     Case("fp16, odd expert count, int64 ids", 3, 1, 5, 32, 16, torch.float16, ids_dtype=torch.int64),
     # BLOCK_SIZE_M below 16: the CUDA cores
+    # one token there: the down GEMM and the top-k sum in one launch
     Case("one token, CUDA cores", 4, 2, 1, 40, 24, config=dict(BLOCK_SIZE_M=1, BLOCK_SIZE_N=8, BLOCK_SIZE_K=32)),
+    Case("one token, CUDA cores, choices on other ranks", 16, 6, 1, 40, 24, skipped=0.5,
+         config=dict(BLOCK_SIZE_M=1, BLOCK_SIZE_N=16, BLOCK_SIZE_K=8)),
+    Case("one token, CUDA cores, bf16", 8, 4, 1, 64, 32, torch.bfloat16,
+         config=dict(BLOCK_SIZE_M=1, BLOCK_SIZE_N=16, BLOCK_SIZE_K=16)),
     Case("tokens on the CUDA cores, skipped ids", 8, 3, 6, 32, 16, skipped=0.3,
          config=dict(BLOCK_SIZE_M=1, BLOCK_SIZE_N=16, BLOCK_SIZE_K=16)),
     Case("bf16, two rows a block on the CUDA cores", 8, 2, 5, 64, 32, torch.bfloat16,
@@ -242,6 +247,17 @@ def test_fused_experts_on_the_gpu(case):
 ], ids=["decode tiles", "wide tiles", "tall tiles", "CUDA-core tiles"])
 def test_fused_experts_on_the_gpu_with_other_tiles(config):
     case = Case("tiles", 64, 6, 200, 512, 192, torch.bfloat16, 0.1, config)
+    check_kernel_result(case, kernel_case(case, "cuda"))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("skipped", [0.0, 0.25])
+def test_one_token_on_the_cuda_cores_on_the_gpu(skipped):
+    """qwen3-30b-a3b's experts, one token, a configuration on the CUDA cores:
+    the down GEMM and the top-k sum in one launch."""
+    config = dict(BLOCK_SIZE_M=1, BLOCK_SIZE_N=8, BLOCK_SIZE_K=512, num_warps=4, num_stages=2)
+    case = Case("one token, CUDA cores", 128, 8, 1, 2048, 768, torch.bfloat16, skipped, config)
     check_kernel_result(case, kernel_case(case, "cuda"))
 
 

@@ -1,5 +1,6 @@
 """The fused MoE path on the GPU, in the design of SGLang's and vLLM's
-``fused_moe``: four launches a layer, none of which waits on the host.
+``fused_moe``: four launches a layer, none of which waits on the host
+(two for one token on the CUDA cores, below).
 
 1. :func:`moe_align_block_size` sorts the ``T * k`` (token, choice) pairs by
    expert and pads each expert's run to a multiple of ``BLOCK_SIZE_M``, so
@@ -20,6 +21,11 @@ A pair whose id is -1 (or outside ``[0, E)``: under expert parallelism, an
 expert another rank holds) is in no run; its rows of the GEMM outputs are
 never written and the sum skips them. Shapes depend on ``T``, ``k`` and
 ``E`` only, never on the routing, so CUDA graphs can capture all of it.
+
+One token (a decode step of batch 1) launches no sort (each choice is a
+block of its own); with a configuration on the CUDA cores (``BLOCK_SIZE_M``
+below 16) its down GEMM and the top-k sum are one launch too, which loops
+over the k choices and adds them in registers: two launches in all.
 """
 
 from __future__ import annotations
@@ -277,6 +283,40 @@ def _moe_sum_kernel(X, TopkIds, Out, H, num_experts, stride_xm, stride_om, TOP_K
     tl.store(Out + t * stride_om + cols, acc.to(Out.dtype.element_ty), mask=in_row)
 
 
+@triton.jit
+def _one_token_down_sum_kernel(
+    Act, W2, TopkWeights, TopkIds, Out, H, inter, num_experts, stride_am, stride_be, stride_bn, stride_bk,
+    TOP_K: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    # One token: Out[0, cols] = sum over its k choices j of weight_j * Act[j] @ W2[expert_j, cols].T, the down
+    # GEMM and the top-k sum in one launch, on the CUDA cores. Each choice's weighted output is rounded to the
+    # model's dtype before the float32 sum, as in the two-launch path; choices outside [0, E) add nothing.
+    cols = tl.program_id(0) * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    w_cols = cols % H  # in bounds without a mask; the extra columns are not stored
+    ks = tl.arange(0, BLOCK_SIZE_K)
+    out = tl.zeros([BLOCK_SIZE_N], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.load(TopkIds + j).to(tl.int64)
+        if (e >= 0) & (e < num_experts):
+            a_ptrs = Act + j * stride_am + ks
+            b_ptrs = W2 + e * stride_be + w_cols[:, None] * stride_bn + ks[None, :] * stride_bk
+            acc = tl.zeros([BLOCK_SIZE_N], dtype=tl.float32)
+            for k0 in range(0, inter, BLOCK_SIZE_K):
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(b_ptrs)
+                else:
+                    k_ok = ks < inter - k0
+                    a = tl.load(a_ptrs, mask=k_ok, other=0.0)
+                    b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
+                acc += tl.sum(b.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
+                a_ptrs += BLOCK_SIZE_K
+                b_ptrs += BLOCK_SIZE_K * stride_bk
+            weighted = acc * tl.load(TopkWeights + j).to(tl.float32)
+            out += weighted.to(Out.dtype.element_ty).to(tl.float32)
+    tl.store(Out + cols, out.to(Out.dtype.element_ty), mask=cols < H)
+
+
 # ---------------------------------------------------------------------------
 # Launch configurations
 # ---------------------------------------------------------------------------
@@ -370,6 +410,14 @@ def fused_experts(
     act = torch.empty(num_pairs, intermediate, dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(hidden, w13, act, topk_weights, sorted_ids, expert_ids, num_post, num_pairs, top_k, config,
                   gated=True, mul_routed_weight=False)
+    if tokens == 1 and config["BLOCK_SIZE_M"] < 16:  # on the CUDA cores: down and the top-k sum in one launch
+        bn, bk = config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
+        _one_token_down_sum_kernel[(triton.cdiv(hidden_size, bn),)](
+            act, w2, topk_weights, topk_ids, out, hidden_size, intermediate, num_experts,
+            act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
+            TOP_K=top_k, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, EVEN_K=intermediate % bk == 0,
+            num_warps=config["num_warps"], num_stages=config["num_stages"])
+        return out
     down = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(act, w2, down, topk_weights, sorted_ids, expert_ids, num_post, num_pairs, 1, config,
                   gated=False, mul_routed_weight=True)
