@@ -20,8 +20,8 @@ of the weight (``--rotate-mb`` in all) so that none is read from L2.
 ``--sweep-s`` also searches the skinny kernel's tiles for each case up to 64
 rows (on the CUDA cores and on the tensor cores) and prints the best beside
 the default choice; ``--write-tables DIR`` writes the fp8 bests as the
-kernel's tuned tables for this GPU (``layers/triton_ops/configs/skinny``). GPU only (fp8 tensor
-cores).
+kernel's tuned tables for this GPU (``layers/triton_ops/configs/skinny``).
+GPU only (fp8 tensor cores).
 """
 
 from __future__ import annotations
