@@ -53,6 +53,8 @@ KERNEL_CASES = [
          config=dict(BLOCK_SIZE_M=1, BLOCK_SIZE_N=16, BLOCK_SIZE_K=8)),
     Case("one token, CUDA cores, bf16", 8, 4, 1, 64, 32, torch.bfloat16,
          config=dict(BLOCK_SIZE_M=1, BLOCK_SIZE_N=16, BLOCK_SIZE_K=16)),
+    Case("one token, CUDA cores, one column a program", 4, 2, 1, 40, 24,
+         config=dict(BLOCK_SIZE_M=1, BLOCK_SIZE_N=1, BLOCK_SIZE_K=16)),
     Case("tokens on the CUDA cores, skipped ids", 8, 3, 6, 32, 16, skipped=0.3,
          config=dict(BLOCK_SIZE_M=1, BLOCK_SIZE_N=16, BLOCK_SIZE_K=16)),
     Case("bf16, two rows a block on the CUDA cores", 8, 2, 5, 64, 32, torch.bfloat16,

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.layers.triton_ops import DTYPE_NAMES, device_name, interpreting
+from radixserve.layers.triton_ops import DTYPE_NAMES, device_name, interpreting, num_sms
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 TABLE_COVERS_ALL = 1024  # a table tuned up to this many tokens serves any larger batch with its largest entry
@@ -412,6 +412,11 @@ def fused_experts(
                   gated=True, mul_routed_weight=False)
     if tokens == 1 and config["BLOCK_SIZE_M"] < 16:  # on the CUDA cores: down and the top-k sum in one launch
         bn, bk = config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
+        # its programs split only the hidden columns (the k choices are summed within one): narrower
+        # tiles than the gate/up GEMM's, until there are about four programs an SM to stream the experts
+        programs = 4 * num_sms(hidden.device) if hidden.is_cuda else 1
+        while bn > 1 and triton.cdiv(hidden_size, bn) < programs:
+            bn //= 2
         _one_token_down_sum_kernel[(triton.cdiv(hidden_size, bn),)](
             act, w2, topk_weights, topk_ids, out, hidden_size, intermediate, num_experts,
             act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
