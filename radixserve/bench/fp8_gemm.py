@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     if label in args.sweep_weights:
                         rows.append(sweep(name, m, x, weights, scale, args.repeats, args.inner, args.sweep_s))
                         print(json.dumps(rows[-1]), flush=True)
-                        swept += [rows[-1]] if label == "fp8" else []
+                        if label == "fp8":
+                            swept.append(rows[-1])
         if args.write_tables and swept:
             print(json.dumps({"bench": "skinny_table", "path": write_table(args.write_tables, swept, FP8_DTYPE)}),
                   flush=True)

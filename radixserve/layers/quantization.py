@@ -10,7 +10,8 @@ SGLang and vLLM, on a bf16 / fp16 / fp32 checkpoint): W8A8 in float8 e4m3.
   torch ops elsewhere.
 - **The GEMM** at a few rows (decode batches up to ``SKINNY_MAX_ROWS``, on
   CUDA) is the skinny kernel (``triton_ops/skinny_gemm.py``): it streams the
-  fp8 weight, converts it to bf16 in registers and leaves the activations
+  fp8 weight, converts it in registers (to float32 for one row on the CUDA
+  cores, to bf16 for the tensor cores) and leaves the activations
   unquantized: a weight-bound GEMM reads half the bytes of bf16 and does no
   more work than a bf16 one.
   Above that it is ``torch._scaled_mm``, which applies the per-token and
