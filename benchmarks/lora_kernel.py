@@ -1,6 +1,8 @@
 """The segmented LoRA kernels (radixserve/lora/triton_ops.py) against the base
 GEMM they ride on, at llama-3.1-8b's projections, on one GPU: each kernel
-alone over a sweep of launch parameters, and the default choice
+alone over a sweep of launch parameters (``--sweep``: the shrink's split of
+K, K tile, warps and rank columns a program; the expand's column tile, warps
+and tiles a program), and the default choice
 (``kernel_config``), with rows spread evenly over ADAPTERS rank-16 adapters.
 Times are per call, the best of CUDA graphs of REPEATS calls. Prints JSON lines.
 
@@ -30,7 +32,7 @@ SHAPES = {
 
 
 def graph_time_us(fn) -> float:
-    return cuda_time(fn, repeats=5, inner=REPEATS) * 1e6
+    return cuda_time([fn] * REPEATS, repeats=5) * 1e6
 
 
 def main() -> None:
@@ -60,15 +62,16 @@ def main() -> None:
             line["lora_pct_of_base"] = round(100 * line["lora_us"] / base, 1)
             if args.sweep:
                 line["shrink_sweep"] = {
-                    f"s{s}k{bk}w{w}": round(graph_time_us(lambda: shrink(x, A, table, KernelConfig(s, bk, w))), 2)
-                    for s, bk, w in itertools.product((1, 2, 4, 8, 16), (64, 128, 256), (2, 4))
+                    f"s{s}k{bk}w{w}n{bn}": round(graph_time_us(
+                        lambda: shrink(x, A, table, KernelConfig(s, bk, w, shrink_block_n=bn))), 2)
+                    for s, bk, w, bn in itertools.product((1, 2, 4, 8, 16), (64, 128, 256), (2, 4), (16, 64))
                     if s * bk <= max(k, bk)}
                 tt = {s: shrink(x, A, table, KernelConfig(s)) for s in (1, 8)}
                 line["expand_sweep"] = {
-                    f"s{s}n{bn}w{w}": round(graph_time_us(
-                        lambda: expand(tt[s], B, y, table, scaling, bounds, R, KernelConfig(s, expand_block_n=bn,
-                                                                                           expand_warps=w))), 2)
-                    for s, bn, w in itertools.product((1, 8), (32, 64, 128, 256), (2, 4, 8))}
+                    f"s{s}n{bn}w{w}t{tiles}": round(graph_time_us(
+                        lambda: expand(tt[s], B, y, table, scaling, bounds, R,
+                                       KernelConfig(s, expand_block_n=bn, expand_warps=w, expand_tiles=tiles))), 2)
+                    for s, bn, w, tiles in itertools.product((1, 8), (64, 128, 256), (4, 8), (0, 1, 4, 16))}
             print(json.dumps(line), flush=True)
 
 

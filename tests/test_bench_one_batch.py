@@ -152,3 +152,29 @@ def test_host_rows_table_the_hosts_calls_and_the_steps_wall_time():
     assert calls == sorted(calls, key=lambda r: -r["us_per_step"]) and len(calls) <= 15
     assert {r["name"]: r["calls_per_step"] for r in calls}["aten::tanh"] == 4
     assert sum(r["us_per_step"] for r in calls) <= wall["us_per_step"] * 1.01
+
+
+def test_idle_rows_split_each_step_into_lead_gaps_tail_and_busy():
+    """The device's idle time on a timeline of two steps: before each step's
+    first kernel, between kernels (overlapping ones are not a gap, a kernel
+    that starts in no step is not counted), after the last; the kernels
+    that waited longest first."""
+    from radixserve.bench.kernel_profile import idle_rows
+
+    steps = [(0.0, 100.0), (100.0, 200.0), (200.0, 300.0)]  # the last step ran no kernel
+    work = [("a", 10, 30), ("b", 25, 40), ("c", 50, 60), ("d", 90, 95),  # step 1: gaps 10 before c, 30 before d
+            ("a", 120, 150), ("c", 170, 180),  # step 2: a gap of 20 before c
+            ("x", -5, -1)]  # before the first step
+    rows = {r["name"]: r for r in idle_rows(work, steps)}
+    assert {r["where"] for r in rows.values()} == {"device idle"}
+    assert rows["(before the first kernel)"]["us_per_step"] == (10 + 20) / 2
+    assert rows["(between kernels)"]["us_per_step"] == (10 + 30 + 20) / 2
+    assert rows["(after the last kernel)"]["us_per_step"] == (5 + 20) / 2
+    assert rows["(busy)"]["us_per_step"] == (30 + 10 + 5 + 30 + 10) / 2
+    lead, gaps, tail, busy = (rows[k]["us_per_step"] for k in ("(before the first kernel)", "(between kernels)",
+                                                              "(after the last kernel)", "(busy)"))
+    assert lead + gaps + tail + busy == 100.0  # each step's wall time, all of it accounted for
+    ranked = [r for r in idle_rows(work, steps) if r["name"].startswith("before ")]
+    assert [(r["name"], r["calls_per_step"], r["us_per_step"]) for r in ranked] == [("before c", 1.0, 15.0),
+                                                                                  ("before d", 0.5, 15.0)]
+    assert idle_rows(work, []) == [] and idle_rows([], steps) == []

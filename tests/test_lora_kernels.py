@@ -83,9 +83,11 @@ for seed, (name, rows, k, parts, out, R, slots, none_share) in enumerate(CASES):
     static.fill(row_slots, rows + 3)
     big = torch.cat([y, torch.zeros(3, out)])
     graph = lora_delta(torch.cat([x, torch.zeros(3, k)]), big, A, B, static.view(rows + 3), scaling, bounds, R)
-    # small column tiles, several per expand program (a partial group at the end), K split in two
+    # small column tiles, several per expand program (a partial group at the end), K split in two,
+    # a shrink program over 32 rank columns (several parts', masked past P*R)
     tiled = lora_delta(x, y.clone(), A, B, build_table(row_slots, rows), scaling, bounds, R,
-                       KernelConfig(split_k=2, shrink_block_k=16, expand_block_n=16, expand_tiles=3))
+                       KernelConfig(split_k=2, shrink_block_k=16, expand_block_n=16, expand_tiles=3,
+                                    shrink_block_n=32))
     scale = float(ref.abs().max())
     errors[name] = [float((got - ref).abs().max()) / scale, float((graph[:rows] - ref).abs().max()) / scale,
                     float(graph[rows:].abs().max()), float((tiled - ref).abs().max()) / scale]
@@ -124,3 +126,28 @@ def test_table_layout():
     padded = build_table(row_slots, 600, blocks_for(600, 2))  # a prefill's blocks are larger
     assert padded.block_m > BLOCK_M and padded.blocks.tolist()[:2] == [[0, 0, 2], [1, 2, len(rows)]]
     assert padded.blocks.tolist()[2:] == [[-1, -1, -1]] * (blocks_for(600, 2) - 2)
+
+
+def test_static_table_refills_only_on_change():
+    """A graph's table is copied in again only when the batch's rows or slots
+    change: the buffers then hold each batch's own table, and an unchanged
+    decode batch leaves them as they are."""
+    from radixserve.lora.triton_ops import StaticKernelTable, blocks_for, build_table
+
+    static = StaticKernelTable(40, 3, torch.device("cpu"))
+
+    def holds(row_slots, num_rows):
+        want = build_table(row_slots, num_rows, blocks_for(num_rows, 3))
+        n = want.rows.shape[0]
+        return (torch.equal(static.rows[:n], want.rows)
+                and torch.equal(static.blocks[: want.blocks.shape[0]], want.blocks))
+
+    a, b = np.array([2, 0, 1, 1, -1, 2]), np.array([0, 0, 1, 2, 2, 2])
+    for row_slots, num_rows in ((a, 8), (b, 8), (a, 8), (a, 16), (None, 8), (a, 8)):
+        static.fill(row_slots, num_rows)
+        assert holds(np.full(0, -1) if row_slots is None else row_slots, num_rows), (row_slots, num_rows)
+    static.blocks.fill_(7)  # the buffers of the same batch are not written again
+    static.fill(a.copy(), 8)
+    assert bool((static.blocks == 7).all())
+    static.fill(a[:5], 8)
+    assert holds(a[:5], 8)

@@ -8,13 +8,15 @@ step, and its share of the steps' total. On a GPU :func:`host_rows` adds the
 host's side: the calls that took the host's time (runtime calls such as
 ``cudaGraphLaunch`` or ``cudaMemcpyAsync``, and operators, by their own CPU
 time) and the steps' wall time, so a step's time that is no kernel's shows
-where the host spent it. A profiled run is extra, after the timed one, so
-profiling never touches the reported figures.
+where the host spent it, and :func:`idle_rows` the device's idle time on
+the timeline: before a step's first kernel, between its kernels (with the
+kernels that waited longest), after its last. A profiled run is extra,
+after the timed one, so profiling never touches the reported figures.
 
     prof = decode_profiler(device, steps=8)
     with prof:
         ...  # the prefill, then prof.step() after it and after each decode step
-    rows = kernel_rows(prof, device, steps=8) + host_rows(prof, steps=8)
+    rows = kernel_rows(prof, device, steps=8) + host_rows(prof, steps=8) + idle_rows(*timeline(prof))
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch.profiler import ProfilerActivity
 
 TOP_ROWS = 40
 TOP_HOST_ROWS = 15
+TOP_IDLE_ROWS = 15
 STEP_MARK = "ProfilerStep"  # the profiler's own range around each step: not work
 
 
@@ -72,6 +75,62 @@ def host_rows(prof: torch.profiler.profile, steps: int, top: int = TOP_HOST_ROWS
              "us_per_step": round(us / steps, 2)} for e, us in timed[:top]]
     wall = sum(e.cpu_time_total for e in averages if e.key.startswith(STEP_MARK))
     rows.append({"where": "host", "name": "(step wall)", "calls_per_step": 1.0, "us_per_step": round(wall / steps, 2)})
+    return rows
+
+
+def timeline(prof: torch.profiler.profile) -> tuple[list[tuple[str, float, float]], list[tuple[float, float]]]:
+    """The device's kernels and copies as ``(name, start_us, end_us)`` and the
+    recorded steps as ``(start_us, end_us)``, both on the profiler's clock."""
+    events = prof.events()
+    work = [(e.name, e.time_range.start, e.time_range.end) for e in events
+            if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
+            and not getattr(e, "is_user_annotation", False) and not e.name.startswith(STEP_MARK)]  # a range, not work
+    steps = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == DeviceType.CPU and e.name.startswith(STEP_MARK))
+    return work, steps
+
+
+def idle_rows(work: list[tuple[str, float, float]], steps: list[tuple[float, float]],
+              top: int = TOP_IDLE_ROWS) -> list[dict]:
+    """Where the device sat idle in each step (``"where": "device idle"``),
+    per step: ``"(before the first kernel)"`` (the host preparing the step),
+    ``"(between kernels)"``, ``"(after the last kernel)"`` (the step's end:
+    sampling's read-back, the host's bookkeeping), and ``"(busy)"``; then the
+    ``top`` kernels by the idle time just before them (``"before NAME"``),
+    which names what the device waited on. A kernel belongs to the step in
+    which it starts; steps without one are left out."""
+    if not steps:
+        return []
+    work = sorted(work, key=lambda w: w[1])
+    lead = inner = tail = busy = 0.0
+    counted = 0
+    waits: dict[str, list[float]] = {}
+    i = 0
+    for start, end in steps:
+        while i < len(work) and work[i][1] < start:
+            i += 1
+        first, reach = i, start
+        while i < len(work) and work[i][1] < end:
+            name, s, e = work[i]
+            if i > first and s > reach:
+                inner += s - reach
+                waits.setdefault(name[:200], []).append(s - reach)
+            busy += max(0.0, e - max(s, reach))
+            reach = max(reach, e)
+            i += 1
+        if i == first:
+            continue
+        counted += 1
+        lead += work[first][1] - start
+        tail += max(0.0, end - reach)
+    if not counted:
+        return []
+    rows = [{"where": "device idle", "name": name, "us_per_step": round(us / counted, 2)}
+            for name, us in (("(before the first kernel)", lead), ("(between kernels)", inner),
+                             ("(after the last kernel)", tail), ("(busy)", busy))]
+    ranked = sorted(waits.items(), key=lambda kv: sum(kv[1]), reverse=True)[:top]
+    rows += [{"where": "device idle", "name": f"before {name}", "calls_per_step": round(len(gaps) / counted, 2),
+              "us_per_step": round(sum(gaps) / counted, 2)} for name, gaps in ranked]
     return rows
 
 

@@ -509,7 +509,7 @@ def _profile_case(runner, sampler, prompts: torch.Tensor, output_len: int, lora,
     """Decode steps of one case under ``bench.kernel_profile`` (up to
     ``PROFILED_STEPS``, the profiler's warm-up step aside); the table goes to
     ``path`` when ``case_fields`` is given."""
-    from radixserve.bench.kernel_profile import decode_profiler, host_rows, kernel_rows, write_rows
+    from radixserve.bench.kernel_profile import decode_profiler, host_rows, idle_rows, kernel_rows, timeline, write_rows
 
     steps = min(PROFILED_STEPS, output_len - 2)
     prof = decode_profiler(runner.device, steps)
@@ -518,7 +518,7 @@ def _profile_case(runner, sampler, prompts: torch.Tensor, output_len: int, lora,
     if case_fields is not None:
         rows = kernel_rows(prof, runner.device, steps)
         if runner.device.type == "cuda":
-            rows += host_rows(prof, steps)
+            rows += host_rows(prof, steps) + idle_rows(*timeline(prof))
         write_rows(path, {**case_fields, "profiled_steps": steps}, rows)
 
 

@@ -97,6 +97,7 @@ class StaticKernelTable:
         # the most blocks of any graph's rows: blocks grow 4x larger past 512 rows, so the count is not monotonic
         most = max(blocks_for(n, num_slots) for n in (min(max_rows, 512), max_rows))
         self.blocks = torch.full((most, 3), -1, dtype=torch.int32, device=device)
+        self._filled: tuple | None = None  # what the buffers hold: (num_rows, the row slots' bytes)
 
     def view(self, num_rows: int) -> LoRAKernelTable:
         """The table a graph of ``num_rows`` rows captures."""
@@ -104,12 +105,19 @@ class StaticKernelTable:
 
     def fill(self, row_slots: np.ndarray | None, num_rows: int) -> None:
         """Copy in the table of a batch whose rows take ``row_slots`` (None:
-        no adapter) for a graph of ``num_rows`` rows: two host-to-device copies."""
+        no adapter) for a graph of ``num_rows`` rows: two host-to-device copies,
+        none when the buffers hold that table already (decode steps of an
+        unchanged running batch)."""
+        row_slots = np.full(0, -1) if row_slots is None else row_slots
+        key = (num_rows, row_slots.tobytes())
+        if key == self._filled:
+            return
         nb = blocks_for(num_rows, self.num_slots)
-        table = build_table(np.full(0, -1) if row_slots is None else row_slots, num_rows, nb)
+        table = build_table(row_slots, num_rows, nb)
         if table.rows.numel():
             self.rows[: table.rows.shape[0]].copy_(table.rows, non_blocking=True)
         self.blocks[:nb].copy_(table.blocks, non_blocking=True)
+        self._filled = key
 
 
 @triton.jit
@@ -192,6 +200,7 @@ class KernelConfig:
     split_k: int
     shrink_block_k: int = 128
     shrink_warps: int = 4
+    shrink_block_n: int = _SHRINK_BLOCK_N  # rank columns a shrink program takes (of all parts' P*R)
     expand_block_n: int = 128
     expand_warps: int = 4
     expand_tiles: int = 0  # column tiles per expand program; 0: enough programs to fill the device
@@ -230,9 +239,9 @@ def shrink(x: torch.Tensor, A: torch.Tensor, table: LoRAKernelTable, config: Ker
     num_rows, k = x.shape
     n, split = A.shape[1], config.split_k
     t = torch.empty(split, num_rows, n, dtype=torch.float32, device=x.device)
-    _shrink_kernel[(table.blocks.shape[0], triton.cdiv(n, _SHRINK_BLOCK_N), split)](
+    _shrink_kernel[(table.blocks.shape[0], triton.cdiv(n, config.shrink_block_n), split)](
         x, A, t, table.rows, table.blocks, num_rows, n, k, x.stride(0), A.stride(0), A.stride(1),
-        BLOCK_N=_SHRINK_BLOCK_N, BLOCK_K=config.shrink_block_k, SPLIT_K=split, BLOCK_M=table.block_m,
+        BLOCK_N=config.shrink_block_n, BLOCK_K=config.shrink_block_k, SPLIT_K=split, BLOCK_M=table.block_m,
         num_warps=config.shrink_warps)
     return t
 
