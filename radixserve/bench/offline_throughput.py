@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ours, wall, counters = run_radixserve(engine, wl, reqs, args.profile, args.warm_runs, args.warm_give_back)
     records = [_record(
         "radixserve", *common, sum(map(len, ours)), wall, **counters,
-        max_running_requests=server_args.max_running_requests, chunked_prefill_size=server_args.resolved_chunked_prefill_size(),
+        max_running_requests=engine.scheduler.max_running, chunked_prefill_size=server_args.resolved_chunked_prefill_size(),
         attention_backend=server_args.resolved_attention_backend(),
         cuda_graph_max_bs=server_args.resolved_cuda_graph_max_bs(), overlap_schedule=engine.scheduler.overlap,
         cpu_decode_kernel=getattr(engine.scheduler.model_runner.attn_backend, "cpu_decode_kernel", None),
