@@ -90,9 +90,7 @@ class ServerArgs:
     context_length: int | None = field(default=None, metadata={"help": "max tokens per request (prompt + output)"})
     page_size: int = field(default=1, metadata={"help": "KV pool page size in tokens"})
     max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens"})
-    max_running_requests: int | None = field(default=None, metadata={
-        "help": "max requests in the running batch (default: from the KV pool, as SGLang: 512 request rows "
-                "per full-context request the pool holds, 2048 to 4096, and at most half the pool's tokens)"})
+    max_running_requests: int = field(default=256, metadata={"help": "max requests in the running batch"})
     max_prefill_tokens: int = field(default=16384, metadata={"help": "max new tokens in one prefill batch"})
     chunked_prefill_size: int | None = field(default=None, metadata={
         "help": "max prompt tokens per prefill step; -1 disables; default 8192 on GPU, 2048 on CPU"})
@@ -295,7 +293,7 @@ class ServerArgs:
                 _one_of(name, getattr(self, name), allowed)
         for name in ("page_size", "max_running_requests", "max_prefill_tokens", "tp_size", "pp_size", "nnodes",
                      "gpu_id_step", "dp_size", "stream_interval"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
+            if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunked_prefill_size is not None and (self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1):
             raise ValueError(f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size}")
@@ -491,9 +489,8 @@ class ServerArgs:
     def resolved_pp_micro_batches(self) -> int:
         return self.pp_micro_batches or self.pp_size
 
-    def resolved_pp_max_micro_batch_size(self, max_running: int) -> int:
-        """Requests a pipeline micro-batch holds: the flag, else the scheduler's ``max_running`` split evenly."""
-        return self.pp_max_micro_batch_size or max(1, max_running // self.resolved_pp_micro_batches())
+    def resolved_pp_max_micro_batch_size(self) -> int:
+        return self.pp_max_micro_batch_size or max(1, self.max_running_requests // self.resolved_pp_micro_batches())
 
     def _check_disaggregation(self) -> None:
         _one_of("disaggregation_mode", self.disaggregation_mode, DISAGGREGATION_MODES)
@@ -559,7 +556,7 @@ class ServerArgs:
         if (self.disable_cuda_graph or self.resolved_device() != "cuda" or self.resolved_attention_backend() != "triton"
                 or self.pp_size > 1):
             return 0
-        return min(self.cuda_graph_max_bs or 256, self.max_running_requests or 256)
+        return min(self.cuda_graph_max_bs or 256, self.max_running_requests)
 
     def resolved_piecewise_cuda_graph_tokens(self) -> list[int]:
         """The token counts extends are captured for; [] when they run

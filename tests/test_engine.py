@@ -145,23 +145,6 @@ def test_cache_aware_policies(llama, policy, monkeypatch):
         assert admitted == [cold[0], cold[1], on_a[0], on_a[1], on_a[2], on_b[0], on_b[1]]
 
 
-@pytest.mark.parametrize("pool, context, rows, running", [
-    (1000, None, 2048, 500),  # a small pool: 2,048 rows, half the pool's tokens running
-    (65536, 64, 4096, 4096),  # 512 rows a full-context request, at most 4,096
-    (65536, 8192, 4096, 4096),
-    (20000, 4096, 2500, 2500),  # 20,000 * 512 / 4,096 rows
-])
-def test_without_the_flag_the_running_batch_follows_the_kv_pool(llama, pool, context, rows, running):
-    """As SGLang: no --max-running-requests sizes the request rows and the
-    running batch from the KV pool and the context length."""
-    with engine(llama[0], max_running_requests=None, max_total_tokens=pool, context_length=context) as eng:
-        runner = eng.scheduler.model_runner
-        assert runner.max_context_len == min(context or runner.model_config.context_len, pool)
-        assert runner.req_to_token_pool.size == rows + 1 and eng.scheduler.max_running == running
-    with engine(llama[0], max_running_requests=5000, max_total_tokens=1000) as eng:  # the flag, within the rows
-        assert eng.scheduler.max_running == 5000 and eng.scheduler.model_runner.req_to_token_pool.size == 5001
-
-
 def test_in_batch_prefix_sharing_prefills_one_first(llama):
     folder, hf = llama
     shared = prompts([64], seed=7)[0]

@@ -47,15 +47,6 @@ OVERLAP_ON_CPU_ENV = "RADIXSERVE_OVERLAP_ON_CPU"
 DISAGG_POLL_S = 0.001  # the pause of a step that has only KV transfers to poll
 
 
-def running_cap(flag: int | None, rows: int, pool_tokens: int) -> int:
-    """Requests the running batch may hold: ``--max-running-requests`` within
-    the request rows; without the flag, the rows, and at most half the KV
-    pool's tokens (two a request, as SGLang's default)."""
-    if flag is not None:
-        return min(flag, rows)
-    return max(1, min(rows, pool_tokens // 2))
-
-
 @dataclass
 class SchedulerStats:
     """Counters since the scheduler started (``get_stats``; /metrics and
@@ -109,8 +100,7 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
         self.tree_cache = build_tree_cache(server_args, model_runner, kv_event_publisher, self.worker.forward_stream)
         self.pools = KVPools(self.req_to_token_pool, self.allocator, self.tree_cache, self.page_size, self.device)
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache)
-        self.max_running = running_cap(server_args.max_running_requests, self.req_to_token_pool.available_size(),
-                                       model_runner.max_total_tokens)
+        self.max_running = min(server_args.max_running_requests, self.req_to_token_pool.available_size())
         self.chunk_size = server_args.resolved_chunked_prefill_size()
         self.waiting: list[Req] = []
         # waiting for their grammar to compile
@@ -141,7 +131,7 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
         elif server_args.disaggregation_mode == "decode":
             self.disagg = DecodeDisaggregation(self)
         self._init_pipeline(model_runner.pp_group, server_args.resolved_pp_micro_batches())
-        self.micro_batch_cap = server_args.resolved_pp_max_micro_batch_size(self.max_running)  # requests a micro-batch
+        self.micro_batch_cap = server_args.resolved_pp_max_micro_batch_size()  # requests per micro-batch
 
     def is_idle(self) -> bool:
         # a request aborted while waiting is only handed back by the next step

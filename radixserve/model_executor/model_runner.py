@@ -14,8 +14,6 @@ Scheduler's; the runner only owns the memory they share:
   ``max_context_len`` slots. Row 0 is taken at start-up as the padding row
   (all zeros, i.e. the dummy KV slot 0) for padded batches such as CUDA-graph
   decode, so exactly ``max_running_requests`` rows are free for requests.
-  Without a ``max_running_requests``, the rows follow the KV pool as in
-  SGLang (:func:`default_request_rows`).
 - ``token_to_kv_pool``: an ``MHATokenToKVPool`` of ``max_total_tokens`` slots
   (plus the dummy page) in ``kv_cache_dtype`` (default the model's dtype),
   of this rank's KV heads.
@@ -58,19 +56,6 @@ logger = logging.getLogger(__name__)
 
 CPU_MAX_KV_TOKENS = 32768  # default cap of the CPU KV pool
 CPU_KV_RAM_FRACTION = 0.25  # share of available RAM the CPU KV pool may take by default
-# request rows when --max-running-requests is not given (SGLang's rule): 512 per
-# full-context request the KV pool holds, within these bounds
-MIN_DEFAULT_REQUEST_ROWS, MAX_DEFAULT_REQUEST_ROWS, ROWS_PER_FULL_CONTEXT = 2048, 4096, 512
-
-
-def default_request_rows(pool_tokens: int, context_len: int) -> int:
-    """Request rows for a KV pool of ``pool_tokens`` tokens and requests of up
-    to ``context_len``: 512 for each full-context request the pool holds,
-    2,048 to 4,096 (SGLang's default). Rows are cheap (``context_len`` int32
-    slots each); the scheduler runs fewer when the pool is small
-    (``Scheduler.max_running``)."""
-    return min(max(pool_tokens * ROWS_PER_FULL_CONTEXT // context_len, MIN_DEFAULT_REQUEST_ROWS),
-               MAX_DEFAULT_REQUEST_ROWS)
 
 
 class ModelRunner:
@@ -127,7 +112,7 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         page_size: int = 1,
         max_total_tokens: int | None = None,
-        max_running_requests: int | None = None,
+        max_running_requests: int,
         max_context_len: int | None = None,
         attention_backend: str = "torch_native",
         mem_fraction_static: float = 0.8,
@@ -153,7 +138,7 @@ class ModelRunner:
         pp_rank: int = 0,
         pp_size: int = 1,
     ):
-        if page_size < 1 or (max_running_requests is not None and max_running_requests < 1):
+        if page_size < 1 or max_running_requests < 1:
             raise ValueError(f"page_size and max_running_requests must be >= 1, got {page_size}, {max_running_requests}")
         self.model_config = model_config
         self.device = torch.device(device)
@@ -172,7 +157,7 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype or self.dtype
         self.page_size = page_size
         self.elastic_kv = elastic_kv  # None: the KV pool is allocated whole
-        self.max_running_requests = max_running_requests  # None until the KV pool's size is known
+        self.max_running_requests = max_running_requests
         self._expert_load_histogram = None  # built on the first expert_load_stats of a MoE model
         check_quantization(quantization, self.device)
         self.quantization = quantization
@@ -195,14 +180,12 @@ class ModelRunner:
         self.max_total_tokens = self._kv_pool_tokens(max_total_tokens, mem_fraction_static)
         self.mem_fraction_static = mem_fraction_static
         self.max_context_len = min(max_context_len or model_config.context_len, self.max_total_tokens)
-        if self.max_running_requests is None:
-            self.max_running_requests = default_request_rows(self.max_total_tokens, self.max_context_len)
         self._init_memory_pools()
         self.prefix_grouped_decode = prefix_grouped_decode  # decode batches may carry prefix groups
         self.attn_backend = create_attention_backend(attention_backend, self)
         self.cuda_graph_runner = None
         if cuda_graph_max_bs > 0 and self.device.type == "cuda":
-            max_bs = min(cuda_graph_max_bs, self.max_running_requests)
+            max_bs = min(cuda_graph_max_bs, max_running_requests)
             self.cuda_graph_runner = CudaGraphRunner(self, default_batch_sizes(max_bs))
         self.piecewise_runner = None
         if piecewise_cuda_graph_tokens and self.device.type == "cuda":
