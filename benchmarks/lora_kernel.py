@@ -53,7 +53,7 @@ def main() -> None:
             y = torch.empty(rows, out, device=dev, dtype=dt)
             table = build_table(np.arange(rows) % ADAPTERS, rows).to(dev)
             base = graph_time_us(lambda: torch.matmul(x, W.t(), out=y))
-            default = kernel_config(table.blocks.shape[0], A.shape[1], k)
+            default = kernel_config(table.blocks.shape[0], A.shape[1], k, table.block_m)
             t = shrink(x, A, table, default)
             line = {"shape": name, "rows": rows, "base_us": round(base, 2), "config": default.__dict__,
                     "lora_us": round(graph_time_us(lambda: lora_delta(x, y, A, B, table, scaling, bounds, R)), 2),

@@ -24,6 +24,7 @@ CASES = [
     ("rank 24 slots, split K", 9, 300, [(0, 40)], 40, 24, 4, 0.0),
     ("rows past several blocks", 70, 64, [(0, 80), (80, 80)], 160, 16, 3, 0.1),
     ("prefill blocks", 600, 32, [(0, 16)], 16, 16, 3, 0.1),
+    ("prefill blocks, two parts", 520, 48, [(0, 24), (24, 8)], 32, 16, 2, 0.2),  # kernel_config's prefill choice
     ("no adapter in the batch", 5, 32, [(0, 16)], 16, 16, 2, 1.0),
 ]
 
@@ -151,3 +152,18 @@ def test_static_table_refills_only_on_change():
     assert bool((static.blocks == 7).all())
     static.fill(a[:5], 8)
     assert holds(a[:5], 8)
+
+
+def test_kernel_config_by_block_size():
+    """Decode blocks split K to fill the device, 16 rank columns a shrink
+    program; prefill blocks of several parts take up to 64 columns a shrink
+    program, split K in two at most, and one column tile an expand program."""
+    from radixserve.lora.triton_ops import kernel_config
+
+    decode = kernel_config(num_blocks=10, n=48, k=4096, block_m=16)
+    assert (decode.shrink_block_n, decode.split_k, decode.expand_tiles) == (16, 8, 0)
+    prefill = kernel_config(num_blocks=72, n=48, k=4096, block_m=64)
+    assert (prefill.shrink_block_n, prefill.split_k, prefill.expand_tiles) == (64, 2, 1)
+    one_part = kernel_config(num_blocks=72, n=16, k=14336, block_m=64)  # o, down: as for decode
+    assert (one_part.shrink_block_n, one_part.split_k, one_part.expand_tiles) == (16, 4, 0)
+    assert kernel_config(num_blocks=2, n=32, k=64, block_m=64).split_k == 1  # at least one K tile a partial

@@ -38,6 +38,8 @@ import triton
 import triton.language as tl
 
 _SHRINK_BLOCK_N = 16
+_PREFILL_SHRINK_BLOCK_N = 64  # rank columns a prefill block's shrink program takes (all of q|k|v at rank 16)
+_PREFILL_MAX_SPLIT_K = 2
 _MAX_SPLIT_K = 8
 _TARGET_PROGRAMS = 264  # two shrink programs per SM of an H100 / H200
 _EXPAND_PROGRAMS = 528  # four expand programs per SM
@@ -206,12 +208,23 @@ class KernelConfig:
     expand_tiles: int = 0  # column tiles per expand program; 0: enough programs to fill the device
 
 
-def kernel_config(num_blocks: int, n: int, k: int, block_k: int = 128) -> KernelConfig:
+def kernel_config(num_blocks: int, n: int, k: int, block_m: int = 16, block_k: int = 128) -> KernelConfig:
     """Split K so the shrink has enough programs to fill the device when
-    the batch has few blocks (decode), each with at least one K tile."""
-    programs = num_blocks * triton.cdiv(n, _SHRINK_BLOCK_N)
-    split = triton.cdiv(_TARGET_PROGRAMS, max(1, programs))
-    return KernelConfig(max(1, min(split, _MAX_SPLIT_K, triton.cdiv(k, block_k))), block_k)
+    the batch has few blocks (decode), each with at least one K tile.
+
+    Prefill blocks (``block_m`` past 16) with several parts' rank columns
+    (q|k|v, gate|up) take them all in one shrink program, so a block's rows
+    of ``x`` are read once rather than once per 16 columns, split K in two
+    at most, and give each expand program one column tile: with few
+    partials to sum, more programs beat fewer that walk several tiles (an
+    H100 at 4,096 rows: q/k/v 73 to 64 us, gate/up 224 to 207;
+    docs/lora.md)."""
+    block_n = _PREFILL_SHRINK_BLOCK_N if block_m > 16 and n > _SHRINK_BLOCK_N else _SHRINK_BLOCK_N
+    programs = num_blocks * triton.cdiv(n, block_n)
+    split = max(1, min(triton.cdiv(_TARGET_PROGRAMS, max(1, programs)), _MAX_SPLIT_K, triton.cdiv(k, block_k)))
+    if block_n == _SHRINK_BLOCK_N:
+        return KernelConfig(split, block_k)
+    return KernelConfig(min(split, _PREFILL_MAX_SPLIT_K), block_k, shrink_block_n=block_n, expand_tiles=1)
 
 
 def lora_delta(x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: torch.Tensor, table: LoRAKernelTable,
@@ -229,7 +242,7 @@ def lora_delta(x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     num_blocks = table.blocks.shape[0]
     if num_blocks == 0 or x.shape[0] == 0:
         return y
-    config = config or kernel_config(num_blocks, A.shape[1], x.shape[1])
+    config = config or kernel_config(num_blocks, A.shape[1], x.shape[1], table.block_m)
     t = shrink(x, A, table, config)
     return expand(t, B, y, table, scaling, part_bounds, rank, config)
 
