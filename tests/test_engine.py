@@ -109,6 +109,35 @@ def test_retraction_under_a_tiny_pool_keeps_outputs(llama, overlap):
         assert eng.scheduler.stats.retractions > 0
 
 
+def test_a_retraction_leaves_room_for_twenty_steps_and_raises_the_token_ratio(llama, monkeypatch):
+    """As SGLang: a decode that does not fit retracts until the requests left
+    have room for RETRACT_DECODE_STEPS tokens each (one retraction where
+    retracting to the next token would retract again a step later), and
+    admission then reserves what they decoded plus those steps of their
+    budgets."""
+    from radixserve.managers.schedule_batch import RETRACT_DECODE_STEPS, ScheduleBatch
+
+    folder, hf = llama
+    after: list[tuple[int, int]] = []  # (requests left, slots short of their 20 steps) after each retraction
+    plain = ScheduleBatch.retract_decode
+
+    def checked(self, others_hold=False):
+        retracted, cut = plain(self, others_hold)
+        if retracted:
+            pools = self.pools
+            after.append((len(self.reqs), pools.decode_pages_needed(self.reqs, RETRACT_DECODE_STEPS)
+                          - pools.allocator.available_size()))
+        return retracted, cut
+
+    monkeypatch.setattr(ScheduleBatch, "retract_decode", checked)
+    params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    with engine(folder, max_total_tokens=160, max_running_requests=8) as eng:
+        check_against_hf(eng, hf, prompts([20, 25, 18, 30, 22, 16]), params)
+        assert eng.scheduler.stats.retractions > 0 and after
+        assert all(short <= 0 or left == 1 for left, short in after), after
+        assert eng.scheduler.new_token_ratio > 0.1  # set from the running requests at the last retraction
+
+
 def record_admissions(monkeypatch) -> list[list[int]]:
     """Record the prompts PrefillAdder admits, in the order it admits them."""
     admitted: list[list[int]] = []

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from radixserve.mem_cache.allocator import page_aligned
+from radixserve.mem_cache.allocator import page_aligned, pages_for
 from radixserve.mem_cache.base_prefix_cache import EMPTY_SLOTS
 from radixserve.model_executor.forward_batch_info import ForwardMode, PrefixGroupTable, ragged_arange
 from radixserve.sampling import stop_regex
@@ -49,6 +49,7 @@ class ModelWorkerBatch:
 
 
 PREFIX_GROUP_TOKENS = 64  # see Req.prefix_group
+RETRACT_DECODE_STEPS = 20  # tokens of room a retraction leaves each running request (SGLang's retract_decode_steps)
 
 
 @dataclass(frozen=True)
@@ -262,11 +263,12 @@ class KVPools:
         cols = torch.tensor([max(r.kv_end - 1, 0) for r in reqs], dtype=torch.int64)
         return self.req_to_token_pool.req_to_token[rows.to(self.device), cols.to(self.device)].to(torch.int64)
 
-    def decode_pages_needed(self, reqs: list[Req]) -> int:
-        """Slots a decode of ``reqs`` must allocate: a page for each request
-        whose last page is full."""
+    def decode_pages_needed(self, reqs: list[Req], steps: int = 1) -> int:
+        """Slots ``steps`` decodes of ``reqs`` must allocate: the pages their
+        next ``steps`` tokens start (one step: a page for each request whose
+        last page is full)."""
         p = self.page_size
-        return sum(p for r in reqs if r.kv_end % p == 0)
+        return sum((pages_for(r.kv_end + steps, p) - pages_for(r.kv_end, p)) * p for r in reqs)
 
     def extend_slots_needed(self, reqs: list[Req], riders: int = 0) -> int:
         """Slots an extend of ``reqs`` may allocate, with ``riders`` running
@@ -318,32 +320,38 @@ class ScheduleBatch:
         self.reqs = self.reqs + reqs
 
     def retract_decode(self, others_hold: bool = False) -> tuple[list[Req], Req | None]:
-        """Make room for one more token per request: evict cached KV, then
-        retract requests (fewest outputs first, longest prompts first among
-        equals), removing them with their KV given to the cache. Returns the
-        retracted requests (to re-queue) and, if one request alone has
-        outgrown the pool, that request, removed too and finished by length.
-        With ``others_hold`` (other micro-batches' requests hold KV) no
-        request is alone: the last one is retracted too, to wait for theirs."""
+        """Make room for one more token per request: evict cached KV; if that
+        is not enough, retract requests (fewest outputs first, longest
+        prompts first among equals), removing them with their KV given to the
+        cache, until those left have room for ``RETRACT_DECODE_STEPS`` more
+        tokens each (SGLang's ``retract_decode_steps``: one retraction, not
+        one a step). Returns the retracted requests (to re-queue) and, if one
+        request alone has outgrown the pool, that request, removed too and
+        finished by length. With ``others_hold`` (other micro-batches'
+        requests hold KV) no request is alone: the last one is retracted
+        too, to wait for theirs."""
         pools = self.pools
 
-        def short() -> int:
-            return pools.decode_pages_needed(self.reqs) - pools.allocator.available_size()
+        def short(steps: int = 1) -> int:
+            return pools.decode_pages_needed(self.reqs, steps) - pools.allocator.available_size()
 
         pools.allocator.ensure_mapped(pools.decode_pages_needed(self.reqs))  # refused: short() counts mapped slots only
 
         if short() > 0:
             pools.tree_cache.evict(short())
         retracted = []
-        # a run-time limit never cuts a request short: the last one waits too, for the limit to rise
-        while short() > 0 and (len(self.reqs) > 1 or (self.reqs and (others_hold or pools.allocator.limit_binds()))):
-            victim = min(self.reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
-            self.filter_batch(lambda r: r is not victim)  # noqa: B023 (called here, in this iteration)
-            pools.tree_cache.cache_finished_req(victim)
-            victim.reset_for_retract()
-            retracted.append(victim)
-            if short() > 0:
-                pools.tree_cache.evict(short())
+        if short() > 0:
+            pools.tree_cache.evict(short(RETRACT_DECODE_STEPS))
+            # a run-time limit never cuts a request short: the last one waits too, for the limit to rise
+            while self.reqs and ((len(self.reqs) > 1 and short(RETRACT_DECODE_STEPS) > 0)
+                                 or (short() > 0 and (others_hold or pools.allocator.limit_binds()))):
+                victim = min(self.reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+                self.filter_batch(lambda r: r is not victim)  # noqa: B023 (called here, in this iteration)
+                pools.tree_cache.cache_finished_req(victim)
+                victim.reset_for_retract()
+                retracted.append(victim)
+                if short(RETRACT_DECODE_STEPS) > 0:
+                    pools.tree_cache.evict(short(RETRACT_DECODE_STEPS))
         if short() <= 0:
             return retracted, None
         cut, self.reqs = self.reqs[-1], self.reqs[:-1]

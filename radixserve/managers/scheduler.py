@@ -24,8 +24,8 @@ from radixserve.managers.disagg_queues import DisaggregationRole
 from radixserve.managers.grammar_queue import GrammarQueue
 from radixserve.managers.prefix_groups import PrefixGrouper
 from radixserve.managers.profiler import phase
-from radixserve.managers.schedule_batch import KVPools, Req, ScheduleBatch
-from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy, mixed_step_budget
+from radixserve.managers.schedule_batch import RETRACT_DECODE_STEPS, KVPools, Req, ScheduleBatch
+from radixserve.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, AddResult, PrefillAdder, SchedulePolicy, mixed_step_budget
 from radixserve.managers.scheduler_input_mixin import SchedulerInputMixin
 from radixserve.managers.scheduler_memory_mixin import SchedulerMemoryMixin
 from radixserve.managers.scheduler_output_processor_mixin import Launched, SchedulerOutputProcessorMixin
@@ -45,6 +45,18 @@ INIT_NEW_TOKEN_RATIO = 0.7
 # synchronous (nothing overlaps): tests use it to check it on servers.
 OVERLAP_ON_CPU_ENV = "RADIXSERVE_OVERLAP_ON_CPU"
 DISAGG_POLL_S = 0.001  # the pause of a step that has only KV transfers to poll
+
+
+def retracted_token_ratio(running: list[Req]) -> float:
+    """``new_token_ratio`` after a retraction (the share of a running
+    request's remaining output that admission reserves,
+    ``PrefillAdder.future_tokens``), as SGLang sets it: what the requests
+    left running have decoded plus ``RETRACT_DECODE_STEPS`` each, over their
+    output budgets (each clipped as admission clips it), at most 1."""
+    budget = sum(min(r.sampling_params.max_new_tokens, CLIP_MAX_NEW_TOKENS) for r in running)
+    if budget <= 0:
+        return INIT_NEW_TOKEN_RATIO
+    return min(1.0, (sum(len(r.output_ids) for r in running) + RETRACT_DECODE_STEPS * len(running)) / budget)
 
 
 @dataclass
@@ -337,8 +349,9 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputProcessorMixin, SchedulerMem
         if retracted:
             self.stats.retractions += len(retracted)
             self.waiting = retracted + self.waiting
-            self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-            logger.info("retracted %d requests; running %d", len(retracted), len(self.running_batch))
+            old, self.new_token_ratio = self.new_token_ratio, retracted_token_ratio(self.running_batch.reqs)
+            logger.info("retracted %d requests; running %d; new token ratio %.3f -> %.3f", len(retracted),
+                        len(self.running_batch), old, self.new_token_ratio)
         if cut is not None:  # one request alone outgrew the pool: ended rather than failed
             self.decode_sampling.invalidate()
             self._finished_outside_batch.append(cut)
