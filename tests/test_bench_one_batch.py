@@ -8,11 +8,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from radixserve.bench.one_batch import main, make_prompts, parse_args, run_case
+from radixserve.bench.one_batch import (Workload, build_engine, main, make_prompts, parse_args, run_case,
+                                        run_engine_case)
 from radixserve.entrypoints.engine import Engine
 from radixserve.layers.sampler import Sampler
+from radixserve.mem_cache import ChunkCache
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.model_loader import dummy_config, resolve_model
+from radixserve.server_args import ServerArgs
 
 
 def test_one_batch_reports_rooflines_for_both_backends(capsys, tmp_path):
@@ -66,6 +69,37 @@ def test_static_batch_decodes_like_the_engine_and_frees_its_memory():
     assert runner.token_to_kv_pool_allocator.available_size() == 64
     assert runner.req_to_token_pool.available_size() == 3
     runner.token_to_kv_pool_allocator.check_invariants()
+
+
+def test_the_engine_driver_decodes_what_the_bare_runner_does(capsys):
+    """--engine times whole generations through the Engine: the same greedy
+    tokens as the runner's static batch, every request generated in full,
+    and the radix cache off so that each timed run prefills."""
+    config = resolve_model("tiny-qwen2", "dummy", "auto", "cpu")
+    runner = ModelRunner(config, page_size=4, max_total_tokens=64, max_running_requests=3, max_context_len=32)
+    prompts = make_prompts(3, 9, config.vocab_size, seed=1)
+    _, ours = run_case(runner, Sampler(), prompts, output_len=5)
+
+    engine = build_engine(ServerArgs(model_path="tiny-qwen2", page_size=4), Workload(((3, 9),), 5, "tiny-qwen2"))
+    try:
+        assert isinstance(engine.scheduler.tree_cache, ChunkCache) and engine.scheduler.max_running == 3
+        timing, ids = run_engine_case(engine, prompts, output_len=5)
+        assert engine.get_stats()["cached_tokens"] == 0
+    finally:
+        engine.shutdown()
+    assert ids.tolist() == ours.tolist()
+    assert timing.prefill_s > 0 and timing.decode_mean_s > 0 and timing.decode_s is None
+
+    (rec,) = main(["--workload", "W2", "--model-path", "tiny-llama", "--batch-sizes", "2", "--input-len", "8",
+                   "--output-len", "4", "--engine"])
+    assert (rec["driver"], rec["overlap"], rec["decode_steps"]) == ("engine", False, 3)  # a CPU forward never overlaps
+    assert rec["decode_mean_ms"] > 0 and rec["decode_median_ms"] is None
+    for bad in (["--kernel-profile", "k.jsonl"], ["--lora-adapters", "2"], ["--tp-size", "2"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--workload", "W2", "--engine", *bad])
+    with pytest.raises(SystemExit):  # the bare runner has no overlap to turn off
+        parse_args(["--workload", "W2", "--disable-overlap-schedule"])
+    assert "--engine" in capsys.readouterr().err
 
 
 def test_w3_overrides_need_an_input_length():

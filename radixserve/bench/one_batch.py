@@ -16,6 +16,14 @@ cost and is left out (offline_throughput measures it). Every case first runs
 once untimed with the same shapes, so Triton compilation, autotuning and
 CUDA-graph capture stay out of the figures.
 
+``--engine`` times the ``Engine`` instead (the Scheduler, with overlap
+scheduling unless ``--disable-overlap-schedule``, as a server decodes): each
+case generates its prompts to one token and then to ``output_len`` tokens (the
+radix cache off, so the second run prefills again), and the difference over
+``output_len - 1`` is the mean decode step. The bare runner's steps are
+synchronous: each pays the host's preparation, the graph's launch and the read
+back in full, where the scheduler prepares step N+1 while step N runs.
+
 Prints one JSON line per case. With ``--compare-hf`` HF transformers runs the
 same shapes in the same process, each case followed by a summary line with the
 speedups. Our runner goes first and is deleted (``torch.cuda.empty_cache()``
@@ -219,11 +227,42 @@ def run_hf_case(model, prompts: torch.Tensor, output_len: int, device: torch.dev
         if out.shape[1] != ids.shape[1] + new_tokens:
             raise RuntimeError(f"HF generate stopped after {out.shape[1] - ids.shape[1]} of {new_tokens} tokens")
 
+    return _generate_timing(generate, output_len, device)
+
+
+def _generate_timing(generate, output_len: int, device: torch.device) -> Timing:
+    """Decode timing from whole generations: ``generate(n)`` makes ``n``
+    tokens a prompt. Untimed runs of 1 and a few tokens first; the prefill is
+    a 1-token run, the mean step (an ``output_len`` run minus it) /
+    (``output_len`` - 1)."""
     generate(1)
     generate(min(output_len, WARMUP_MAX_OUTPUT_LEN))
     prefill_s = _timed(lambda: generate(1), device)
     total_s = _timed(lambda: generate(output_len), device)
     return Timing(prefill_s, decode_mean_s=(total_s - prefill_s) / (output_len - 1))
+
+
+def run_engine_case(engine, prompts: torch.Tensor, output_len: int) -> tuple[Timing, torch.Tensor]:
+    """One case through the ``Engine`` (greedy, no EOS; its radix cache must
+    be off, or the timed runs would reuse the untimed ones' prefills): the
+    timing and the ``[bs, output_len]`` ids of the ``output_len`` run.
+    Prefill-only cases (``output_len`` 1) time one 1-token run."""
+    ids, outputs = prompts.tolist(), []
+
+    def generate(new_tokens: int) -> None:
+        outs = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": new_tokens, "temperature": 0.0,
+                                                               "ignore_eos": True})
+        if any(len(o["output_ids"]) != new_tokens for o in outs):
+            raise RuntimeError(f"the Engine stopped a request before {new_tokens} tokens")
+        outputs[:] = [o["output_ids"] for o in outs]
+
+    device = engine.scheduler.device
+    if output_len == 1:
+        generate(1)
+        timing = Timing(_timed(lambda: generate(1), device))
+    else:
+        timing = _generate_timing(generate, output_len, device)
+    return timing, torch.tensor(outputs)
 
 
 def _timed(fn, device: torch.device) -> float:
@@ -240,7 +279,7 @@ _ENGINE_OPTIONS = {
     "model_path": str, "load_format": str, "dtype": str, "device": str, "attention_backend": str,
     "page_size": int, "max_total_tokens": int, "mem_fraction_static": float, "random_seed": int,
     "disable_cuda_graph": bool, "disable_piecewise_cuda_graph": bool, "kv_cache_dtype": str, "tp_size": int, "dist_timeout": float,
-    "quantization": str, "enable_elastic_kv": bool, "elastic_kv_page_mb": float,
+    "quantization": str, "enable_elastic_kv": bool, "elastic_kv_page_mb": float, "disable_overlap_schedule": bool,
 }
 
 
@@ -275,6 +314,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="serve random LoRA adapters (bench.lora_adapters) and run every case with N distinct ones in the batch, "
              "for each N given (0: none, on the same LoRA-enabled runner)")
     add("--lora-rank", type=int, default=16, help="rank of the --lora-adapters, on every linear layer")
+    add("--engine", action="store_true",
+        help="time the Engine (its scheduler, with overlap scheduling unless --disable-overlap-schedule) instead of "
+             "the bare runner's synchronous steps; the mean decode step from whole generations")
     add("--kernel-profile", metavar="PATH",
         help="after each decode case, profile a few more steps and append where their time goes (kernels on a GPU, "
              "operators on a CPU) to PATH as JSON lines (bench.kernel_profile)")
@@ -286,6 +328,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--batch-sizes must all be >= 1")
     if args.lora_adapters and (min(args.lora_adapters) < 0 or args.lora_rank < 1):
         parser.error("--lora-adapters must all be >= 0 and --lora-rank >= 1")
+    if args.engine:
+        for flag in ("lora_adapters", "kernel_profile"):
+            if getattr(args, flag):
+                parser.error(f"--{flag.replace('_', '-')} times the bare runner: leave out --engine")
+        if args.tp_size > 1:
+            parser.error("--engine runs one rank: leave out --tp-size")
+    elif args.disable_overlap_schedule:
+        parser.error("--disable-overlap-schedule is the Engine's: the bare runner never overlaps (add --engine)")
     try:
         args.workload_spec = workload_from_args(args)
     except ValueError as e:
@@ -366,11 +416,26 @@ def build_runner(server_args: ServerArgs, model_config, wl: Workload, tp_rank: i
     max_len = max(n for _, n in wl.cases) + wl.output_len
     if max_len > model_config.context_len:
         raise SystemExit(f"input + output = {max_len} tokens exceeds the context length {model_config.context_len}")
-    page = server_args.page_size
-    needed = max(bs * page_aligned(n + wl.output_len, page) for bs, n in wl.cases)
     return build_model_runner(server_args, model_config, tp_rank, init,
-                              max_total_tokens=server_args.max_total_tokens or needed,
+                              max_total_tokens=_pool_tokens(server_args, wl),
                               max_running_requests=max(bs for bs, _ in wl.cases), max_context_len=max_len)
+
+
+def build_engine(server_args: ServerArgs, wl: Workload):
+    """An ``Engine`` of the same options whose KV pool and running batch fit
+    the largest case, its radix cache off (``run_engine_case``)."""
+    from radixserve.entrypoints.engine import Engine
+
+    options = {**dataclasses.asdict(server_args), "max_total_tokens": _pool_tokens(server_args, wl),
+               "max_running_requests": max(bs for bs, _ in wl.cases), "disable_radix_cache": True,
+               "disable_tqdm": True}
+    return Engine(**options)
+
+
+def _pool_tokens(server_args: ServerArgs, wl: Workload) -> int:
+    """``--max-total-tokens``, else every request of the largest case whole."""
+    page = server_args.page_size
+    return server_args.max_total_tokens or max(bs * page_aligned(n + wl.output_len, page) for bs, n in wl.cases)
 
 
 ALLREDUCE_REPEATS = 50
@@ -438,7 +503,9 @@ def main(argv: list[str] | None = None, tp_rank: int = 0, init: str | None = Non
 
         lora = server_options(model_config, args.lora_adapters, args.lora_rank)
     server_args = ServerArgs(**engine, **lora)
-    runner = build_runner(server_args, model_config, wl, tp_rank, init)
+    bench_engine = build_engine(server_args, wl) if args.engine else None
+    runner = bench_engine.scheduler.model_runner if bench_engine else build_runner(server_args, model_config, wl,
+                                                                                   tp_rank, init)
     if tp_rank > 0:
         _run_cases(runner, Sampler(), wl, {c: make_prompts(*c, model_config.vocab_size, args.seed) for c in wl.cases},
                    args.prefill_repeats, args.lora_adapters, args.kernel_profile, None)
@@ -458,16 +525,26 @@ def main(argv: list[str] | None = None, tp_rank: int = 0, init: str | None = Non
 
     ours = {}
     profiled = {k: report.common[k] for k in ("workload", "model", "device", "dtype", "quantization", "tp_size")}
-    results = _run_cases(runner, Sampler(), wl, prompts, args.prefill_repeats, args.lora_adapters,
-                         args.kernel_profile, {"bench": "one_batch_kernels", **profiled})
+    if bench_engine:
+        results = {(case, None): (run_engine_case(bench_engine, prompts[case], wl.output_len)[0], None)
+                   for case in wl.cases}
+    else:
+        results = _run_cases(runner, Sampler(), wl, prompts, args.prefill_repeats, args.lora_adapters,
+                             args.kernel_profile, {"bench": "one_batch_kernels", **profiled})
+    driver = {"driver": "engine", "overlap": bench_engine.scheduler.overlap} if bench_engine else {"driver": "runner"}
     for (case, adapters), (timing, allreduce_ms) in results.items():
-        ours[case] = report.case("radixserve", *case, timing, attention_backend=server_args.resolved_attention_backend(),
+        ours[case] = report.case("radixserve", *case, timing, **driver,
+                                 attention_backend=server_args.resolved_attention_backend(),
                                  cuda_graph=runner.cuda_graph_runner is not None,
                                  piecewise_cuda_graph=runner.piecewise_runner is not None, page_size=server_args.page_size,
                                  kv_pool_tokens=runner.max_total_tokens, allreduce_ms_per_step=allreduce_ms,
                                  **({"lora_adapters": adapters, "lora_rank": args.lora_rank} if adapters is not None
                                     else {}))
-    runner.shutdown()
+    if bench_engine:
+        bench_engine.shutdown()
+        del bench_engine
+    else:
+        runner.shutdown()
     for p in followers:
         p.join(timeout=60)
     if args.compare_hf:
