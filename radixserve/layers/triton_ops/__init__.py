@@ -65,3 +65,45 @@ def use_triton(*tensors: torch.Tensor | None) -> bool:
     all on a CUDA device with unit stride along the last dimension, and
     triton installed. CPU tensors fail the first test and never import triton."""
     return all(t is None or (t.is_cuda and t.stride(-1) == 1) for t in tensors) and triton_available()
+
+
+PDL_ENV = "RADIXSERVE_PDL"  # "0": launch every kernel plainly (for an A/B of the two)
+PDL_MAX_ROWS = 16  # launches over more tokens (or requests) go plainly
+
+
+def pdl(device: torch.device, rows: int) -> dict:
+    """Launch options for programmatic dependent launch (Hopper and later) of
+    a kernel over ``rows`` tokens or requests: ``USE_PDL`` (the kernel's
+    constexpr) and Triton's ``launch_pdl``. A kernel so launched may start
+    while the kernel before it on the stream is still running: with
+    ``USE_PDL`` it waits for that kernel's completion (``gdc_wait``) before
+    touching anything but its weights, and lets the kernel after it start
+    once its own main loop is done (``gdc_launch_dependents``). Chained
+    kernels thus overlap one's launch and first loads with the other's tail.
+
+    Only up to :data:`PDL_MAX_ROWS` rows, where a kernel lasts a few
+    microseconds and its launch and tail are a large share of it: W2 at
+    batch 1 steps 4-5% faster with it, at batch 32 and 256 it measured 1-4%
+    slower (benchmarks/README.md). Off (``USE_PDL`` False) off CUDA, under
+    Triton's interpreter, before compute capability 9.0, with a Triton that
+    lacks it, and with ``RADIXSERVE_PDL=0``."""
+    if rows > PDL_MAX_ROWS or device.type != "cuda" or interpreting():
+        return _NO_PDL
+    return _pdl(torch.cuda.current_device() if device.index is None else device.index)
+
+
+_NO_PDL = {"USE_PDL": False}
+
+
+@functools.cache
+def _pdl(index: int) -> dict:
+    if os.environ.get(PDL_ENV, "1") == "0" or torch.cuda.get_device_capability(index)[0] < 9:
+        return _NO_PDL
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return _NO_PDL
+    if "launch_pdl" not in getattr(CUDAOptions, "__dataclass_fields__", {}):
+        return _NO_PDL
+    return {"USE_PDL": True, "launch_pdl": True}

@@ -7,11 +7,16 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.triton_ops import pdl
+from radixserve.layers.triton_ops.gdc import pdl_trigger, pdl_wait
+
 _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, Y, stride_xt, D, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X, Y, stride_xt, D, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
@@ -29,5 +34,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype, device=x.device)
     if rows.shape[0] and d:
         block = min(_BLOCK, triton.next_power_of_2(d))
-        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(d, block))](rows, out, rows.stride(0), d, BLOCK=block)
+        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(d, block))](rows, out, rows.stride(0), d, BLOCK=block,
+                                                                       **pdl(x.device, rows.shape[0]))
     return out

@@ -7,13 +7,19 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.triton_ops import pdl
+from radixserve.layers.triton_ops.gdc import pdl_trigger, pdl_wait
+
 
 @triton.jit
 def _rms_norm_kernel(
     X, Res, Y, ResOut, W,
     n_rows, heads, stride_xt, stride_xh, stride_rt, stride_rh, eps,
     N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
     # Row r of the input is (token r // heads, head r % heads); outputs are contiguous.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -57,6 +63,6 @@ def rms_norm(
             x3, res3, out, out if new_residual is None else new_residual, weight,
             n_rows, x3.shape[1], x3.stride(0), x3.stride(1), res3.stride(0), res3.stride(1), eps,
             N=n, BLOCK_M=block_m, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None,
-            num_warps=4 if block < 2048 else 8 if block < 8192 else 16,
+            num_warps=4 if block < 2048 else 8 if block < 8192 else 16, **pdl(x.device, x3.shape[0]),
         )
     return out if residual is None else (out, new_residual)

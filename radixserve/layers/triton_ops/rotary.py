@@ -9,6 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.triton_ops import pdl
+from radixserve.layers.triton_ops.gdc import pdl_trigger, pdl_wait
+
 
 @triton.jit
 def _rotate_heads(X, Out, cos, sin, heads, W, eps,
@@ -40,8 +43,10 @@ def _rope_kernel(
     Q, K, QOut, KOut, Cache, Positions, QW, KW,
     stride_qt, stride_kt, stride_cache, q_heads, k_heads, eps,
     HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
-    NORM: tl.constexpr,
+    NORM: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Positions + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -79,6 +84,6 @@ def rotary_embedding(
             q, k, q_out, k_out, cos_sin_cache, positions, qw, kw,
             q.stride(0), k.stride(0), cos_sin_cache.stride(0), q_heads, k_heads, eps,
             HEAD_DIM=head_dim, BLOCK_HQ=triton.next_power_of_2(q_heads), BLOCK_HK=triton.next_power_of_2(k_heads),
-            BLOCK_D=triton.next_power_of_2(head_dim // 2), NORM=norm_weights is not None,
+            BLOCK_D=triton.next_power_of_2(head_dim // 2), NORM=norm_weights is not None, **pdl(q.device, tokens),
         )
     return q_out, k_out

@@ -26,6 +26,11 @@ launch sums the partials in order (the result does not depend on timing),
 applies the scale and the bias and casts. With one split the first launch
 does that itself.
 
+Where the GPU has programmatic dependent launch (:func:`triton_ops.pdl`),
+each program asks L2 for its first K tile of ``W`` before it waits for the
+kernel before it (whose output is ``x``): the weight stream starts during
+that kernel's tail instead of after it.
+
 The tiles come from a tuned table of the weight's shape on this GPU
 (``configs/skinny``, written by ``python -m radixserve.bench.fp8_gemm
 --sweep-s S --write-tables DIR``), else from :func:`default_config`.
@@ -43,7 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.layers.triton_ops import DTYPE_NAMES, device_name, interpreting, num_sms
+from radixserve.layers.triton_ops import DTYPE_NAMES, device_name, interpreting, num_sms, pdl
+from radixserve.layers.triton_ops.gdc import pdl_trigger, pdl_wait, prefetch_l2
 
 MAX_ROWS = 64  # beyond this the GEMM is no longer bound by the weight read
 FMA_MAX_ROWS = 1  # the default config's CUDA-core rows
@@ -67,7 +73,8 @@ class SkinnyConfig:
 @triton.jit
 def _skinny_gemm_kernel(X, W, Scale, Bias, Y, Part, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
                         HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, DOT_F32: tl.constexpr,
-                        FMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        FMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        LINE: tl.constexpr = 128, USE_PDL: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -76,6 +83,11 @@ def _skinny_gemm_kernel(X, W, Scale, Bias, Y, Part, M, N, K, stride_xm, stride_w
     n_ok, m_ok = rn < N, rm < M
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    if USE_PDL:  # no kernel writes W: its first K tile streams into L2 while the kernel before finishes
+        lines = k_lo + tl.arange(0, BLOCK_K // LINE) * LINE  # LINE elements of W a 128-byte line
+        first = W + rn[:, None].to(tl.int64) * stride_wn + lines[None, :]
+        prefetch_l2(tl.where(n_ok[:, None] & (lines < k_hi)[None, :], first, W))
+    pdl_wait(USE_PDL)
     w_ptrs = W + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
     x_ptrs = X + rm[None, :] * stride_xm + (k_lo + rk)[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y's tile, transposed
@@ -91,6 +103,7 @@ def _skinny_gemm_kernel(X, W, Scale, Bias, Y, Part, M, N, K, stride_xm, stride_w
             acc = tl.dot(w.to(x.dtype), x, acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    pdl_trigger(USE_PDL)
     if PARTIAL:
         part = Part + (pid_k * M + rm[None, :]) * N + rn[:, None]
         tl.store(part, acc, mask=n_ok[:, None] & m_ok[None, :])
@@ -110,7 +123,8 @@ def _epilogue(acc, Scale, Bias, Y, rn, rm, n_ok, m_ok, stride_ym, HAS_SCALE: tl.
 
 @triton.jit
 def _split_sum_kernel(Scale, Bias, Y, Part, M, N, stride_ym, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     n_ok, m_ok = rn < N, rm < M
@@ -119,6 +133,7 @@ def _split_sum_kernel(Scale, Bias, Y, Part, M, N, stride_ym, HAS_SCALE: tl.const
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
         acc += tl.load(part + s * M * N, mask=mask, other=0.0)
+    pdl_trigger(USE_PDL)
     _epilogue(acc, Scale, Bias, Y, rn, rm, n_ok, m_ok, stride_ym, HAS_SCALE, HAS_BIAS)
 
 
@@ -193,13 +208,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    flags = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None)
+    flags = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, **pdl(x.device, m))
     scale_arg = scale if scale is not None else y  # an unused pointer where a flag is off
     bias_arg = bias if bias is not None else y
     _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, weight, scale_arg, bias_arg, y, part, m, n, k, x.stride(0), weight.stride(0), y.stride(0), k_per_split,
         PARTIAL=split > 1, FMA=cfg.block_m < 16, DOT_F32=x.dtype == torch.float32 or (interpreting() and x.dtype == torch.bfloat16),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        LINE=min(cfg.block_k, 128 // weight.element_size()),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
     if split > 1:
         _split_sum_kernel[(triton.cdiv(n, 128),)](scale_arg, bias_arg, y, part, m, n, y.stride(0), SPLIT=split,

@@ -43,7 +43,8 @@ import triton
 import triton.language as tl
 
 from radixserve.layers.attention.triton_ops.launch import CachedLaunch
-from radixserve.layers.triton_ops import num_sms
+from radixserve.layers.triton_ops import num_sms, pdl
+from radixserve.layers.triton_ops.gdc import pdl_trigger, pdl_wait
 from radixserve.mem_cache.memory_pool import FP8_DTYPES
 
 MAX_KV_SPLITS = 64  # splits per request at most
@@ -137,7 +138,9 @@ def _decode_split_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, KV_FP8: tl.constexpr, HAS_START: tl.constexpr,
     MERGE_PREFIX: tl.constexpr, PREFIX_SPLITS: tl.constexpr, MIN_PREFIX_SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -172,6 +175,7 @@ def _decode_split_kernel(
             stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_mask, offs_dv, dv_mask,
             BLOCK_N, DOT_PRECISION, DOT_DTYPE, KV_FP8,
         )
+        pdl_trigger(USE_PDL)
 
         nonempty = end > start
         l_i = tl.where(nonempty, l_i, 1.0)
@@ -215,8 +219,9 @@ def _decode_merge_kernel(
     stride_ob, stride_oh,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, SPLITS_POW2: tl.constexpr,
     HAS_PREFIX: tl.constexpr, PREFIX_SPLITS: tl.constexpr, PREFIX_SPLITS_POW2: tl.constexpr,
-    MIN_PREFIX_SPLIT: tl.constexpr,
+    MIN_PREFIX_SPLIT: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     num_splits = tl.load(Num_kv_splits + b)
@@ -252,6 +257,7 @@ def _decode_merge_kernel(
         total += tl.sum(pw, 0)
         acc += tl.sum(po * pw[:, None], 0)
     out = acc / tl.where(total > 0, total, 1.0)
+    pdl_trigger(USE_PDL)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_dv, out.to(Out.dtype.element_ty), mask=dv_mask)
 
 
@@ -437,7 +443,7 @@ def decode_attention_fwd(
         out.stride(0), out.stride(1),
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HAS_START=shared is not None,
-        MERGE_PREFIX=fused, **prefix_args, **dims, **dtypes, **config,
+        MERGE_PREFIX=fused, **prefix_args, **dims, **dtypes, **config, **pdl(q.device, bs),
     )
     if fused:
         return out
@@ -451,7 +457,7 @@ def decode_attention_fwd(
         DV=v_head_dim, BLOCK_DV=max(16, triton.next_power_of_2(v_head_dim)),
         SPLITS_POW2=triton.next_power_of_2(max_splits),
         HAS_PREFIX=shared is not None, PREFIX_SPLITS_POW2=triton.next_power_of_2(PREFIX_SPLITS), **prefix_args,
-        num_warps=4 if v_head_dim >= 128 else 2,
+        num_warps=4 if v_head_dim >= 128 else 2, **pdl(q.device, bs),
     )
     return out
 

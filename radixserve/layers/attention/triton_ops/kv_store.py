@@ -10,6 +10,8 @@ import triton
 import triton.language as tl
 
 from radixserve.layers.attention.triton_ops.launch import CachedLaunch
+from radixserve.layers.triton_ops import pdl
+from radixserve.layers.triton_ops.gdc import pdl_trigger, pdl_wait
 from radixserve.mem_cache.memory_pool import FP8_DTYPES
 
 
@@ -19,7 +21,10 @@ def _store_kv_kernel(
     stride_kt, stride_vt, stride_kbt, stride_vbt,
     K_ROW: tl.constexpr, BLOCK_K: tl.constexpr, V_ROW: tl.constexpr, BLOCK_V: tl.constexpr,
     LIMIT: tl.constexpr,  # the largest finite value of an fp8 pool; 0 for other dtypes
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
     t = tl.program_id(0)
     slot = tl.load(Loc + t).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
@@ -54,5 +59,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor, v_buffer:
         k.stride(0), v.stride(0), k_buffer.stride(0), v_buffer.stride(0),
         K_ROW=k_row, BLOCK_K=triton.next_power_of_2(k_row), V_ROW=v_row, BLOCK_V=triton.next_power_of_2(v_row),
         LIMIT=torch.finfo(k_buffer.dtype).max if k_buffer.dtype in FP8_DTYPES else 0.0,
-        num_warps=4,
+        num_warps=4, **pdl(k.device, n),
     )
