@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from radixserve.bench.one_batch import (Workload, build_engine, main, make_prompts, parse_args, run_case,
-                                        run_engine_case)
+from radixserve.bench.generations import run_engine_case
+from radixserve.bench.one_batch import Workload, build_engine, main, make_prompts, parse_args, run_case
 from radixserve.entrypoints.engine import Engine
 from radixserve.layers.sampler import Sampler
 from radixserve.mem_cache import ChunkCache

@@ -59,12 +59,19 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from radixserve.bench.rooflines import (H200_BF16_FLOPS, H200_COPY_BANDWIDTH, H200_GEMV_BANDWIDTH, ModelShape, Peaks,
-                                        Timing, case_metrics)
+from radixserve.bench.generations import WARMUP_MAX_OUTPUT_LEN, load_hf_model, run_engine_case, run_hf_case, sync
+from radixserve.bench.rooflines import (
+    H200_BF16_FLOPS,
+    H200_COPY_BANDWIDTH,
+    H200_GEMV_BANDWIDTH,
+    ModelShape,
+    Peaks,
+    Timing,
+    case_metrics,
+)
 from radixserve.mem_cache.allocator import page_aligned
 from radixserve.server_args import ServerArgs
 
-WARMUP_MAX_OUTPUT_LEN = 4  # the untimed run of a case decodes at most this many tokens
 PROFILED_STEPS = 8  # --kernel-profile: decode steps recorded per case
 
 
@@ -89,11 +96,6 @@ def make_prompts(bs: int, input_len: int, vocab_size: int, seed: int) -> torch.T
     """``[bs, input_len]`` random token ids (speed does not depend on them)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (bs, input_len), generator=gen, dtype=torch.int64)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @contextlib.contextmanager
@@ -141,7 +143,7 @@ def run_case(runner, sampler, prompts: torch.Tensor, output_len: int, lora=None,
 
     dev, vocab = runner.device, runner.model_config.vocab_size
     with static_batch(runner, prompts, output_len) as (reqs, pools):
-        _sync(dev)
+        sync(dev)
         start = time.perf_counter()
         extend = ScheduleBatch(reqs, ForwardMode.EXTEND, pools, vocab)
         extend.prepare_for_extend()
@@ -150,7 +152,7 @@ def run_case(runner, sampler, prompts: torch.Tensor, output_len: int, lora=None,
             batch.lora_ids, batch.lora_slots = lora
         info = batch.sampling_info
         next_ids = _forward_and_sample(runner, sampler, batch, reqs)
-        _sync(dev)
+        sync(dev)
         timing = Timing(time.perf_counter() - start, decode_s=[])
         on_step()
         generated = [next_ids]
@@ -164,7 +166,7 @@ def run_case(runner, sampler, prompts: torch.Tensor, output_len: int, lora=None,
                 batch.lora_ids, batch.lora_slots = lora
             batch.input_ids = next_ids  # stays on the device: no host sync between steps
             next_ids = _forward_and_sample(runner, sampler, batch, reqs)
-            _sync(dev)
+            sync(dev)
             timing.decode_s.append(time.perf_counter() - start)
             on_step()
             generated.append(next_ids)
@@ -189,88 +191,6 @@ def warm_and_run(runner, sampler, prompts: torch.Tensor, output_len: int,
         return run_case(runner, sampler, prompts, output_len, lora)
     runs = [run_case(runner, sampler, prompts, output_len, lora) for _ in range(repeats)]
     return Timing(float(np.median([t.prefill_s for t, _ in runs])), decode_s=[]), runs[0][1]
-
-
-# -- HF transformers ---------------------------------------------------------------------
-def load_hf_model(model_config, device: torch.device):
-    """HF's model of the same config: a random init made on ``device`` for dummy
-    models (speed does not depend on weight values), else the same weights."""
-    from transformers import AutoModelForCausalLM
-
-    if model_config.load_format != "dummy":
-        from radixserve.bench.offline_throughput import load_hf_model as load_pretrained
-
-        return load_pretrained(model_config, str(device))
-    hf_config = model_config.hf_config.__class__.from_dict(model_config.hf_config.to_dict())
-    with torch.device(device):  # random init on the device: an 8B init on the host takes minutes
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=model_config.dtype)
-    return model.eval()
-
-
-@torch.inference_mode()
-def run_hf_case(model, prompts: torch.Tensor, output_len: int, device: torch.device, repeats: int = 1) -> Timing:
-    """Prefill-only (``output_len`` 1): one forward over the batch, the median
-    of ``repeats``. Otherwise ``generate``: a 1-token generate for the prefill,
-    a full one for the steps. Untimed calls of the same shapes go first."""
-    ids = prompts.to(device)
-    mask = torch.ones_like(ids)
-    if output_len == 1:
-        def prefill():
-            model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
-        prefill()
-        return Timing(float(np.median([_timed(prefill, device) for _ in range(repeats)])))
-
-    def generate(new_tokens: int) -> None:
-        # eos_token_id=None: no stopping (ignore_eos), greedy.
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-        if out.shape[1] != ids.shape[1] + new_tokens:
-            raise RuntimeError(f"HF generate stopped after {out.shape[1] - ids.shape[1]} of {new_tokens} tokens")
-
-    return _generate_timing(generate, output_len, device)
-
-
-def _generate_timing(generate, output_len: int, device: torch.device) -> Timing:
-    """Decode timing from whole generations: ``generate(n)`` makes ``n``
-    tokens a prompt. Untimed runs of 1 and a few tokens first; the prefill is
-    a 1-token run, the mean step (an ``output_len`` run minus it) /
-    (``output_len`` - 1)."""
-    generate(1)
-    generate(min(output_len, WARMUP_MAX_OUTPUT_LEN))
-    prefill_s = _timed(lambda: generate(1), device)
-    total_s = _timed(lambda: generate(output_len), device)
-    return Timing(prefill_s, decode_mean_s=(total_s - prefill_s) / (output_len - 1))
-
-
-def run_engine_case(engine, prompts: torch.Tensor, output_len: int) -> tuple[Timing, torch.Tensor]:
-    """One case through the ``Engine`` (greedy, no EOS; its radix cache must
-    be off, or the timed runs would reuse the untimed ones' prefills): the
-    timing and the ``[bs, output_len]`` ids of the ``output_len`` run.
-    Prefill-only cases (``output_len`` 1) time one 1-token run."""
-    ids, outputs = prompts.tolist(), []
-
-    def generate(new_tokens: int) -> None:
-        outs = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": new_tokens, "temperature": 0.0,
-                                                               "ignore_eos": True})
-        if any(len(o["output_ids"]) != new_tokens for o in outs):
-            raise RuntimeError(f"the Engine stopped a request before {new_tokens} tokens")
-        outputs[:] = [o["output_ids"] for o in outs]
-
-    device = engine.scheduler.device
-    if output_len == 1:
-        generate(1)
-        timing = Timing(_timed(lambda: generate(1), device))
-    else:
-        timing = _generate_timing(generate, output_len, device)
-    return timing, torch.tensor(outputs)
-
-
-def _timed(fn, device: torch.device) -> float:
-    _sync(device)
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - start
 
 
 # -- CLI ---------------------------------------------------------------------------------
@@ -452,11 +372,11 @@ def allreduce_ms_per_step(runner, batch_size: int) -> float | None:
     x = torch.ones(batch_size, config.hidden_size, dtype=runner.dtype, device=runner.device)
     per_step = 2 * config.num_hidden_layers + 1
     group.all_reduce(x)
-    _sync(runner.device)
+    sync(runner.device)
     start = time.perf_counter()
     for _ in range(ALLREDUCE_REPEATS * per_step):
         group.all_reduce(x)
-    _sync(runner.device)
+    sync(runner.device)
     return (time.perf_counter() - start) / ALLREDUCE_REPEATS * 1e3
 
 
