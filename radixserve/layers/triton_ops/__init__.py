@@ -83,8 +83,8 @@ def pdl(device: torch.device, rows: int) -> dict:
 
     Only up to :data:`PDL_MAX_ROWS` rows, where a kernel lasts a few
     microseconds and its launch and tail are a large share of it: W2 at
-    batch 1 steps 4-5% faster with it, at batch 32 and 256 it measured 1-4%
-    slower (benchmarks/README.md). Off (``USE_PDL`` False) off CUDA, under
+    batch 1 steps 4-5% faster with it, at batch 32 and 256 it measured up to
+    4% slower (benchmarks/README.md). Off (``USE_PDL`` False) off CUDA, under
     Triton's interpreter, before compute capability 9.0, with a Triton that
     lacks it, and with ``RADIXSERVE_PDL=0``."""
     if rows > PDL_MAX_ROWS or device.type != "cuda" or interpreting():

@@ -1,6 +1,7 @@
 """The device side of programmatic dependent launch (see
-:func:`radixserve.layers.triton_ops.pdl`): what a kernel launched with it does
-before its own work."""
+:func:`radixserve.layers.triton_ops.pdl`): a kernel launched with it waits
+for the kernel before it, lets the kernel after it start, and may prefetch
+what no kernel writes before it waits."""
 
 from __future__ import annotations
 
