@@ -56,9 +56,13 @@ for config in "${configs[@]}"; do
 for line in sys.stdin:
     d = dict(json.loads(line), label=sys.argv[1], driver=sys.argv[2])
     print(json.dumps(d))
+    head = f\"{d['label']:>6} {d['driver']:>6} bs {d['batch_size']:>4}:\"
+    if 'skipped' in d:
+        print(head, 'skipped:', d['skipped'], file=sys.stderr)
+        continue
     step = d['decode_median_ms'] or d['decode_mean_ms']  # the runner's median, the Engine's mean
-    print(f\"{d['label']:>6} {d['driver']:>6} bs {d['batch_size']:>4}: {step:.3f} ms a step, \"
-          f\"{d['decode_tok_s']:,.1f} tok/s\", file=sys.stderr)" "$label" "$driver" >>"$OUT/w2.jsonl"
+    print(f\"{head} {step:.3f} ms a step, {d['decode_tok_s']:,.1f} tok/s\", file=sys.stderr)" \
+            "$label" "$driver" >>"$OUT/w2.jsonl"
     done
 done
 finish

@@ -212,3 +212,17 @@ def test_idle_rows_split_each_step_into_lead_gaps_tail_and_busy():
     assert [(r["name"], r["calls_per_step"], r["us_per_step"]) for r in ranked] == [("before c", 1.0, 15.0),
                                                                                   ("before d", 0.5, 15.0)]
     assert idle_rows(work, []) == [] and idle_rows([], steps) == []
+
+
+@pytest.mark.parametrize("driver", [[], ["--engine"]])
+def test_a_case_the_pool_cannot_hold_is_reported_as_skipped_and_the_others_run(driver):
+    """A pool smaller than the largest case (as 60 GB of MoE weights leave on
+    an 80 GB GPU) skips that case, by the runner and by the Engine (which
+    would otherwise retract), and HF is compared on the cases that ran."""
+    records = main(["--workload", "W2", "--model-path", "tiny-llama", "--batch-sizes", "1", "4", "--input-len", "16",
+                    "--output-len", "4", "--max-total-tokens", "40", "--compare-hf", *driver])
+    skipped, ours, hf, summary = records
+    assert (skipped["batch_size"], skipped["skipped"]) == (4, "the KV pool cannot hold 4 x 20 tokens")
+    assert skipped["kv_pool_tokens"] == 40 and "decode_mean_ms" not in skipped
+    assert (ours["backend"], ours["batch_size"], ours["decode_steps"]) == ("radixserve", 1, 3) and ours["decode_mean_ms"] > 0
+    assert (hf["backend"], hf["batch_size"], summary["batch_size"]) == ("hf_transformers", 1, 1)

@@ -352,6 +352,15 @@ def build_engine(server_args: ServerArgs, wl: Workload):
     return Engine(**options)
 
 
+def fits(runner, case: tuple[int, int], output_len: int) -> bool:
+    """Whether the runner's KV pool holds every request of ``case`` (batch
+    size, input length) whole: the pool may come out smaller than asked
+    where the weights leave little memory. A case that does not fit is
+    reported as skipped, not run (an Engine would retract)."""
+    bs, input_len = case
+    return bs * page_aligned(input_len + output_len, runner.page_size) <= runner.max_total_tokens
+
+
 def _pool_tokens(server_args: ServerArgs, wl: Workload) -> int:
     """``--max-total-tokens``, else every request of the largest case whole."""
     page = server_args.page_size
@@ -445,9 +454,14 @@ def main(argv: list[str] | None = None, tp_rank: int = 0, init: str | None = Non
 
     ours = {}
     profiled = {k: report.common[k] for k in ("workload", "model", "device", "dtype", "quantization", "tp_size")}
+    for case in wl.cases:
+        if not fits(runner, case, wl.output_len):  # the others still run
+            report.emit({**report.common, "backend": "radixserve", "batch_size": case[0], "input_len": case[1],
+                         "output_len": wl.output_len, "kv_pool_tokens": runner.max_total_tokens,
+                         "skipped": f"the KV pool cannot hold {case[0]} x {case[1] + wl.output_len} tokens"})
     if bench_engine:
         results = {(case, None): (run_engine_case(bench_engine, prompts[case], wl.output_len)[0], None)
-                   for case in wl.cases}
+                   for case in wl.cases if fits(runner, case, wl.output_len)}
     else:
         results = _run_cases(runner, Sampler(), wl, prompts, args.prefill_repeats, args.lora_adapters,
                              args.kernel_profile, {"bench": "one_batch_kernels", **profiled})
@@ -473,7 +487,7 @@ def main(argv: list[str] | None = None, tp_rank: int = 0, init: str | None = Non
         if device.type == "cuda":
             torch.cuda.empty_cache()
         hf_model = load_hf_model(model_config, device)
-        for case in wl.cases:
+        for case in ours:
             hf = report.case("hf_transformers", *case, run_hf_case(hf_model, prompts[case], wl.output_len, device,
                                                                     args.prefill_repeats))
             report.summary(ours[case], hf)
@@ -489,7 +503,7 @@ def _run_cases(runner, sampler, wl: Workload, prompts: dict, repeats: int, lora_
     from radixserve.bench.lora_adapters import spread
 
     out = {}
-    for case in wl.cases:
+    for case in filter(lambda case: fits(runner, case, wl.output_len), wl.cases):
         for count in lora_counts or [None]:
             lora = spread(runner.lora_manager, case[0], count) if count else None
             timing, _ = warm_and_run(runner, sampler, prompts[case], wl.output_len, repeats, lora)
