@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.bench import sync
 from radixserve.mem_cache.page_mapper import MAP_BATCH, UNMAP_BATCH, PageMapper
 from radixserve.mem_cache.virtual_memory import VirtualArena, granularity, make_arena
 
@@ -105,11 +106,6 @@ def gb_per_s(nbytes: int, seconds: float) -> float:
 
 
 # -- the device -------------------------------------------------------------------------------
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def set_switches(arena: VirtualArena, keep_free: int, zero: bool, span: bool, probed: tuple[bool, bool]) -> None:
     """The arena's knobs for one row (a CPU arena has none but the margin it always keeps)."""

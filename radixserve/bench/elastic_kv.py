@@ -20,13 +20,9 @@ import time
 
 import torch
 
+from radixserve.bench import sync
 from radixserve.mem_cache.elastic_allocator import build_elastic_pool
 from radixserve.server_args import ElasticKVConfig
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def map_rates(arena, pages: int) -> dict:
@@ -80,14 +76,14 @@ def contention(allocator, seconds: float = 2.0) -> dict:
         while time.perf_counter() - start < seconds / 2:
             turns += 1
         python = turns / (time.perf_counter() - start)
-        _sync(device)
+        sync(device)
         mms, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds / 2:
             a @ a
             mms += 1
             if mms % 16 == 0:
-                _sync(device)
-        _sync(device)
+                sync(device)
+        sync(device)
         return python, mms / (time.perf_counter() - start)
 
     idle = rates()
@@ -138,7 +134,7 @@ def main() -> None:
                   flush=True)
         print(json.dumps({"bench": "elastic_kv_contention", **common, **contention(allocator)}), flush=True)
     finally:
-        _sync(device)
+        sync(device)
         allocator.close()
         pool.arena.close()
 

@@ -12,14 +12,10 @@ import time
 import numpy as np
 import torch
 
+from radixserve.bench import sync
 from radixserve.bench.rooflines import Timing
 
 WARMUP_MAX_OUTPUT_LEN = 4  # the untimed run of a case decodes at most this many tokens
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed(fn, device: torch.device) -> float:

@@ -35,6 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from radixserve.bench import sync
 from radixserve.disaggregation import KVPoll, MetadataBuffers
 from radixserve.disaggregation.bootstrap import KVBootstrapServer
 from radixserve.disaggregation.torch_dist import TorchDistKVManager, TorchDistKVReceiver, TorchDistKVSender
@@ -63,11 +64,6 @@ def slots_of(pages: torch.Tensor, page_size: int) -> torch.Tensor:
     return (pages[:, None] * page_size + torch.arange(page_size)).flatten()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _p2p_bandwidth(role: str, device: torch.device, init_method: str, nbytes: int, repeats: int) -> float | None:
     """Bytes/s of one send from the prefill rank to the decode rank (the decode rank's timing)."""
     rank = 0 if role == "prefill" else 1
@@ -77,13 +73,13 @@ def _p2p_bandwidth(role: str, device: torch.device, init_method: str, nbytes: in
     best = float("inf")
     for i in range(repeats + 1):  # the first is a warm-up
         dist.barrier()
-        _sync(device)
+        sync(device)
         start = time.monotonic()
         if rank == 0:
             dist.send(buf, 1)
         else:
             dist.recv(buf, 0)
-        _sync(device)
+        sync(device)
         if i:
             best = min(best, time.monotonic() - start)
     dist.barrier()
@@ -149,7 +145,7 @@ class _Rank:
     def receive(self, check: bool) -> tuple[float, bool | None]:
         """Poll until every request has arrived; the time then, and whether it is exact."""
         self._wait(lambda st: st == KVPoll.Success, "KV")
-        _sync(self.device)
+        sync(self.device)
         end = time.monotonic()
         exact = self._check() if check else None
         self._clear()

@@ -59,7 +59,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from radixserve.bench.generations import WARMUP_MAX_OUTPUT_LEN, load_hf_model, run_engine_case, run_hf_case, sync
+from radixserve.bench import sync
+from radixserve.bench.generations import WARMUP_MAX_OUTPUT_LEN, load_hf_model, run_engine_case, run_hf_case
 from radixserve.bench.rooflines import (
     H200_BF16_FLOPS,
     H200_COPY_BANDWIDTH,
