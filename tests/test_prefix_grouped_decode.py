@@ -388,7 +388,7 @@ import test_prefix_grouped_decode as t
 import radixserve
 from radixserve.layers.attention.triton_ops import decode_attention as ops
 
-result = {"kernel": []}
+result = {"kernel": [], "plain": []}
 # Small chunks and tiles, so that prefixes split and groups span several tiles.
 ops.MIN_PREFIX_SPLIT, ops.TILE_QUERY_ROWS = 4, 4
 # MAX_KV_SPLITS 1: one split a request, where the split kernel merges the prefix itself.
@@ -405,6 +405,9 @@ for seed, max_splits in itertools.product(range(2), (ops.MAX_KV_SPLITS, 1)):
         for static in (False, True):
             got = t.triton_decode(kv, r2t, rows, seq_lens, table, q, k, v, group, static)
             result["kernel"].append([(got - want).abs().max().item(), 0 if table is None else table.num_groups])
+        # no table: plain decode, merged by the merge kernel or (one split) written by the split kernel
+        got = t.triton_decode(kv, r2t, rows, seq_lens, None, q, k, v, group)
+        result["plain"].append((got - want).abs().max().item())
 ops.MIN_PREFIX_SPLIT, ops.TILE_QUERY_ROWS = 8, 64
 from radixserve.managers import prefix_groups
 built, build = [], prefix_groups.build_table
@@ -448,7 +451,8 @@ def triton_decode(kv, req_to_token, rows, seq_lens, table, q, k, v, group, stati
 
 def test_triton_grouped_decode_in_the_interpreter(llama):
     """The Triton kernels (prefix tiles, suffixes, merge, or the merge in the
-    suffix kernel) against float64 attention on random groupings, with the table passed as is and as a
+    suffix kernel) against float64 attention on random groupings, and plain
+    decode (merged, or written by its one split), with the table passed as is and as a
     CUDA graph's static input; and the Engine on the triton backend with the
     grouping on and off: the same tokens as HF."""
     import os
@@ -459,5 +463,6 @@ def test_triton_grouped_decode_in_the_interpreter(llama):
     result = run_interpreted(_TRITON_SCRIPT, [os.path.dirname(__file__), folder, batch, params])
     assert len(result["kernel"]) == 24 and sum(groups > 0 for _, groups in result["kernel"]) >= 12
     assert max(err for err, _ in result["kernel"]) < 1e-5
+    assert len(result["plain"]) == 12 and max(result["plain"]) < 1e-5
     assert result["groups"] == 2, "both families decoded as groups"
     assert result["True"] == result["False"] == [hf_greedy(hf, ids, 6) for ids in batch]

@@ -66,7 +66,7 @@ def compile_kernel(kernel: str, kv_dtype: torch.dtype, q_dtype: torch.dtype = to
                    "stride_po_b", "stride_po_h", "stride_po_s", "stride_pl_b", "stride_pl_h"]
         const = dict(GROUP=heads // kv_heads, BLOCK_H=max(16, triton.next_power_of_2(heads // kv_heads)),
                      BLOCK_N=cfg.pop("BLOCK_N"), **shape, DOT_DTYPE=dec.dot_dtype(q_dtype, kv_dtype), **fp8,
-                     HAS_START=False, MERGE_PREFIX=False, PREFIX_SPLITS=dec.PREFIX_SPLITS,
+                     HAS_START=False, WRITE_OUT=False, PREFIX_SPLITS=dec.PREFIX_SPLITS,
                      MIN_PREFIX_SPLIT=dec.MIN_PREFIX_SPLIT, USE_PDL=False)
         unaligned = {"stride_ml_h", "stride_pl_h"}  # the lse buffers' head strides are split counts
     elif kernel == "prefix":  # prefix-grouped decode's shared-prefix kernel

@@ -8,7 +8,9 @@ through ``req_to_token`` block by block, keeps a running max and sum in fp32
 log-sum-exp to scratch buffers.
 
 Stage 2, grid ``(batch, head)``: merges a request's partial outputs, each
-weighted by ``exp(lse_split - lse_total)``.
+weighted by ``exp(lse_split - lse_total)``. Where the grid has one split a
+request (batches of ``4 * SMs / kv_heads`` requests or more), stage 1
+writes the output itself (``WRITE_OUT``) and stage 2 does not run.
 
 Split layout of one request of ``seq_len`` tokens and ``n`` splits::
 
@@ -30,7 +32,7 @@ reads each chunk of the group's prefix once for all their query rows and
 writes a partial per member and chunk; stage 1 then reads only each
 request's own suffix (``HAS_START``), and the prefix's partials are merged
 by stage 2, or by stage 1 itself when a request has one split
-(``MERGE_PREFIX``).
+(``WRITE_OUT`` with ``HAS_START``).
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ def _attend_span(
 @triton.jit(do_not_specialize_on_alignment=PER_REQUEST_ARGS)
 def _decode_split_kernel(
     Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Starts, Num_kv_splits, Mid_o, Mid_lse,
-    Out, Mid_po, Mid_plse,  # MERGE_PREFIX: the output, and the shared prefixes' partials merged into it
+    Out, Mid_po, Mid_plse,  # WRITE_OUT: the output; with HAS_START, the shared prefixes' partials merged into it
     qk_scale,  # softmax scale * log2(e)
     v_scale,  # fp8 pools: V's scale (see KV_FP8)
     stride_qb, stride_qh,
@@ -137,7 +139,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, KV_FP8: tl.constexpr, HAS_START: tl.constexpr,
-    MERGE_PREFIX: tl.constexpr, PREFIX_SPLITS: tl.constexpr, MIN_PREFIX_SPLIT: tl.constexpr,
+    WRITE_OUT: tl.constexpr, PREFIX_SPLITS: tl.constexpr, MIN_PREFIX_SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
@@ -181,25 +183,26 @@ def _decode_split_kernel(
         l_i = tl.where(nonempty, l_i, 1.0)
         out = acc / l_i[:, None]
         lse = tl.where(nonempty, m_i + tl.log2(l_i), float("-inf"))
-        if MERGE_PREFIX:
-            # The request's only split (a grouped batch of one split a request): merge
-            # the prefix's partials here and write the output, with no merge kernel.
-            # The suffix holds the new token, so its lse is finite.
-            prefix_len = tl.load(Starts + b).to(tl.int32)
-            num_p = tl.where(prefix_len > 0,
-                             tl.minimum(tl.maximum(tl.cdiv(prefix_len, MIN_PREFIX_SPLIT), 1), PREFIX_SPLITS), 0)
-            for p in tl.static_range(PREFIX_SPLITS):
-                p_mask = h_mask & (offs_g * 0 + p < num_p)  # a vector: the interpreter takes no scalar mask here
-                plse = tl.load(Mid_plse + b * stride_pl_b + heads * stride_pl_h + p, mask=p_mask,
-                               other=float("-inf"))
-                po = tl.load(
-                    Mid_po + b * stride_po_b + heads[:, None] * stride_po_h + p * stride_po_s + offs_dv[None, :],
-                    mask=p_mask[:, None] & dv_mask[None, :], other=0.0,
-                )
-                m = tl.maximum(lse, plse)
-                w_own, w_p = tl.exp2(lse - m), tl.exp2(plse - m)
-                out = (out * w_own[:, None] + po * w_p[:, None]) / (w_own + w_p)[:, None]
-                lse = m + tl.log2(w_own + w_p)
+        if WRITE_OUT:
+            # The request's only split (the grid has one): write the output, with no
+            # merge kernel; a grouped request's prefix partials are merged first (its
+            # suffix holds the new token, so its lse is finite).
+            if HAS_START:
+                prefix_len = tl.load(Starts + b).to(tl.int32)
+                num_p = tl.where(prefix_len > 0,
+                                 tl.minimum(tl.maximum(tl.cdiv(prefix_len, MIN_PREFIX_SPLIT), 1), PREFIX_SPLITS), 0)
+                for p in tl.static_range(PREFIX_SPLITS):
+                    p_mask = h_mask & (offs_g * 0 + p < num_p)  # a vector: the interpreter takes no scalar mask
+                    plse = tl.load(Mid_plse + b * stride_pl_b + heads * stride_pl_h + p, mask=p_mask,
+                                   other=float("-inf"))
+                    po = tl.load(
+                        Mid_po + b * stride_po_b + heads[:, None] * stride_po_h + p * stride_po_s + offs_dv[None, :],
+                        mask=p_mask[:, None] & dv_mask[None, :], other=0.0,
+                    )
+                    m = tl.maximum(lse, plse)
+                    w_own, w_p = tl.exp2(lse - m), tl.exp2(plse - m)
+                    out = (out * w_own[:, None] + po * w_p[:, None]) / (w_own + w_p)[:, None]
+                    lse = m + tl.log2(w_own + w_p)
             tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
                      out.to(Out.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
         else:
@@ -431,7 +434,7 @@ def decode_attention_fwd(
         config["BLOCK_N"] = min(config["BLOCK_N"], SMALL_BLOCK_N)
     starts = seq_lens if shared is None else shared.prefix_lens  # read only when HAS_START
     po, pl = (mid_o, mid_lse) if shared is None else (shared.mid_o, shared.mid_lse)
-    fused = shared is not None and max_splits == 1  # one split a request: the split kernel merges
+    fused = max_splits == 1  # one split a request: the split kernel writes the output
     prefix_args = dict(PREFIX_SPLITS=PREFIX_SPLITS, MIN_PREFIX_SPLIT=MIN_PREFIX_SPLIT)
     _launch_split((bs, kv_heads, max_splits),
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, starts, num_kv_splits, mid_o, mid_lse,
@@ -443,7 +446,7 @@ def decode_attention_fwd(
         out.stride(0), out.stride(1),
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HAS_START=shared is not None,
-        MERGE_PREFIX=fused, **prefix_args, **dims, **dtypes, **config, **pdl(q.device, bs),
+        WRITE_OUT=fused, **prefix_args, **dims, **dtypes, **config, **pdl(q.device, bs),
     )
     if fused:
         return out
