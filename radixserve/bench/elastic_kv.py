@@ -25,6 +25,9 @@ from radixserve.mem_cache.elastic_allocator import build_elastic_pool
 from radixserve.server_args import ElasticKVConfig
 
 
+DEFAULT_PAGES = 64  # pages mapped for the rates, where the memory holds them
+
+
 def map_rates(arena, pages: int) -> dict:
     """Map then unmap ``pages`` pages, one call each."""
     device_bytes = arena.bytes_per_page * pages
@@ -32,7 +35,8 @@ def map_rates(arena, pages: int) -> dict:
     start = time.perf_counter()
     for page in range(first, first + pages):
         if not arena.map(page):
-            raise RuntimeError(f"page {page} could not be mapped")
+            raise RuntimeError(f"page {page} could not be mapped: {arena.physical_free() / 2**30:.1f} GiB free, "
+                               f"{arena.bytes_per_page / 2**20:.0f} MiB a page; ask for fewer --pages or --layers")
     mapped = time.perf_counter() - start
     start = time.perf_counter()
     for page in range(first, first + pages):
@@ -116,19 +120,22 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--page-mb", type=float, default=ElasticKVConfig.page_mb)
-    parser.add_argument("--pages", type=int, default=64, help="pages mapped and unmapped for the rates")
+    parser.add_argument("--pages", type=int, default=None,
+                        help="pages mapped and unmapped for the rates (default: 64, or as many as half the free "
+                             "memory holds where that is fewer, as on a small CPU machine)")
     parser.add_argument("--rounds", type=int, default=20)
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     slot_bytes = args.kv_heads * args.head_dim * dtype.itemsize
     epage_slots = int(args.page_mb * 2**20) // slot_bytes
-    size = (args.pages + 4) * epage_slots
+    size = ((args.pages or DEFAULT_PAGES) + 4) * epage_slots
     config = ElasticKVConfig(page_mb=args.page_mb, min_reserve_pages=0, max_reserve_pages=0)
     pool, allocator = build_elastic_pool(size, 1, dtype, args.kv_heads, args.head_dim, args.layers, device, config)
     common = {"device": str(device), "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
               "dtype": args.dtype}
+    pages = args.pages or max(1, min(DEFAULT_PAGES, pool.arena.physical_free() // 2 // pool.arena.bytes_per_page))
     try:
-        print(json.dumps({"bench": "elastic_kv_map_rates", **common, **map_rates(pool.arena, args.pages)}), flush=True)
+        print(json.dumps({"bench": "elastic_kv_map_rates", **common, **map_rates(pool.arena, pages)}), flush=True)
         for reserve in (0, 1):
             print(json.dumps({"bench": "elastic_kv_alloc", **common, **alloc_latency(allocator, reserve, args.rounds)}),
                   flush=True)
