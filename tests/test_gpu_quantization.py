@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import radixserve
 from radixserve.layers.quantization import (
-    FP8_DTYPE, MIN_SCALE, SKINNY_MAX_ROWS, fp8_linear, quantize_fp8_rows, scaled_mm_linear,
+    FP8_DTYPE, GATED_ROWS, MIN_SCALE, SKINNY_MAX_ROWS, fp8_linear, quantize_fp8_rows, scaled_mm_linear,
 )
 
 pytestmark = [
@@ -79,6 +79,34 @@ def test_skinny_kernel_against_scaled_mm_and_float32(m, n, k):
     y16 = skinny_linear(x, w, None, bias)
     reference16 = x.float() @ w.float().t() + bias.float()
     assert float((y16.float() - reference16).norm() / reference16.norm()) < 0.003
+
+
+@pytest.mark.parametrize("n, k", [(28672, 4096), (1536, 2048)])
+@pytest.mark.parametrize("m", [1, 2, 4, 16])
+def test_gated_skinny_kernel_is_the_plain_one_then_silu_and_mul(m, n, k):
+    """llama-3.1-8b's and a small model's ``gate_up``: SiLU-and-mul in the
+    skinny GEMM's epilogue (the tuned tables' configs, K split where they
+    split it) against the plain kernel followed by the activation kernel,
+    and through the MLP's ``forward_gated`` (fused at ``GATED_ROWS``)."""
+    from radixserve.layers.activation import SiluAndMul
+    from radixserve.layers.linear import MergedColumnParallelLinear
+    from radixserve.layers.triton_ops.activation import silu_and_mul
+    from radixserve.layers.triton_ops.skinny_gemm import skinny_linear
+
+    torch.manual_seed(m)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    wq, ws = quantize_fp8_rows(w)
+    y = skinny_linear(x, wq, ws.view(-1), gated=True)
+    unfused = silu_and_mul(skinny_linear(x, wq, ws.view(-1)))
+    assert y.shape == (m, n // 2)
+    # the same roundings; only the order of the K sums may differ with the halved N tile
+    assert float((y.float() - unfused.float()).norm() / unfused.float().norm()) < 0.002
+    layer = MergedColumnParallelLinear(k, [n // 2] * 2).to("cuda")
+    layer.weight.data.copy_(w)
+    layer.quantize_fp8()
+    fused = m in GATED_ROWS  # elsewhere the layer runs the plain kernel, then the activation's
+    torch.testing.assert_close(layer.forward_gated(x, SiluAndMul()), y if fused else unfused, rtol=0, atol=0)
 
 
 def test_skinny_kernel_under_a_cuda_graph():

@@ -2,7 +2,8 @@
 path at a few rows, against a float32 reference of the dequantized weight:
 fp8 weights with their per-row scales and bf16 / float32 weights without,
 on the tensor cores and on the CUDA cores, one to 64 rows, N and K off the tiles, K split into partials (a last split
-shorter than the others), a bias, and strided rows of ``x``. On the CPU the
+shorter than the others), a bias, and strided rows of ``x``; and with
+SiLU-and-mul fused into it for a ``[gate; up]`` weight. On the CPU the
 kernel runs in Triton's interpreter, in one subprocess;
 ``tests/test_gpu_quantization.py`` runs it on CUDA at llama-3.1-8b's shapes
 against ``torch._scaled_mm``, under a CUDA graph.
@@ -34,6 +35,22 @@ CASES = [
     ("8 rows, CUDA cores, bf16 weight", 8, 20, 96, "bf16", (8, 16, 32, 2), False),
     ("float32, CUDA cores", 2, 17, 50, "fp32", (2, 16, 16, 2), False),
 ]
+
+# gated (a [gate; up] weight, silu(gate) * up out): (name, rows, N out, K, weight dtype, tiles, bias)
+GATED_CASES = [
+    ("gated, one row, CUDA cores, default tiles", 1, 40, 300, "fp8", None, True),
+    ("gated, 5 rows, tensor cores, K split in 3", 5, 48, 200, "fp8", (16, 64, 32, 3), False),
+    ("gated, 3 rows, CUDA cores, K split in 2, bf16 weight", 3, 21, 96, "bf16", (4, 8, 32, 2), True),
+    ("gated, float32", 2, 17, 50, "fp32", (16, 32, 16, 1), False),
+]
+
+
+def gated_reference(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SiLU-and-mul of the float32 reference of the whole ``[gate; up]``
+    product, with the roundings of the unfused path (the GEMM's output in
+    ``dtype``, SiLU rounded before the product)."""
+    gate, up = ref.to(dtype).float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate).to(dtype).float() * up).to(dtype).float()
 
 
 def make_case(rows, n, k, wdtype, bias, *, seed):
@@ -69,6 +86,21 @@ for seed, (name, rows, n, k, wdtype, tiles, bias) in enumerate(CASES):
     y = skinny_linear(x, w, scale, b, SkinnyConfig(*tiles) if tiles else None)
     out[name] = {"dtype": str(y.dtype), "shape": list(y.shape),
                  "error": float((y.float() - ref).abs().max() / ref.abs().max())}
+from test_skinny_gemm import GATED_CASES, gated_reference
+from radixserve.layers.triton_ops.activation import silu_and_mul
+for seed, (name, rows, n, k, wdtype, tiles, bias) in enumerate(GATED_CASES):
+    x, w, scale, b, ref = make_case(rows, 2 * n, k, wdtype, bias, seed=100 + seed)
+    cfg = SkinnyConfig(*tiles) if tiles else None
+    y = skinny_linear(x, w, scale, b, cfg, gated=True)
+    unfused = silu_and_mul(skinny_linear(x, w, scale, b, cfg))
+    ref = gated_reference(ref, x.dtype)
+    out[name] = {"dtype": str(y.dtype), "shape": list(y.shape),
+                 "error": float((y.float() - ref).abs().max() / ref.abs().max()),
+                 "vs_unfused": float((y.float() - unfused.float()).abs().max() / ref.abs().max())}
+try:
+    skinny_linear(torch.zeros(1, 8), torch.zeros(5, 8), gated=True)
+except ValueError as e:
+    out["odd gated"] = str(e)
 try:
     skinny_linear(torch.zeros(65, 8), torch.zeros(4, 8))
 except ValueError as e:
@@ -97,9 +129,24 @@ def test_kernel_matches_the_float32_reference(interpreted, case):
     assert got["error"] < (1e-5 if wdtype == "fp32" else 2**-7), got
 
 
+@pytest.mark.parametrize("case", [c[0] for c in GATED_CASES])
+def test_gated_kernel_is_silu_and_mul_of_the_product(interpreted, case):
+    """SiLU-and-mul in the GEMM's epilogue: the gate and up tiles in one
+    program, K split into partials of both, against the reference and
+    against the plain kernel followed by the activation kernel."""
+    _, rows, n, _, wdtype, _, _ = next(c for c in GATED_CASES if c[0] == case)
+    got = interpreted[case]
+    assert got["shape"] == [rows, n]
+    assert got["dtype"] == ("torch.float32" if wdtype == "fp32" else "torch.bfloat16")
+    # bf16: three roundings (the product, SiLU, the output), each up to one ulp in the interpreter
+    assert got["error"] < (1e-5 if wdtype == "fp32" else 3 * 2**-7), got
+    assert got["vs_unfused"] < (1e-5 if wdtype == "fp32" else 2**-7), got
+
+
 def test_more_rows_than_the_kernel_takes_is_an_error(interpreted):
     assert "at most 64 rows, got 65" in interpreted["too many rows"]
     assert "fewer rows than x (3)" in interpreted["config too small"]
+    assert "rows must be even, got 5" in interpreted["odd gated"]
 
 
 def test_a_tuned_table_gives_the_config_for_the_fewest_rows_at_least_m(tmp_path, monkeypatch):

@@ -10,7 +10,9 @@ weight-read TB/s of: bf16 ``F.linear``; ``fp8_linear`` (the engine's fp8
 path: the skinny kernel up to ``SKINNY_MAX_ROWS`` rows, else the next one);
 per-token quantization + ``torch._scaled_mm``, with and without the
 quantization kernel; and, up to 64 rows, the skinny kernel
-(``layers/triton_ops/skinny_gemm.py``) on the fp8 and on the bf16 weight. A
+(``layers/triton_ops/skinny_gemm.py``) on the fp8 and on the bf16 weight,
+and for ``gate_up_proj`` the skinny kernel followed by SiLU-and-mul against
+the kernel with SiLU-and-mul in its epilogue (``gated``). A
 first line has the square 8192³ matmul in bf16 and fp8 (the machine's
 ceilings, measured in the same run). Defaults are llama-3.1-8b's shapes.
 
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 
 from radixserve.layers.quantization import FP8_DTYPE, fp8_linear, quantize_fp8_rows, quantize_tokens, scaled_mm_linear
 from radixserve.layers.triton_ops import num_sms
+from radixserve.layers.triton_ops.activation import silu_and_mul
 from radixserve.layers.triton_ops.skinny_gemm import (
     MAX_ROWS, SkinnyConfig, default_config, skinny_linear, split_for, table_file_name,
 )
@@ -100,8 +103,9 @@ def rotating(fn, weights: list[torch.Tensor], inner: int) -> list:
 
 
 TENSOR_CORE_TILES = ((64, 128), (32, 256), (64, 256), (128, 128), (32, 128))
+# The larger tiles (32 KB of fp8 a load and more) never won at one row on an H100 (benchmarks/README.md)
 CUDA_CORE_TILES = ((8, 1024), (16, 1024), (4, 2048), (8, 2048), (16, 512), (8, 512), (32, 256), (16, 256),
-                   (4, 1024), (32, 128), (64, 128))
+                   (4, 1024), (32, 128), (64, 128), (16, 2048), (8, 4096), (4, 4096), (32, 1024))
 
 
 def sweep(name: str, m: int, x, weights, scale, repeats: int, inner: int, budget_s: float) -> dict:
@@ -155,6 +159,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name, default in (("hidden", 4096), ("intermediate", 14336), ("q-heads", 32), ("kv-heads", 8), ("head-dim", 128)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 32, 64, 256, 1024, 4096, 8192])
+    parser.add_argument("--projections", nargs="+", choices=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+                        help="time only these of the layer's GEMMs")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--inner", type=int, default=20)
     parser.add_argument("--rotate-mb", type=int, default=256, help="weights cycled per timing, at least this many MB")
@@ -171,6 +177,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(json.dumps(rows[0]), flush=True)
     time_of = lambda fn, ws: cuda_time(rotating(fn, ws, args.inner), args.repeats)  # noqa: E731
     for name, (k, n) in projections(args).items():
+        if args.projections and name not in args.projections:
+            continue
         swept = []
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         wq, ws = quantize_fp8_rows(w)
@@ -191,6 +199,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if m <= MAX_ROWS:
                 times["skinny_fp8"] = time_of(lambda w_: skinny_linear(x, w_, ws.view(-1)), fp8s)
                 times["skinny_bf16"] = time_of(lambda w_: skinny_linear(x, w_), bf16s)
+            if m <= MAX_ROWS and name == "gate_up_proj":  # SiLU-and-mul after the GEMM, or in its epilogue
+                times["skinny_fp8_then_silu"] = time_of(lambda w_: silu_and_mul(skinny_linear(x, w_, ws.view(-1))),
+                                                        fp8s)
+                times["skinny_fp8_gated"] = time_of(lambda w_: skinny_linear(x, w_, ws.view(-1), gated=True), fp8s)
             row = {"bench": "fp8_gemm", "projection": name, "in": k, "out": n, "tokens": m,
                    **{f"{key}_us": t * 1e6 for key, t in times.items()},
                    **{f"{key}_weight_tbs": k * n * (1 if "fp8" in key else 2) / t / 1e12

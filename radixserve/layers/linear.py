@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.distributed import TPGroup, divide, head_layout
-from radixserve.layers.quantization import fp8_linear, quantize_fp8_rows
+from radixserve.layers.quantization import fp8_gated_linear, fp8_linear, quantize_fp8_rows
 
 logger = logging.getLogger(__name__)
 
@@ -266,6 +266,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             shards[i] = (full, tp.rank * size, size)
         self._init_shards(input_size, shards, bias, tp)
         self.output_sizes = list(output_sizes)
+
+    def forward_gated(self, x: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
+        """``act_fn(self(x))`` for a ``[gate; up]`` pair whose ``act_fn`` is
+        SiLU-and-mul: at a few rows of an fp8 weight (and no LoRA) one skinny
+        GEMM launch that applies it in its epilogue, with the same roundings."""
+        if self.lora is None and self.weight_scale is not None and len(self.output_sizes) == 2:
+            y = fp8_gated_linear(x, self.weight, self.weight_scale, self.bias)
+            if y is not None:
+                return y
+        return act_fn(self(x))
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -38,6 +38,9 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # an all-zero row still gets a finite, positive scale
 SKINNY_MAX_ROWS = 16  # up to here the skinny kernel beats quantization + _scaled_mm (benchmarks/README.md)
+# Rows at which the skinny kernel with SiLU-and-mul in its epilogue beat it followed by the activation
+# kernel on llama-3.1-8b's gate_up (H100): at one row (the CUDA cores) and at 16 it was slower.
+GATED_ROWS = range(2, 9)
 
 
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +70,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     ``x`` quantized per token and :func:`scaled_mm_linear`."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if 0 < x2.shape[0] <= SKINNY_MAX_ROWS and use_triton(x2, weight):
+    if takes_skinny(x2, weight):
         from radixserve.layers.triton_ops.skinny_gemm import skinny_linear
 
         y = skinny_linear(x2, weight, weight_scale.view(-1), bias)
@@ -78,6 +81,27 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         if bias is not None:
             y = y.add_(bias)
     return y.reshape(*shape[:-1], weight.shape[0])
+
+
+def takes_skinny(x2: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`fp8_linear` runs the skinny kernel for rows ``x2`` ``[M, K]``."""
+    return 0 < x2.shape[0] <= SKINNY_MAX_ROWS and use_triton(x2, weight)
+
+
+def fp8_gated_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``silu(gate) * up`` of ``fp8_linear(x, ...)`` for a fused ``[gate; up]``
+    weight, in one skinny-kernel launch (the activation in its epilogue)
+    where :func:`fp8_linear` would take that kernel and the rows are among
+    :data:`GATED_ROWS`; None elsewhere, where the caller applies the
+    activation to :func:`fp8_linear`'s output."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] not in GATED_ROWS or not takes_skinny(x2, weight):
+        return None
+    from radixserve.layers.triton_ops.skinny_gemm import skinny_linear
+
+    y = skinny_linear(x2, weight, weight_scale.view(-1), bias, gated=True)
+    return y.reshape(*x.shape[:-1], weight.shape[0] // 2)
 
 
 def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,10 @@ launch sums the partials in order (the result does not depend on timing),
 applies the scale and the bias and casts. With one split the first launch
 does that itself.
 
+For a fused ``[gate; up]`` weight (``gated``), the kernel can also apply
+SiLU-and-mul in its epilogue: each program takes a tile of gate rows and the
+same tile of up rows, so the activation needs no launch of its own.
+
 Where the GPU has programmatic dependent launch (:func:`triton_ops.pdl`),
 each program asks L2 for its first K tile of ``W`` before it waits for the
 kernel before it (whose output is ``x``): the weight stream starts during
@@ -74,7 +78,7 @@ class SkinnyConfig:
 def _skinny_gemm_kernel(X, W, Scale, Bias, Y, Part, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
                         HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, DOT_F32: tl.constexpr,
                         FMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        LINE: tl.constexpr = 128, USE_PDL: tl.constexpr = False):
+                        LINE: tl.constexpr = 128, GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,58 +87,100 @@ def _skinny_gemm_kernel(X, W, Scale, Bias, Y, Part, M, N, K, stride_xm, stride_w
     n_ok, m_ok = rn < N, rm < M
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    up = N * stride_wn  # GATED: the up row of each gate row, N rows further down W
     if USE_PDL:  # no kernel writes W: its first K tile streams into L2 while the kernel before finishes
         lines = k_lo + tl.arange(0, BLOCK_K // LINE) * LINE  # LINE elements of W a 128-byte line
         first = W + rn[:, None].to(tl.int64) * stride_wn + lines[None, :]
-        prefetch_l2(tl.where(n_ok[:, None] & (lines < k_hi)[None, :], first, W))
+        first = tl.where(n_ok[:, None] & (lines < k_hi)[None, :], first, W)
+        prefetch_l2(first)
+        if GATED:
+            prefetch_l2(first + up)
     pdl_wait(USE_PDL)
     w_ptrs = W + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
     x_ptrs = X + rm[None, :] * stride_xm + (k_lo + rk)[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y's tile, transposed
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # GATED: the up rows' tile
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_ok = rk < k_hi - k0
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if GATED:  # both tiles' loads in flight before either product waits for its own
+            w_up = tl.load(w_ptrs + up, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-        if FMA:  # the CUDA cores: [N, K] x [K, M] products summed along K
-            acc += tl.sum(w.to(tl.float32)[:, :, None] * x.to(tl.float32)[None, :, :], axis=1)
-        elif DOT_F32:
-            acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w.to(x.dtype), x, acc)
+        acc = _tile_product(acc, w, x, FMA, DOT_F32)
+        if GATED:
+            acc_up = _tile_product(acc_up, w_up, x, FMA, DOT_F32)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     pdl_trigger(USE_PDL)
     if PARTIAL:
-        part = Part + (pid_k * M + rm[None, :]) * N + rn[:, None]
+        width = N
+        if GATED:  # a partial's row: the gate columns, then the up columns
+            width = 2 * N
+        part = Part + (pid_k * M + rm[None, :]) * width + rn[:, None]
         tl.store(part, acc, mask=n_ok[:, None] & m_ok[None, :])
+        if GATED:
+            tl.store(part + N, acc_up, mask=n_ok[:, None] & m_ok[None, :])
     else:
-        _epilogue(acc, Scale, Bias, Y, rn, rm, n_ok, m_ok, stride_ym, HAS_SCALE, HAS_BIAS)
+        _epilogue(acc, acc_up, Scale, Bias, Y, rn, rm, n_ok, m_ok, N, stride_ym, HAS_SCALE, HAS_BIAS, GATED)
 
 
 @triton.jit
-def _epilogue(acc, Scale, Bias, Y, rn, rm, n_ok, m_ok, stride_ym, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _tile_product(acc, w, x, FMA: tl.constexpr, DOT_F32: tl.constexpr):
+    """``acc + w @ x`` for a weight tile ``[N, K]`` and rows ``[K, M]``."""
+    if FMA:  # the CUDA cores: [N, K] x [K, M] products summed along K
+        return acc + tl.sum(w.to(tl.float32)[:, :, None] * x.to(tl.float32)[None, :, :], axis=1)
+    elif DOT_F32:
+        return tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(w.to(x.dtype), x, acc)
+
+
+@triton.jit
+def _scaled(acc, Scale, Bias, rn, n_ok, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
     if HAS_SCALE:
         acc = acc * tl.load(Scale + rn, mask=n_ok, other=0.0)[:, None]
     if HAS_BIAS:
         acc = acc + tl.load(Bias + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    y = Y + rm[None, :] * stride_ym + rn[:, None]
-    tl.store(y, acc.to(Y.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+    return acc
+
+
+@triton.jit
+def _epilogue(acc, acc_up, Scale, Bias, Y, rn, rm, n_ok, m_ok, N, stride_ym,
+              HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
+    """Scale and bias ``acc`` and store it in ``Y``; with GATED, store
+    ``silu(gate) * up`` of ``acc`` (the gate) and ``acc_up``, each rounded to
+    ``Y``'s dtype first, as the GEMM's output is before SiLU-and-mul
+    (``activation.py``), which this then computes as that kernel does."""
+    y = _scaled(acc, Scale, Bias, rn, n_ok, HAS_SCALE, HAS_BIAS).to(Y.dtype.element_ty)
+    if GATED:
+        gate = y.to(tl.float32)
+        up = _scaled(acc_up, Scale + N, Bias + N, rn, n_ok, HAS_SCALE, HAS_BIAS).to(Y.dtype.element_ty)
+        act = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty)
+        y = (act.to(tl.float32) * up.to(tl.float32)).to(Y.dtype.element_ty)
+    tl.store(Y + rm[None, :] * stride_ym + rn[:, None], y, mask=n_ok[:, None] & m_ok[None, :])
 
 
 @triton.jit
 def _split_sum_kernel(Scale, Bias, Y, Part, M, N, stride_ym, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False):
+                      SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr = False,
+                      USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     n_ok, m_ok = rn < N, rm < M
     mask = n_ok[:, None] & m_ok[None, :]
-    part = Part + rm[None, :] * N + rn[:, None]
+    width = N
+    if GATED:  # a partial's row: the gate columns, then the up columns
+        width = 2 * N
+    part = Part + rm[None, :] * width + rn[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
-        acc += tl.load(part + s * M * N, mask=mask, other=0.0)
+        acc += tl.load(part + s * M * width, mask=mask, other=0.0)
+        if GATED:
+            acc_up += tl.load(part + s * M * width + N, mask=mask, other=0.0)
     pdl_trigger(USE_PDL)
-    _epilogue(acc, Scale, Bias, Y, rn, rm, n_ok, m_ok, stride_ym, HAS_SCALE, HAS_BIAS)
+    _epilogue(acc, acc_up, Scale, Bias, Y, rn, rm, n_ok, m_ok, N, stride_ym, HAS_SCALE, HAS_BIAS, GATED)
 
 
 def split_for(n: int, k: int, block_n: int, block_k: int, programs: int) -> int:
@@ -190,34 +236,50 @@ def get_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-                  bias: torch.Tensor | None = None, config: SkinnyConfig | None = None) -> torch.Tensor:
+                  bias: torch.Tensor | None = None, config: SkinnyConfig | None = None,
+                  gated: bool = False) -> torch.Tensor:
     """``x @ (weight * scale).T + bias`` for ``x`` ``[M, K]`` with M at most
     :data:`MAX_ROWS` (unit stride along K); ``weight`` ``[N, K]`` (unit
     stride along K) in fp8 with float32 ``scale`` (N values) or in ``x``'s
-    dtype without one. The output is ``[M, N]`` in ``x``'s dtype."""
+    dtype without one. The output is ``[M, N]`` in ``x``'s dtype.
+
+    ``gated``: ``weight`` is a fused ``[gate; up]`` projection (N even) and
+    the output ``silu(gate) * up``, ``[M, N / 2]``, as SiLU-and-mul of the
+    plain output gives it: each program computes a tile of gate rows and
+    the same tile of up rows, so the activation needs no launch of its own
+    and the ``[M, N]`` product is never written. ``config`` is still that of
+    the whole weight; each half takes half its N tile (at least 16 on the
+    tensor cores), so a program streams as many bytes."""
     m, k = x.shape
     n = weight.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if gated and n % 2:
+        raise ValueError(f"a gated weight stacks gate and up rows, so its rows must be even, got {n}")
+    n_out = n // 2 if gated else n
+    y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     cfg = config or get_config(m, n, k, weight.dtype, x.device)
     if cfg.block_m < m:
         raise ValueError(f"config {cfg} has fewer rows than x ({m})")
+    fma = cfg.block_m < 16
+    block_n = max(cfg.block_n // 2, 1 if fma else 16) if gated else cfg.block_n
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    flags = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, **pdl(x.device, m))
+    flags = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, GATED=gated, **pdl(x.device, m))
     scale_arg = scale if scale is not None else y  # an unused pointer where a flag is off
     bias_arg = bias if bias is not None else y
-    _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n), split)](
-        x, weight, scale_arg, bias_arg, y, part, m, n, k, x.stride(0), weight.stride(0), y.stride(0), k_per_split,
-        PARTIAL=split > 1, FMA=cfg.block_m < 16, DOT_F32=x.dtype == torch.float32 or (interpreting() and x.dtype == torch.bfloat16),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+    _skinny_gemm_kernel[(triton.cdiv(n_out, block_n), split)](
+        x, weight, scale_arg, bias_arg, y, part, m, n_out, k, x.stride(0), weight.stride(0), y.stride(0),
+        k_per_split, PARTIAL=split > 1, FMA=fma,
+        DOT_F32=x.dtype == torch.float32 or (interpreting() and x.dtype == torch.bfloat16),
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
         LINE=min(cfg.block_k, 128 // weight.element_size()),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
     if split > 1:
-        _split_sum_kernel[(triton.cdiv(n, 128),)](scale_arg, bias_arg, y, part, m, n, y.stride(0), SPLIT=split,
-                                                  BLOCK_M=cfg.block_m, BLOCK_N=128, num_warps=4, **flags)
+        _split_sum_kernel[(triton.cdiv(n_out, 128),)](scale_arg, bias_arg, y, part, m, n_out, y.stride(0),
+                                                      SPLIT=split, BLOCK_M=cfg.block_m, BLOCK_N=128, num_warps=4,
+                                                      **flags)
     return y
