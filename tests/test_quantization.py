@@ -94,6 +94,28 @@ def test_fp8_layers_compute_on_their_dequantized_weights(make):
         layer.quantize_fp8()
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
+def test_gated_forward_off_cuda_is_the_activation_of_the_product(fp8):
+    """``forward_gated`` (the MLP's gate_up with SiLU-and-mul) where the
+    skinny kernel does not run (the CPU): the layer's output, then the
+    activation, for a plain and an fp8 weight, at the rows it would fuse."""
+    from radixserve.layers.activation import SiluAndMul
+    from radixserve.layers.linear import MergedColumnParallelLinear
+    from radixserve.layers.quantization import GATED_ROWS, fp8_gated_linear
+
+    torch.manual_seed(0)
+    layer = MergedColumnParallelLinear(96, [40, 40], bias=True)
+    layer.weight.data.normal_(0, 0.1)
+    layer.bias.data.normal_()
+    if fp8:
+        layer.quantize_fp8()
+    x = torch.randn(GATED_ROWS[0], 96)
+    torch.testing.assert_close(layer.forward_gated(x, SiluAndMul()), SiluAndMul().forward_native(layer(x)),
+                               rtol=0, atol=0)
+    if fp8:
+        assert fp8_gated_linear(x, layer.weight, layer.weight_scale, layer.bias) is None  # no kernel here
+
+
 def test_fp8_linear_of_no_rows():
     q, scale = quantize_fp8_rows(torch.randn(8, 16))
     assert fp8_linear(torch.empty(0, 16), q, scale.reshape(1, -1)).shape == (0, 8)
