@@ -7,6 +7,7 @@
   bf16 weights at the bandwidth of reading them.
 - ``rotary``: neox RoPE of q and k in one launch, with Qwen3's per-head RMSNorm
   of q and k fused in where the model has it.
+- ``tile``: the tile product the GEMM kernels share (CUDA cores or tensor cores).
 
 Each kernel matches its layer's ``forward_native`` up to float rounding, runs
 without host syncs and allocates only its outputs, so CUDA graphs can capture

@@ -54,6 +54,7 @@ import triton.language as tl
 
 from radixserve.layers.triton_ops import DTYPE_NAMES, device_name, interpreting, num_sms, pdl
 from radixserve.layers.triton_ops.gdc import pdl_trigger, pdl_wait, prefetch_l2
+from radixserve.layers.triton_ops.tile import tile_product
 
 MAX_ROWS = 64  # beyond this the GEMM is no longer bound by the weight read
 FMA_MAX_ROWS = 1  # the default config's CUDA-core rows
@@ -106,9 +107,9 @@ def _skinny_gemm_kernel(X, W, Scale, Bias, Y, Part, M, N, K, stride_xm, stride_w
         if GATED:  # both tiles' loads in flight before either product waits for its own
             w_up = tl.load(w_ptrs + up, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-        acc = _tile_product(acc, w, x, FMA, DOT_F32)
+        acc = tile_product(acc, w, x, FMA, DOT_F32)
         if GATED:
-            acc_up = _tile_product(acc_up, w_up, x, FMA, DOT_F32)
+            acc_up = tile_product(acc_up, w_up, x, FMA, DOT_F32)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     pdl_trigger(USE_PDL)
@@ -122,17 +123,6 @@ def _skinny_gemm_kernel(X, W, Scale, Bias, Y, Part, M, N, K, stride_xm, stride_w
             tl.store(part + N, acc_up, mask=n_ok[:, None] & m_ok[None, :])
     else:
         _epilogue(acc, acc_up, Scale, Bias, Y, rn, rm, n_ok, m_ok, N, stride_ym, HAS_SCALE, HAS_BIAS, GATED)
-
-
-@triton.jit
-def _tile_product(acc, w, x, FMA: tl.constexpr, DOT_F32: tl.constexpr):
-    """``acc + w @ x`` for a weight tile ``[N, K]`` and rows ``[K, M]``."""
-    if FMA:  # the CUDA cores: [N, K] x [K, M] products summed along K
-        return acc + tl.sum(w.to(tl.float32)[:, :, None] * x.to(tl.float32)[None, :, :], axis=1)
-    elif DOT_F32:
-        return tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(w.to(x.dtype), x, acc)
 
 
 @triton.jit

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from radixserve.layers.triton_ops import DTYPE_NAMES, device_name, interpreting, num_sms
+from radixserve.layers.triton_ops.tile import tile_product
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 TABLE_COVERS_ALL = 1024  # a table tuned up to this many tokens serves any larger batch with its largest entry
@@ -175,15 +176,6 @@ def moe_align_block_size(
 # ---------------------------------------------------------------------------
 
 
-@triton.jit
-def _dot(a, b, acc, DOT_F32: tl.constexpr, FMA: tl.constexpr):
-    if FMA:  # the CUDA cores: [M, K] x [K, N] products summed along K
-        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
-
-
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _grouped_gemm_kernel(
     A, B, C, TopkWeights, SortedIds, ExpertIds, NumPostPadded,
@@ -233,9 +225,9 @@ def _grouped_gemm_kernel(
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
             if GATED:
                 b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None], other=0.0)
-        acc = _dot(a, b, acc, DOT_F32, FMA)
+        acc = tile_product(acc, a, b, FMA, DOT_F32)
         if GATED:
-            acc_up = _dot(a, b_up, acc_up, DOT_F32, FMA)
+            acc_up = tile_product(acc_up, a, b_up, FMA, DOT_F32)
         a_ptrs += BLOCK_SIZE_K * stride_ak
         b_ptrs += BLOCK_SIZE_K * stride_bk
 
