@@ -27,17 +27,17 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def load_hf_model(model_config, device: torch.device):
-    """HF's model of the same config: a random init made on ``device`` for dummy
-    models (speed does not depend on weight values), else the same weights."""
+def load_hf_model(model_config, device: torch.device | str):
+    """HF's model of the same config: the same weights for real models; for
+    dummy ones a random init made on ``device`` (speed does not depend on
+    weight values, and an 8B init on the host takes minutes)."""
     from transformers import AutoModelForCausalLM
 
     if model_config.load_format != "dummy":
-        from radixserve.bench.offline_throughput import load_hf_model as load_pretrained
-
-        return load_pretrained(model_config, str(device))
+        model = AutoModelForCausalLM.from_pretrained(model_config.weights_dir, dtype=model_config.dtype)
+        return model.to(device).eval()
     hf_config = model_config.hf_config.__class__.from_dict(model_config.hf_config.to_dict())
-    with torch.device(device):  # random init on the device: an 8B init on the host takes minutes
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=model_config.dtype)
     return model.eval()
 

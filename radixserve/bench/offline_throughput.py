@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from radixserve.bench.generations import load_hf_model
 from radixserve.server_args import ServerArgs
 
 
@@ -164,19 +165,6 @@ def profile_rows(profiler: cProfile.Profile, steps: int, top: int = 40) -> list[
 
 
 # -- HF transformers -----------------------------------------------------------------
-def load_hf_model(model_config, device: str):
-    """The same weights for real models; for dummy ones a random init of the
-    same config (speed does not depend on weight values)."""
-    from transformers import AutoModelForCausalLM
-
-    if model_config.load_format == "dummy":
-        hf_config = model_config.hf_config.__class__.from_dict(model_config.hf_config.to_dict())
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=model_config.dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_config.weights_dir, dtype=model_config.dtype)
-    return model.to(device).eval()
-
-
 def _hf_batch(model, reqs: list[Request], wl: Workload, pad_id: int, device: str) -> list[list[int]]:
     longest = max(len(r.input_ids) for r in reqs)
     ids = torch.full((len(reqs), longest), pad_id, dtype=torch.int64)

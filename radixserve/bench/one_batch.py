@@ -489,9 +489,16 @@ def main(argv: list[str] | None = None, tp_rank: int = 0, init: str | None = Non
             torch.cuda.empty_cache()
         hf_model = load_hf_model(model_config, device)
         for case in ours:
-            hf = report.case("hf_transformers", *case, run_hf_case(hf_model, prompts[case], wl.output_len, device,
-                                                                    args.prefill_repeats))
-            report.summary(ours[case], hf)
+            try:
+                timing = run_hf_case(hf_model, prompts[case], wl.output_len, device, args.prefill_repeats)
+            except torch.OutOfMemoryError as exc:  # "where it fits": HF's cache may not, beside its weights
+                timing = f"out of memory: {str(exc).splitlines()[0]}"
+            if isinstance(timing, str):  # the next case starts with the failed one's blocks returned
+                torch.cuda.empty_cache()
+                report.emit({**report.common, "backend": "hf_transformers", "batch_size": case[0],
+                             "input_len": case[1], "output_len": wl.output_len, "error": timing})
+            else:
+                report.summary(ours[case], report.case("hf_transformers", *case, timing))
     return report.records
 
 
