@@ -4,6 +4,9 @@ alone over a sweep of launch parameters (``--sweep``: the shrink's split of
 K, K tile, warps and rank columns a program; the expand's column tile, warps
 and tiles a program), and the default choice
 (``kernel_config``), with rows spread evenly over ADAPTERS rank-16 adapters.
+For gate_up also the MLP's activation: SiLU-and-mul alone, after the LoRA
+kernels, and the fused expand-and-activation (``expand_silu_and_mul``, with
+its shrink; swept over column tiles and warps with ``--sweep``).
 Times are per call, the best of CUDA graphs of REPEATS calls. Prints JSON lines.
 
     python benchmarks/lora_kernel.py [--rows 1 32 256 4096] [--sweep]
@@ -19,7 +22,9 @@ import numpy as np
 import torch
 
 from radixserve.bench.fp8_gemm import cuda_time
-from radixserve.lora.triton_ops import KernelConfig, build_table, expand, kernel_config, lora_delta, shrink
+from radixserve.layers.triton_ops.activation import silu_and_mul
+from radixserve.lora.triton_ops import (KernelConfig, build_table, expand, expand_silu_and_mul, kernel_config,
+                                        lora_delta, shrink)
 
 HIDDEN, INTER, KV, R, ADAPTERS, REPEATS = 4096, 14336, 1024, 16, 8, 20
 # name: (K, parts as (offset, size))
@@ -60,6 +65,16 @@ def main() -> None:
                     "shrink_us": round(graph_time_us(lambda: shrink(x, A, table, default)), 2),
                     "expand_us": round(graph_time_us(lambda: expand(t, B, y, table, scaling, bounds, R, default)), 2)}
             line["lora_pct_of_base"] = round(100 * line["lora_us"] / base, 1)
+            if name == "gate_up":
+                line["silu_us"] = round(graph_time_us(lambda: silu_and_mul(y)), 2)
+                line["lora_then_silu_us"] = round(graph_time_us(
+                    lambda: silu_and_mul(lora_delta(x, y, A, B, table, scaling, bounds, R))), 2)
+                line["lora_silu_fused_us"] = round(graph_time_us(
+                    lambda: expand_silu_and_mul(x, y, A, B, table, scaling, bounds, R)), 2)
+                if args.sweep:
+                    line["fused_sweep"] = {f"n{bn}w{w}": round(graph_time_us(
+                        lambda: expand_silu_and_mul(x, y, A, B, table, scaling, bounds, R, bn, w)), 2)
+                        for bn, w in itertools.product((32, 64, 128), (2, 4, 8))}
             if args.sweep:
                 line["shrink_sweep"] = {
                     f"s{s}k{bk}w{w}n{bn}": round(graph_time_us(

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import radixserve
-from test_lora_kernels import CASES, make_case, reference
+from test_lora_kernels import ACT_CASES, CASES, make_case, reference, silu_and_mul
 
 pytestmark = [
     pytest.mark.gpu,
@@ -78,6 +78,58 @@ def test_kernels_under_a_cuda_graph():
         ref = reference(x[:n], y[:n], A, B, scaling, parts, row_slots, ranks, R)
         assert _relative_error(ys[:n], ref) < BF16_TOLERANCE
         assert torch.equal(ys[n:], y[n:]), "rows past the batch gained a delta"
+
+
+# llama-3.1-8b's gate|up at rank 16: decode batches, and a prefill of several blocks of 64 rows
+GATE_UP_CASES = [(rows, 4096, [(0, 14336), (14336, 14336)], 28672, 16, 8, 0.2) for rows in (1, 32, 256, 2000)]
+
+
+@pytest.mark.parametrize("case", ACT_CASES + [("model", *c) for c in GATE_UP_CASES], ids=lambda c: f"{c[0]}-{c[1]}rows")
+def test_expand_with_silu_and_mul_in_bf16(case):
+    """The fused gate|up expand and SiLU-and-mul against the float32
+    reference, and against the unfused kernels (the expand, then
+    silu_and_mul), whose roundings it keeps: equal to within one bf16 step."""
+    from radixserve.layers.triton_ops.activation import silu_and_mul as silu_kernel
+    from radixserve.lora.triton_ops import build_table, expand_silu_and_mul, lora_delta
+
+    _, rows, k, parts, out, R, slots, none_share = case
+    x, y, A, B, scaling, bounds, row_slots, ranks = make_case(rows, k, parts, out, R, slots, none_share, seed=rows,
+                                                              device="cuda", dtype=torch.bfloat16)
+    table = build_table(row_slots, rows).to(torch.device("cuda"))
+    got = expand_silu_and_mul(x, y, A, B, table, scaling, bounds, R)
+    ref = silu_and_mul(reference(x, y, A, B, scaling, parts, row_slots, ranks, R))
+    assert _relative_error(got, ref) < BF16_TOLERANCE
+    unfused = silu_kernel(lora_delta(x, y.clone(), A, B, table, scaling, bounds, R)).float()
+    assert torch.allclose(got.float(), unfused, rtol=2**-7, atol=1e-6), float((got.float() - unfused).abs().max())
+
+
+def test_expand_with_silu_and_mul_under_a_cuda_graph():
+    """Captured once over a static table, replayed with batches of other
+    adapters and sizes; the graph's rows past the batch get SiLU-and-mul of
+    their own values."""
+    from radixserve.lora.triton_ops import StaticKernelTable, expand_silu_and_mul
+
+    rows, k, parts, out, R, slots = 64, 512, [(0, 192), (192, 192)], 384, 16, 4
+    x, y, A, B, scaling, bounds, _, ranks = make_case(rows, k, parts, out, R, slots, 0.0, seed=0, device="cuda",
+                                                      dtype=torch.bfloat16)
+    static = StaticKernelTable(rows, slots, x.device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        expand_silu_and_mul(x, y, A, B, static.view(rows), scaling, bounds, R)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = expand_silu_and_mul(x, y, A, B, static.view(rows), scaling, bounds, R)
+    rng = np.random.default_rng(1)
+    for n, none_share in ((rows, 0.0), (17, 0.5), (1, 0.0), (40, 1.0)):
+        row_slots = rng.integers(0, slots, n)
+        row_slots[rng.random(n) < none_share] = -1
+        static.fill(row_slots, rows)
+        graph.replay()
+        ref = silu_and_mul(reference(x[:n], y[:n], A, B, scaling, parts, row_slots, ranks, R))
+        assert _relative_error(got[:n], ref) < BF16_TOLERANCE
+        assert _relative_error(got[n:], silu_and_mul(y[n:])) < BF16_TOLERANCE
 
 
 SHAPE = dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,

@@ -28,6 +28,17 @@ CASES = [
     ("no adapter in the batch", 5, 32, [(0, 16)], 16, 16, 2, 1.0),
 ]
 
+# The MLP's gate|up through expand_silu_and_mul: OUT = 2 * D columns [gate | up]; the adapters may
+# target both halves or one (the layer's parts are then that half only).
+ACT_CASES = [
+    ("gate|up of a decode batch", 37, 48, [(0, 40), (40, 40)], 80, 16, 3, 0.3),
+    ("gate|up, rank 8 slots, split K", 6, 300, [(0, 24), (24, 24)], 48, 8, 4, 0.0),
+    ("gate only", 21, 32, [(0, 32)], 64, 16, 2, 0.2),
+    ("up only", 21, 32, [(32, 32)], 64, 16, 2, 0.2),
+    ("gate|up prefill blocks", 600, 32, [(0, 24), (24, 24)], 48, 16, 3, 0.1),
+    ("gate|up, no adapter in the batch", 5, 32, [(0, 16), (16, 16)], 32, 16, 2, 1.0),
+]
+
 
 def make_case(rows, k, parts, out, R, slots, none_share, *, seed, device="cpu", dtype=torch.float32):
     """(x, y, A, B, scaling, part_bounds, row_slots, ranks): slot s's adapter has rank ranks[s] <= R."""
@@ -51,6 +62,11 @@ def make_case(rows, k, parts, out, R, slots, none_share, *, seed, device="cpu", 
     return (move(x), move(y), move(A), move(B), scaling.to(device), bounds.to(device), row_slots, ranks)
 
 
+def silu_and_mul(y):
+    gate, up = y.float().chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def reference(x, y, A, B, scaling, parts, row_slots, ranks, R):
     """``y + scaling * (x A_p^T) B_p^T`` per row and part, in float32, reading only each adapter's rank."""
     x, y, A, B = (t.float().cpu() for t in (x, y, A, B))
@@ -70,8 +86,8 @@ import json, sys
 import numpy as np
 import torch
 sys.path.insert(0, json.loads(sys.argv[1]))
-from test_lora_kernels import CASES, make_case, reference
-from radixserve.lora.triton_ops import KernelConfig, StaticKernelTable, build_table, lora_delta
+from test_lora_kernels import ACT_CASES, CASES, make_case, reference, silu_and_mul
+from radixserve.lora.triton_ops import KernelConfig, StaticKernelTable, build_table, expand_silu_and_mul, lora_delta
 
 errors = {}
 for seed, (name, rows, k, parts, out, R, slots, none_share) in enumerate(CASES):
@@ -92,6 +108,19 @@ for seed, (name, rows, k, parts, out, R, slots, none_share) in enumerate(CASES):
     scale = float(ref.abs().max())
     errors[name] = [float((got - ref).abs().max()) / scale, float((graph[:rows] - ref).abs().max()) / scale,
                     float(graph[rows:].abs().max()), float((tiled - ref).abs().max()) / scale]
+for seed, (name, rows, k, parts, out, R, slots, none_share) in enumerate(ACT_CASES):
+    x, y, A, B, scaling, bounds, row_slots, ranks = make_case(rows, k, parts, out, R, slots, none_share, seed=seed)
+    ref = silu_and_mul(reference(x, y, A, B, scaling, parts, row_slots, ranks, R))
+    got = expand_silu_and_mul(x, y, A, B, build_table(row_slots, rows), scaling, bounds, R)
+    static = StaticKernelTable(rows + 20, slots, torch.device("cpu"))
+    static.fill(np.random.default_rng(seed).integers(0, slots, rows + 20), rows + 20)
+    static.fill(row_slots, rows + 3)
+    pad = torch.randn(3, out, generator=torch.Generator().manual_seed(seed))
+    graph = expand_silu_and_mul(torch.cat([x, torch.zeros(3, k)]), torch.cat([y, pad]), A, B, static.view(rows + 3),
+                                scaling, bounds, R)
+    scale = float(ref.abs().max())
+    errors[name] = [float((got - ref).abs().max()) / scale, float((graph[:rows] - ref).abs().max()) / scale,
+                    float((graph[rows:] - silu_and_mul(pad)).abs().max()), float(y.abs().max())]
 print(json.dumps(errors))
 """
 
@@ -110,23 +139,47 @@ def test_kernels_match_reference(interpreted, case):
     assert padding == 0.0, "padding rows of a graph gained a delta"
 
 
+@pytest.mark.parametrize("case", [c[0] for c in ACT_CASES])
+def test_expand_with_silu_and_mul_matches_reference(interpreted, case):
+    """The gate|up deltas and SiLU-and-mul in one launch equal the reference
+    deltas followed by the activation; a graph's padding rows get the
+    activation of their own values, with no delta."""
+    eager, graph, padding, _ = interpreted[case]
+    assert eager < 1e-5, f"eager table: relative error {eager}"
+    assert graph < 1e-5, f"static table: relative error {graph}"
+    assert padding < 1e-5, f"padding rows: error {padding}"
+
+
 def test_table_layout():
-    """Rows sorted by slot (stable), blocks of at most BLOCK_M rows of one slot, rows without an adapter left out."""
-    from radixserve.lora.triton_ops import block_m_for, blocks_for, build_table
+    """Rows with an adapter sorted by slot (stable), in blocks of at most
+    BLOCK_M rows of one slot; then the rows without one, in blocks of slot
+    NO_ADAPTER, after the adapters' blocks (and a graph's padding)."""
+    from radixserve.lora.triton_ops import NO_ADAPTER, all_blocks_for, block_m_for, blocks_for, build_table
 
     BLOCK_M = block_m_for(21)
     row_slots = np.array([1, -1, 0] + [1] * (BLOCK_M + 2) + [0, -1])
-    table = build_table(row_slots, len(row_slots))
+    n = len(row_slots)
+    table = build_table(row_slots, n)
     rows, blocks = table.rows.tolist(), table.blocks.tolist()
     ones = [i for i, s in enumerate(row_slots) if s == 1]
-    assert rows == [2, len(row_slots) - 2] + ones
-    assert blocks == [[0, 0, 2], [1, 2, 2 + BLOCK_M], [1, 2 + BLOCK_M, len(rows)]]
-    assert len(blocks) <= blocks_for(len(row_slots), 2)
+    assert rows == [2, n - 2] + ones + [1, n - 1]
+    assert blocks == [[0, 0, 2], [1, 2, 2 + BLOCK_M], [1, 2 + BLOCK_M, n - 2]]
+    assert table.all_blocks.tolist() == blocks + [[NO_ADAPTER, n - 2, n]]
+    assert len(blocks) <= blocks_for(n, 2)
+    longer = build_table(row_slots, n + 2)  # rows past row_slots have no adapter
+    assert longer.rows.tolist()[n - 2:] == [1, n - 1, n, n + 1] and longer.all_blocks.tolist()[3:] == [
+        [NO_ADAPTER, n - 2, n + 2]]
     empty = build_table(np.array([-1, -1]), 2)
-    assert empty.rows.numel() == 0 and tuple(empty.blocks.shape) == (0, 3)
+    assert empty.rows.tolist() == [0, 1] and tuple(empty.blocks.shape) == (0, 3)
+    assert empty.all_blocks.tolist() == [[NO_ADAPTER, 0, 2]]
     padded = build_table(row_slots, 600, blocks_for(600, 2))  # a prefill's blocks are larger
-    assert padded.block_m > BLOCK_M and padded.blocks.tolist()[:2] == [[0, 0, 2], [1, 2, len(rows)]]
+    big = padded.block_m
+    assert big > BLOCK_M and padded.blocks.tolist()[:2] == [[0, 0, 2], [1, 2, n - 2]]
     assert padded.blocks.tolist()[2:] == [[-1, -1, -1]] * (blocks_for(600, 2) - 2)
+    plain = padded.all_blocks.tolist()[blocks_for(600, 2):]
+    assert len(plain) == all_blocks_for(600, 2) - blocks_for(600, 2)
+    starts = list(range(n - 2, 600, big))
+    assert plain == [[NO_ADAPTER, s, min(s + big, 600)] for s in starts] + [[-1, -1, -1]] * (len(plain) - len(starts))
 
 
 def test_static_table_refills_only_on_change():
@@ -139,9 +192,9 @@ def test_static_table_refills_only_on_change():
 
     def holds(row_slots, num_rows):
         want = build_table(row_slots, num_rows, blocks_for(num_rows, 3))
-        n = want.rows.shape[0]
-        return (torch.equal(static.rows[:n], want.rows)
-                and torch.equal(static.blocks[: want.blocks.shape[0]], want.blocks))
+        view = static.view(num_rows)
+        return (torch.equal(static.rows[:num_rows], want.rows) and torch.equal(view.all_blocks, want.all_blocks)
+                and view.num_blocks == want.num_blocks)
 
     a, b = np.array([2, 0, 1, 1, -1, 2]), np.array([0, 0, 1, 2, 2, 2])
     for row_slots, num_rows in ((a, 8), (b, 8), (a, 8), (a, 16), (None, 8), (a, 8)):

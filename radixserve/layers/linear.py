@@ -270,11 +270,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def forward_gated(self, x: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
         """``act_fn(self(x))`` for a ``[gate; up]`` pair whose ``act_fn`` is
         SiLU-and-mul: at a few rows of an fp8 weight (and no LoRA) one skinny
-        GEMM launch that applies it in its epilogue, with the same roundings."""
-        if self.lora is None and self.weight_scale is not None and len(self.output_sizes) == 2:
+        GEMM launch that applies it in its epilogue, with the same roundings;
+        with LoRA's triton kernels, the deltas' expand and the activation in
+        one launch after the GEMM."""
+        if len(self.output_sizes) != 2:
+            return act_fn(self(x))
+        if self.lora is None and self.weight_scale is not None:
             y = fp8_gated_linear(x, self.weight, self.weight_scale, self.bias)
             if y is not None:
                 return y
+        if self.lora is not None:
+            y = linear(x, self.weight, self.bias, self.weight_scale)
+            out = self.lora.add_delta_silu_and_mul(x, y)
+            return act_fn(self.lora.add_delta(x, y)) if out is None else out
         return act_fn(self(x))
 
 

@@ -126,18 +126,28 @@ class LoRALayer:
                 A[i * self.max_rank : i * self.max_rank + r].copy_(a)
                 B[part.offset : part.offset + part.size, :r].copy_(b[part.start : part.start + part.size])
 
+    def _kernel_table(self, batch: LoRABatch | None, x: torch.Tensor):
+        """The triton backend's table of this forward (a graph's, or an eager
+        forward's, built at its first layer); None for the torch path."""
+        if batch is None or (batch.row_slots is None and batch.table is None):
+            return None
+        if batch.table is None:
+            from radixserve.lora.triton_ops import build_table
+
+            batch.table = build_table(batch.row_slots, x.shape[0]).to(x.device)
+        return batch.table
+
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base layer's output for ``x``, this rank's part of it)
         plus each segment's delta, in place."""
         batch = self.batch()
         if batch is None:
             return y
-        if batch.row_slots is not None or batch.table is not None:  # the triton backend (a graph's: the table)
-            from radixserve.lora.triton_ops import build_table, lora_delta
+        table = self._kernel_table(batch, x)
+        if table is not None:
+            from radixserve.lora.triton_ops import lora_delta
 
-            if batch.table is None:  # an eager forward's: built at its first layer
-                batch.table = build_table(batch.row_slots, x.shape[0]).to(x.device)
-            return lora_delta(x, y, self.A, self.B, batch.table, self.scaling, self.part_bounds, self.max_rank)
+            return lora_delta(x, y, self.A, self.B, table, self.scaling, self.part_bounds, self.max_rank)
         R = self.max_rank
         for seg in batch.segments:
             xs, r = x[seg.rows], seg.rank
@@ -151,6 +161,19 @@ class LoRALayer:
                 else:
                     out.index_add_(0, seg.rows, delta, alpha=seg.scaling)
         return y
+
+    def add_delta_silu_and_mul(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of ``y`` ``[T, 2 * I]`` = ``[gate | up]`` plus
+        the deltas, the expand and the activation in one launch
+        (``triton_ops.expand_silu_and_mul``); None where the triton backend
+        does not run this forward (the caller adds the deltas, then applies
+        the activation)."""
+        table = self._kernel_table(self.batch(), x)
+        if table is None:
+            return None
+        from radixserve.lora.triton_ops import expand_silu_and_mul
+
+        return expand_silu_and_mul(x, y, self.A, self.B, table, self.scaling, self.part_bounds, self.max_rank)
 
     def __repr__(self) -> str:
         kind = "row" if self.row_parallel else "column"

@@ -24,6 +24,14 @@ Blocks past the batch's own are ``slot = -1`` and return at once: a CUDA
 graph captured for ``T`` rows launches ``blocks_for(T, slots)`` programs per
 column tile, enough for any batch of at most ``T`` rows.
 
+After the adapters' blocks, the table holds the rows without one (``r1`` and
+any padding rows of a graph), in blocks of ``slot = NO_ADAPTER``, which the
+two kernels never launch. The MLP's gate/up takes them:
+:func:`expand_silu_and_mul` replaces its expand and the SiLU-and-mul after
+it, so the layer's ``[T, 2 * I]`` output is read once and never written
+back: every block's rows go through SiLU-and-mul, an adapter's with their
+delta added first (rounded to ``y``'s dtype, as the expand stores it).
+
 Rank ``r < R`` adapters leave rows ``r..R-1`` of ``A`` and columns of ``B``
 zero (``LoRALayer.fill``), so the kernels read ``R`` and add nothing more.
 """
@@ -44,6 +52,8 @@ _MAX_SPLIT_K = 8
 _TARGET_PROGRAMS = 264  # two shrink programs per SM of an H100 / H200
 _EXPAND_PROGRAMS = 528  # four expand programs per SM
 _MAX_EXPAND_TILES = 16
+_ACT_BLOCK_N = 64  # output columns (of gate and of up each) a program of the fused SiLU-and-mul takes
+NO_ADAPTER = -2  # the slot of a block of rows without an adapter (only the fused SiLU-and-mul takes it)
 
 
 def block_m_for(num_rows: int) -> int:
@@ -57,13 +67,19 @@ def block_m_for(num_rows: int) -> int:
 class LoRAKernelTable:
     """Which rows each program of the kernels takes (see the module's region map)."""
 
-    rows: torch.Tensor  # [>= rows with an adapter] int32, batch rows sorted by slot
-    blocks: torch.Tensor  # [num_blocks, 3] int32: slot (-1: none), start, end in ``rows``
+    rows: torch.Tensor  # [>= rows] int32: batch rows with an adapter sorted by slot, then those without
+    all_blocks: torch.Tensor  # [*, 3] int32: slot (-1: none, NO_ADAPTER: rows without one), start, end in ``rows``
+    num_blocks: int  # the first ``num_blocks`` of ``all_blocks`` are the adapters' (the kernels' grid)
     block_m: int
 
+    @property
+    def blocks(self) -> torch.Tensor:
+        """The adapters' blocks (then padding): the shrink's and expand's programs."""
+        return self.all_blocks[: self.num_blocks]
+
     def to(self, device: torch.device) -> "LoRAKernelTable":
-        return LoRAKernelTable(self.rows.to(device, non_blocking=True), self.blocks.to(device, non_blocking=True),
-                               self.block_m)
+        return LoRAKernelTable(self.rows.to(device, non_blocking=True), self.all_blocks.to(device, non_blocking=True),
+                               self.num_blocks, self.block_m)
 
 
 def blocks_for(num_rows: int, num_slots: int) -> int:
@@ -71,22 +87,43 @@ def blocks_for(num_rows: int, num_slots: int) -> int:
     return triton.cdiv(num_rows, block_m_for(num_rows)) + num_slots
 
 
+def all_blocks_for(num_rows: int, num_slots: int) -> int:
+    """:func:`blocks_for` and then the most blocks of rows without an adapter."""
+    return blocks_for(num_rows, num_slots) + triton.cdiv(num_rows, block_m_for(num_rows))
+
+
+def _cut(slots: np.ndarray, starts: np.ndarray, counts: np.ndarray, block_m: int, pad_to: int | None) -> np.ndarray:
+    """``[n, 3]`` blocks (slot, start, end) of at most ``block_m`` rows cutting
+    each run ``starts[i] .. starts[i] + counts[i]`` of slot ``slots[i]``,
+    padded with ``-1`` rows to ``pad_to``."""
+    per_run = -(-counts // block_m)
+    index = np.arange(per_run.sum()) - np.repeat(np.cumsum(per_run) - per_run, per_run)  # block within its run
+    first = np.repeat(starts, per_run) + block_m * index
+    ends = np.minimum(first + block_m, np.repeat(starts + counts, per_run))
+    blocks = np.stack([np.repeat(slots, per_run), first, ends], axis=1).astype(np.int32).reshape(-1, 3)
+    if pad_to is not None:
+        blocks = np.concatenate([blocks, np.full((pad_to - len(blocks), 3), -1, dtype=np.int32)])
+    return blocks
+
+
 def build_table(row_slots: np.ndarray, num_rows: int, num_blocks: int | None = None) -> LoRAKernelTable:
     """The host table of a forward of ``num_rows`` rows whose row ``i`` takes
     slot ``row_slots[i]`` (-1: none; rows past ``row_slots`` take none), in
-    blocks of ``block_m_for(num_rows)``; padded to ``num_blocks`` with ``slot = -1``."""
+    blocks of ``block_m_for(num_rows)``. With ``num_blocks`` (a graph's), the
+    adapters' blocks are padded to it with ``slot = -1``, and the blocks
+    without an adapter to ``all_blocks_for(num_rows)`` in all."""
     block_m = block_m_for(num_rows)
+    row_slots = np.concatenate([row_slots[:num_rows], np.full(max(0, num_rows - len(row_slots)), -1)])
     have = np.flatnonzero(row_slots >= 0)
     order = have[np.argsort(row_slots[have], kind="stable")]
+    without = np.flatnonzero(row_slots < 0)
     slots, starts, counts = np.unique(row_slots[order], return_index=True, return_counts=True)
-    per_slot = -(-counts // block_m)
-    index = np.arange(per_slot.sum()) - np.repeat(np.cumsum(per_slot) - per_slot, per_slot)  # block within its slot
-    first = np.repeat(starts, per_slot) + block_m * index
-    ends = np.minimum(first + block_m, np.repeat(starts + counts, per_slot))
-    blocks = np.stack([np.repeat(slots, per_slot), first, ends], axis=1).astype(np.int32).reshape(-1, 3)
-    if num_blocks is not None:
-        blocks = np.concatenate([blocks, np.full((num_blocks - len(blocks), 3), -1, dtype=np.int32)])
-    return LoRAKernelTable(torch.from_numpy(order.astype(np.int32)), torch.from_numpy(blocks), block_m)
+    blocks = _cut(slots, starts, counts, block_m, num_blocks)
+    rest = None if num_blocks is None else triton.cdiv(num_rows, block_m)
+    plain = _cut(np.array([NO_ADAPTER]), np.array([len(order)]), np.array([len(without)]), block_m, rest)
+    rows = np.concatenate([order, without]).astype(np.int32)
+    return LoRAKernelTable(torch.from_numpy(rows), torch.from_numpy(np.concatenate([blocks, plain])), len(blocks),
+                           block_m)
 
 
 class StaticKernelTable:
@@ -97,13 +134,14 @@ class StaticKernelTable:
         self.num_slots = num_slots
         self.rows = torch.zeros(max_rows, dtype=torch.int32, device=device)
         # the most blocks of any graph's rows: blocks grow 4x larger past 512 rows, so the count is not monotonic
-        most = max(blocks_for(n, num_slots) for n in (min(max_rows, 512), max_rows))
+        most = max(all_blocks_for(n, num_slots) for n in (min(max_rows, 512), max_rows))
         self.blocks = torch.full((most, 3), -1, dtype=torch.int32, device=device)
         self._filled: tuple | None = None  # what the buffers hold: (num_rows, the row slots' bytes)
 
     def view(self, num_rows: int) -> LoRAKernelTable:
         """The table a graph of ``num_rows`` rows captures."""
-        return LoRAKernelTable(self.rows, self.blocks[: blocks_for(num_rows, self.num_slots)], block_m_for(num_rows))
+        return LoRAKernelTable(self.rows, self.blocks[: all_blocks_for(num_rows, self.num_slots)],
+                               blocks_for(num_rows, self.num_slots), block_m_for(num_rows))
 
     def fill(self, row_slots: np.ndarray | None, num_rows: int) -> None:
         """Copy in the table of a batch whose rows take ``row_slots`` (None:
@@ -114,11 +152,9 @@ class StaticKernelTable:
         key = (num_rows, row_slots.tobytes())
         if key == self._filled:
             return
-        nb = blocks_for(num_rows, self.num_slots)
-        table = build_table(row_slots, num_rows, nb)
-        if table.rows.numel():
-            self.rows[: table.rows.shape[0]].copy_(table.rows, non_blocking=True)
-        self.blocks[:nb].copy_(table.blocks, non_blocking=True)
+        table = build_table(row_slots, num_rows, blocks_for(num_rows, self.num_slots))
+        self.rows[:num_rows].copy_(table.rows, non_blocking=True)
+        self.blocks[: table.all_blocks.shape[0]].copy_(table.all_blocks, non_blocking=True)
         self._filled = key
 
 
@@ -181,11 +217,7 @@ def _expand_kernel(T, B, Y, Rows, Blocks, Scaling, PartBounds, num_rows, N, OUT,
     for c in range(TILES):
         offs_n = (tl.program_id(1) * TILES + c) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < OUT
-        part = tl.full([BLOCK_N], -1, dtype=tl.int32)
-        for p in tl.static_range(PARTS):
-            lo = tl.load(PartBounds + 2 * p)
-            hi = tl.load(PartBounds + 2 * p + 1)
-            part = tl.where((offs_n >= lo) & (offs_n < hi), p, part)
+        part = _parts_of(offs_n, PartBounds, PARTS)
         b = tl.load(b_base + offs_n[:, None] * stride_bo + jr[None, :],
                     mask=mask_n[:, None] & (part[:, None] == jp[None, :]) & mask_j[None, :], other=0.0)
         acc = tl.dot(t, tl.trans(b))
@@ -193,6 +225,64 @@ def _expand_kernel(T, B, Y, Rows, Blocks, Scaling, PartBounds, num_rows, N, OUT,
         mask = mask_m[:, None] & mask_n[None, :]
         y = tl.load(y_ptrs, mask=mask, other=0.0)
         tl.store(y_ptrs, (y.to(tl.float32) + scale * acc).to(y.dtype), mask=mask)
+
+
+@triton.jit
+def _parts_of(offs_n, PartBounds, PARTS: tl.constexpr):
+    """The part (-1: none) that each of the columns ``offs_n`` belongs to."""
+    part = tl.full(offs_n.shape, -1, dtype=tl.int32)
+    for p in tl.static_range(PARTS):
+        lo = tl.load(PartBounds + 2 * p)
+        hi = tl.load(PartBounds + 2 * p + 1)
+        part = tl.where((offs_n >= lo) & (offs_n < hi), p, part)
+    return part
+
+
+@triton.jit
+def _expand_silu_and_mul_kernel(Y, T, B, Out, Rows, Blocks, Scaling, PartBounds, num_rows, N, D, stride_ym,
+                                stride_bs, stride_bo, R: tl.constexpr, R_PAD: tl.constexpr, PARTS: tl.constexpr,
+                                PR_PAD: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_M: tl.constexpr):
+    # One program: a block's rows times BLOCK_N columns of the output, which
+    # are columns c of the gate and D + c of the up half of ``Y``. An
+    # adapter's block adds each half's delta (the expand's dot, over the
+    # rank columns of the part each column belongs to) and rounds it as the
+    # expand stores it; then SiLU-and-mul as ``silu_and_mul`` computes it.
+    slot = tl.load(Blocks + tl.program_id(0) * 3)
+    if slot == -1:
+        return
+    start = tl.load(Blocks + tl.program_id(0) * 3 + 1)
+    end = tl.load(Blocks + tl.program_id(0) * 3 + 2)
+    offs_m = start + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < end
+    rows = tl.load(Rows + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = mask_m[:, None] & (offs_n < D)[None, :]
+    y_ptrs = Y + rows[:, None] * stride_ym + offs_n[None, :]
+    gate = tl.load(y_ptrs, mask=mask, other=0.0)
+    up = tl.load(y_ptrs + D, mask=mask, other=0.0)
+    if slot >= 0:
+        offs_j = tl.arange(0, PR_PAD)
+        jp, jr = offs_j // R_PAD, offs_j % R_PAD
+        mask_j = (jp < PARTS) & (jr < R)
+        t = tl.zeros([BLOCK_M, PR_PAD], dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            t += tl.load(T + s * num_rows * N + rows[:, None] * N + (jp * R + jr)[None, :],
+                         mask=mask_m[:, None] & mask_j[None, :], other=0.0)
+        t = t.to(B.dtype.element_ty)
+        scale = tl.load(Scaling + slot)
+        b_ptrs = B + slot.to(tl.int64) * stride_bs + offs_n[:, None] * stride_bo + jr[None, :]
+        mask_b = (offs_n < D)[:, None] & mask_j[None, :]
+        b_gate = tl.load(b_ptrs, mask=mask_b & (_parts_of(offs_n, PartBounds, PARTS)[:, None] == jp[None, :]),
+                         other=0.0)
+        b_up = tl.load(b_ptrs + D * stride_bo,
+                       mask=mask_b & (_parts_of(offs_n + D, PartBounds, PARTS)[:, None] == jp[None, :]), other=0.0)
+        gate = (gate.to(tl.float32) + scale * tl.dot(t, tl.trans(b_gate))).to(gate.dtype)
+        up = (up.to(tl.float32) + scale * tl.dot(t, tl.trans(b_up))).to(up.dtype)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(up.dtype)  # rounded before the product, as silu_and_mul does
+    tl.store(Out + rows[:, None] * D + offs_n[None, :], (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype),
+             mask=mask)
 
 
 @dataclass(frozen=True)
@@ -272,3 +362,30 @@ def expand(t: torch.Tensor, B: torch.Tensor, y: torch.Tensor, table: LoRAKernelT
         R=rank, R_PAD=r_pad, PARTS=parts, PR_PAD=triton.next_power_of_2(parts) * r_pad, SPLIT_K=split,
         BLOCK_N=config.expand_block_n, TILES=tiles, BLOCK_M=table.block_m, num_warps=config.expand_warps)
     return y
+
+
+def expand_silu_and_mul(x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: torch.Tensor, table: LoRAKernelTable,
+                        scaling: torch.Tensor, part_bounds: torch.Tensor, rank: int, block_n: int = _ACT_BLOCK_N,
+                        num_warps: int = 4) -> torch.Tensor:
+    """``silu(gate) * up`` of ``y`` [T, 2 * D] = ``[gate | up]`` plus each
+    adapter row's delta (``lora_delta``'s): the shrink, then one launch for
+    the expand and the activation, over every block of ``table`` (the rows
+    without an adapter too), ``block_n`` output columns a program. Returns a
+    new ``[T, D]`` tensor."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    num_rows, d = y.shape[0], y.shape[1] // 2
+    out = torch.empty(num_rows, d, dtype=y.dtype, device=y.device)
+    num_all = table.all_blocks.shape[0]
+    if num_rows == 0 or d == 0 or num_all == 0:
+        return out
+    config = kernel_config(max(1, table.num_blocks), A.shape[1], x.shape[1], table.block_m)
+    t = (shrink(x, A, table, config) if table.num_blocks else
+         torch.empty(1, num_rows, A.shape[1], dtype=torch.float32, device=x.device))
+    r_pad = max(16, triton.next_power_of_2(rank))
+    parts = part_bounds.shape[0]
+    _expand_silu_and_mul_kernel[(num_all, triton.cdiv(d, block_n))](
+        y, t, B, out, table.rows, table.all_blocks, scaling, part_bounds, num_rows, t.shape[2], d, y.stride(0),
+        B.stride(0), B.stride(1), R=rank, R_PAD=r_pad, PARTS=parts, PR_PAD=triton.next_power_of_2(parts) * r_pad,
+        SPLIT_K=t.shape[0], BLOCK_N=block_n, BLOCK_M=table.block_m, num_warps=num_warps)
+    return out
