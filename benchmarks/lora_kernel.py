@@ -72,9 +72,9 @@ def main() -> None:
                 line["lora_silu_fused_us"] = round(graph_time_us(
                     lambda: expand_silu_and_mul(x, y, A, B, table, scaling, bounds, R)), 2)
                 if args.sweep:
-                    line["fused_sweep"] = {f"n{bn}w{w}": round(graph_time_us(
-                        lambda: expand_silu_and_mul(x, y, A, B, table, scaling, bounds, R, bn, w)), 2)
-                        for bn, w in itertools.product((32, 64, 128), (2, 4, 8))}
+                    line["fused_sweep"] = {f"n{bn}w{w}t{tiles}": round(graph_time_us(
+                        lambda: expand_silu_and_mul(x, y, A, B, table, scaling, bounds, R, bn, w, tiles)), 2)
+                        for bn, w, tiles in itertools.product((32, 64, 128), (4, 8), (1, 4, 16))}
             if args.sweep:
                 line["shrink_sweep"] = {
                     f"s{s}k{bk}w{w}n{bn}": round(graph_time_us(

@@ -118,9 +118,11 @@ for seed, (name, rows, k, parts, out, R, slots, none_share) in enumerate(ACT_CAS
     pad = torch.randn(3, out, generator=torch.Generator().manual_seed(seed))
     graph = expand_silu_and_mul(torch.cat([x, torch.zeros(3, k)]), torch.cat([y, pad]), A, B, static.view(rows + 3),
                                 scaling, bounds, R)
+    # 16-column tiles, three a program (a partial group at the end)
+    tiled = expand_silu_and_mul(x, y, A, B, build_table(row_slots, rows), scaling, bounds, R, block_n=16, tiles=3)
     scale = float(ref.abs().max())
     errors[name] = [float((got - ref).abs().max()) / scale, float((graph[:rows] - ref).abs().max()) / scale,
-                    float((graph[rows:] - silu_and_mul(pad)).abs().max()), float(y.abs().max())]
+                    float((graph[rows:] - silu_and_mul(pad)).abs().max()), float((tiled - ref).abs().max()) / scale]
 print(json.dumps(errors))
 """
 
@@ -144,10 +146,11 @@ def test_expand_with_silu_and_mul_matches_reference(interpreted, case):
     """The gate|up deltas and SiLU-and-mul in one launch equal the reference
     deltas followed by the activation; a graph's padding rows get the
     activation of their own values, with no delta."""
-    eager, graph, padding, _ = interpreted[case]
+    eager, graph, padding, tiled = interpreted[case]
     assert eager < 1e-5, f"eager table: relative error {eager}"
     assert graph < 1e-5, f"static table: relative error {graph}"
     assert padding < 1e-5, f"padding rows: error {padding}"
+    assert tiled < 1e-5, f"column tiles grouped per program: relative error {tiled}"
 
 
 def test_table_layout():

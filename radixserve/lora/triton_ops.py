@@ -239,15 +239,33 @@ def _parts_of(offs_n, PartBounds, PARTS: tl.constexpr):
 
 
 @triton.jit
+def _silu_and_mul_rows(Y, Out, rows, mask_m, offs_n, D, stride_ym, dgate, dup, HAS_DELTA: tl.constexpr):
+    """``silu(gate) * up`` of a tile of ``rows`` and columns ``offs_n``, each
+    half plus its delta first (rounded to ``Y``'s dtype, as the expand
+    stores it) when ``HAS_DELTA``; the product as ``silu_and_mul`` computes it."""
+    mask = mask_m[:, None] & (offs_n < D)[None, :]
+    y_ptrs = Y + rows[:, None] * stride_ym + offs_n[None, :]
+    gate = tl.load(y_ptrs, mask=mask, other=0.0)
+    up = tl.load(y_ptrs + D, mask=mask, other=0.0)
+    if HAS_DELTA:
+        gate = (gate.to(tl.float32) + dgate).to(gate.dtype)
+        up = (up.to(tl.float32) + dup).to(up.dtype)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(up.dtype)  # rounded before the product, as silu_and_mul does
+    tl.store(Out + rows[:, None] * D + offs_n[None, :], (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype),
+             mask=mask)
+
+
+@triton.jit
 def _expand_silu_and_mul_kernel(Y, T, B, Out, Rows, Blocks, Scaling, PartBounds, num_rows, N, D, stride_ym,
                                 stride_bs, stride_bo, R: tl.constexpr, R_PAD: tl.constexpr, PARTS: tl.constexpr,
                                 PR_PAD: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_M: tl.constexpr):
-    # One program: a block's rows times BLOCK_N columns of the output, which
-    # are columns c of the gate and D + c of the up half of ``Y``. An
-    # adapter's block adds each half's delta (the expand's dot, over the
-    # rank columns of the part each column belongs to) and rounds it as the
-    # expand stores it; then SiLU-and-mul as ``silu_and_mul`` computes it.
+                                TILES: tl.constexpr, BLOCK_M: tl.constexpr):
+    # One program: a block's rows times TILES tiles of BLOCK_N output columns,
+    # which are columns c of the gate and D + c of the up half of ``Y``. An
+    # adapter's block reads its rank columns (summing the K-partials) once,
+    # and adds each half's delta (the expand's dot, over the rank columns of
+    # the part each column belongs to).
     slot = tl.load(Blocks + tl.program_id(0) * 3)
     if slot == -1:
         return
@@ -256,12 +274,12 @@ def _expand_silu_and_mul_kernel(Y, T, B, Out, Rows, Blocks, Scaling, PartBounds,
     offs_m = start + tl.arange(0, BLOCK_M)
     mask_m = offs_m < end
     rows = tl.load(Rows + offs_m, mask=mask_m, other=0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = mask_m[:, None] & (offs_n < D)[None, :]
-    y_ptrs = Y + rows[:, None] * stride_ym + offs_n[None, :]
-    gate = tl.load(y_ptrs, mask=mask, other=0.0)
-    up = tl.load(y_ptrs + D, mask=mask, other=0.0)
-    if slot >= 0:
+    first = tl.program_id(1) * TILES * BLOCK_N
+    if slot == -2:  # NO_ADAPTER
+        for c in range(TILES):
+            offs_n = first + c * BLOCK_N + tl.arange(0, BLOCK_N)
+            _silu_and_mul_rows(Y, Out, rows, mask_m, offs_n, D, stride_ym, 0.0, 0.0, HAS_DELTA=False)
+    else:
         offs_j = tl.arange(0, PR_PAD)
         jp, jr = offs_j // R_PAD, offs_j % R_PAD
         mask_j = (jp < PARTS) & (jr < R)
@@ -271,18 +289,18 @@ def _expand_silu_and_mul_kernel(Y, T, B, Out, Rows, Blocks, Scaling, PartBounds,
                          mask=mask_m[:, None] & mask_j[None, :], other=0.0)
         t = t.to(B.dtype.element_ty)
         scale = tl.load(Scaling + slot)
-        b_ptrs = B + slot.to(tl.int64) * stride_bs + offs_n[:, None] * stride_bo + jr[None, :]
-        mask_b = (offs_n < D)[:, None] & mask_j[None, :]
-        b_gate = tl.load(b_ptrs, mask=mask_b & (_parts_of(offs_n, PartBounds, PARTS)[:, None] == jp[None, :]),
-                         other=0.0)
-        b_up = tl.load(b_ptrs + D * stride_bo,
-                       mask=mask_b & (_parts_of(offs_n + D, PartBounds, PARTS)[:, None] == jp[None, :]), other=0.0)
-        gate = (gate.to(tl.float32) + scale * tl.dot(t, tl.trans(b_gate))).to(gate.dtype)
-        up = (up.to(tl.float32) + scale * tl.dot(t, tl.trans(b_up))).to(up.dtype)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(up.dtype)  # rounded before the product, as silu_and_mul does
-    tl.store(Out + rows[:, None] * D + offs_n[None, :], (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype),
-             mask=mask)
+        b_base = B + slot.to(tl.int64) * stride_bs
+        for c in range(TILES):
+            offs_n = first + c * BLOCK_N + tl.arange(0, BLOCK_N)
+            b_ptrs = b_base + offs_n[:, None] * stride_bo + jr[None, :]
+            mask_b = (offs_n < D)[:, None] & mask_j[None, :]
+            b_gate = tl.load(b_ptrs, mask=mask_b & (_parts_of(offs_n, PartBounds, PARTS)[:, None] == jp[None, :]),
+                             other=0.0)
+            b_up = tl.load(b_ptrs + D * stride_bo,
+                           mask=mask_b & (_parts_of(offs_n + D, PartBounds, PARTS)[:, None] == jp[None, :]),
+                           other=0.0)
+            _silu_and_mul_rows(Y, Out, rows, mask_m, offs_n, D, stride_ym, scale * tl.dot(t, tl.trans(b_gate)),
+                               scale * tl.dot(t, tl.trans(b_up)), HAS_DELTA=True)
 
 
 @dataclass(frozen=True)
@@ -315,6 +333,12 @@ def kernel_config(num_blocks: int, n: int, k: int, block_m: int = 16, block_k: i
     if block_n == _SHRINK_BLOCK_N:
         return KernelConfig(split, block_k)
     return KernelConfig(min(split, _PREFILL_MAX_SPLIT_K), block_k, shrink_block_n=block_n, expand_tiles=1)
+
+
+def _tiles_per_program(config: KernelConfig, n_tiles: int, num_blocks: int) -> int:
+    """Column tiles an expand program walks: ``config``'s, else enough
+    programs to fill the device with the partial sums read once a program."""
+    return config.expand_tiles or min(_MAX_EXPAND_TILES, max(1, n_tiles * num_blocks // _EXPAND_PROGRAMS))
 
 
 def lora_delta(x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: torch.Tensor, table: LoRAKernelTable,
@@ -355,7 +379,7 @@ def expand(t: torch.Tensor, B: torch.Tensor, y: torch.Tensor, table: LoRAKernelT
     split, num_rows, n = t.shape
     out, parts, num_blocks = y.shape[1], part_bounds.shape[0], table.blocks.shape[0]
     n_tiles = triton.cdiv(out, config.expand_block_n)
-    tiles = config.expand_tiles or min(_MAX_EXPAND_TILES, max(1, n_tiles * num_blocks // _EXPAND_PROGRAMS))
+    tiles = _tiles_per_program(config, n_tiles, num_blocks)
     r_pad = max(16, triton.next_power_of_2(rank))
     _expand_kernel[(num_blocks, triton.cdiv(n_tiles, tiles))](
         t, B, y, table.rows, table.blocks, scaling, part_bounds, num_rows, n, out, y.stride(0), B.stride(0), B.stride(1),
@@ -366,12 +390,12 @@ def expand(t: torch.Tensor, B: torch.Tensor, y: torch.Tensor, table: LoRAKernelT
 
 def expand_silu_and_mul(x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: torch.Tensor, table: LoRAKernelTable,
                         scaling: torch.Tensor, part_bounds: torch.Tensor, rank: int, block_n: int = _ACT_BLOCK_N,
-                        num_warps: int = 4) -> torch.Tensor:
+                        num_warps: int = 4, tiles: int = 0) -> torch.Tensor:
     """``silu(gate) * up`` of ``y`` [T, 2 * D] = ``[gate | up]`` plus each
     adapter row's delta (``lora_delta``'s): the shrink, then one launch for
     the expand and the activation, over every block of ``table`` (the rows
-    without an adapter too), ``block_n`` output columns a program. Returns a
-    new ``[T, D]`` tensor."""
+    without an adapter too), ``tiles`` tiles of ``block_n`` output columns a
+    program (0: as the expand chooses). Returns a new ``[T, D]`` tensor."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     num_rows, d = y.shape[0], y.shape[1] // 2
@@ -384,8 +408,9 @@ def expand_silu_and_mul(x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: to
          torch.empty(1, num_rows, A.shape[1], dtype=torch.float32, device=x.device))
     r_pad = max(16, triton.next_power_of_2(rank))
     parts = part_bounds.shape[0]
-    _expand_silu_and_mul_kernel[(num_all, triton.cdiv(d, block_n))](
+    tiles = tiles or _tiles_per_program(config, triton.cdiv(d, block_n), num_all)
+    _expand_silu_and_mul_kernel[(num_all, triton.cdiv(d, block_n * tiles))](
         y, t, B, out, table.rows, table.all_blocks, scaling, part_bounds, num_rows, t.shape[2], d, y.stride(0),
         B.stride(0), B.stride(1), R=rank, R_PAD=r_pad, PARTS=parts, PR_PAD=triton.next_power_of_2(parts) * r_pad,
-        SPLIT_K=t.shape[0], BLOCK_N=block_n, BLOCK_M=table.block_m, num_warps=num_warps)
+        SPLIT_K=t.shape[0], BLOCK_N=block_n, TILES=tiles, BLOCK_M=table.block_m, num_warps=num_warps)
     return out
