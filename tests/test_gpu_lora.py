@@ -129,7 +129,8 @@ def test_expand_with_silu_and_mul_under_a_cuda_graph():
         graph.replay()
         ref = silu_and_mul(reference(x[:n], y[:n], A, B, scaling, parts, row_slots, ranks, R))
         assert _relative_error(got[:n], ref) < BF16_TOLERANCE
-        assert _relative_error(got[n:], silu_and_mul(y[n:])) < BF16_TOLERANCE
+        if n < rows:
+            assert _relative_error(got[n:], silu_and_mul(y[n:].cpu())) < BF16_TOLERANCE
 
 
 SHAPE = dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
