@@ -115,13 +115,17 @@ class ServerProcess:
         self.stop()
 
     def children(self) -> dict[str, int]:
-        """The engine's child processes by role: ``detokenizer``, ``scheduler``
-        (TP rank 0), ``scheduler-tp1`` ... (spawned in that order) and any others."""
+        """The engine's child processes by role, the name each gives itself once
+        started (``detokenizer``, ``scheduler`` (TP rank 0), ``scheduler-tp1``, ...,
+        cut to 15 characters; a name taken already gets its pid appended), and
+        any others as ``other-PID``."""
         with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
             pids = [int(x) for x in f.read().split()]
-        spawned = [p for p in pids if "spawn_main" in cmdline(p)]
-        roles = dict(zip(("detokenizer", "scheduler", *(f"scheduler-tp{r}" for r in range(1, 8))), spawned))
-        return {**roles, **{f"other-{p}": p for p in pids if p not in spawned}}
+        roles = {}
+        for pid in pids:
+            role = process_name(pid) if "spawn_main" in cmdline(pid) else "other"
+            roles[role if role not in roles and role != "other" else f"{role}-{pid}"] = pid
+        return roles
 
     def stop(self) -> int:
         terminate(self.proc)
@@ -204,6 +208,15 @@ def cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline") as f:
             return f.read().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def process_name(pid: int) -> str:
+    """The name the process gave itself (``/proc/PID/comm``); "" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
     except OSError:
         return ""
 

@@ -30,7 +30,7 @@ SEEDED = [{**p, "temperature": 0.9, "top_p": 0.9, "sampling_seed": 11 + i, "repe
 
 PP2 = ("--model-path", "tiny-llama", "--load-format", "dummy", "--device", "cpu", "--dtype", "float32",
        "--max-total-tokens", "4096", "--pp-size", "2")
-VICTIMS = ["scheduler", "scheduler-tp1"]  # the harness's names: the first and the second stage
+VICTIMS = ["scheduler", "scheduler-pp1"]  # the processes' names: the first and the second stage
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -152,32 +152,42 @@ def scheduler_processes(ctx, args: ServerArgs, addr: dict, ipc_dir: str) -> list
 
 
 def start_engine_processes(args: ServerArgs) -> EngineProcesses:
-    """Resolve the model (converting a GGUF once, here), start the scheduler
-    ranks and the detokenizer, wait until the model is loaded. A node other
-    than node 0 (``--node-rank``) runs only its scheduler ranks."""
-    from radixserve.model_loader import resolve_model
-
-    model_config = resolve_model(args.model_path, args.load_format, args.dtype, args.resolved_device(),
-                                 args.tokenizer_path, args.model_overrides())
+    """Start the scheduler ranks, resolve the model here meanwhile (a GGUF is
+    converted once, here, before they start), start the detokenizer, wait
+    until the model is loaded. A node other than node 0 (``--node-rank``)
+    runs only its scheduler ranks."""
     ipc_dir = tempfile.mkdtemp(prefix="radixserve-ipc-")
     addr = {name: f"ipc://{ipc_dir}/{name}" for name in ("detokenizer", "tokenizer")}
     ctx = mp.get_context("spawn")
     children = scheduler_processes(ctx, args, addr, ipc_dir)
-    if args.node_rank == 0:
-        reader, writer = ctx.Pipe(duplex=False)
-        detok = ctx.Process(
-            target=run_detokenizer_process, name="detokenizer", daemon=True,
-            args=(model_config.tokenizer_dir, addr["detokenizer"], addr["tokenizer"], writer, ipc_dir),
-        )
-        children.insert(0, (detok, reader))
-    procs = [p for p, _ in children]
-    for p in procs:
-        p.start()
+    started: list[mp.Process] = []
     try:
+        if not (args.model_path or "").endswith(".gguf"):
+            # Each rank's start-up (imports, its own resolve_model, the weights) overlaps this
+            # process's resolve_model, whose imports (transformers' configs) alone take seconds.
+            for p, _ in children:
+                p.start()
+                started.append(p)
+        from radixserve.model_loader import resolve_model
+
+        model_config = resolve_model(args.model_path, args.load_format, args.dtype, args.resolved_device(),
+                                     args.tokenizer_path, args.model_overrides())
+        if args.node_rank == 0:
+            reader, writer = ctx.Pipe(duplex=False)
+            detok = ctx.Process(
+                target=run_detokenizer_process, name="detokenizer", daemon=True,
+                args=(model_config.tokenizer_dir, addr["detokenizer"], addr["tokenizer"], writer, ipc_dir),
+            )
+            children.insert(0, (detok, reader))
+        for p, _ in children:
+            if p not in started:
+                p.start()
+                started.append(p)
         info = _wait_ready(children)
-    except Exception:
-        EngineProcesses(None, procs, ipc_dir, {}).shutdown()
+    except BaseException:
+        EngineProcesses(None, started, ipc_dir, {}).shutdown()
         raise
+    procs = [p for p, _ in children]
     if args.node_rank > 0:
         return EngineProcesses(None, procs, ipc_dir, info)
     info["max_running_requests"] *= args.dp_size  # every replica reported its own

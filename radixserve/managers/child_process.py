@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
@@ -20,11 +21,13 @@ import zmq
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15  # the name ps, top and /proc/PID/comm show (15 bytes)
 PARENT_DEATH_SIGNAL = signal.SIGUSR2
 
 
 class ParentWatch:
     """Install in a child at start-up; ``alive()`` is cheap enough to call every step.
+    On Linux it also names the process after its role (``ps``, ``top``).
 
     The kernel sends ``PARENT_DEATH_SIGNAL`` when the thread that started the
     child exits: for a Python parent, its main thread, so the whole process
@@ -41,6 +44,8 @@ class ParentWatch:
         if sys.platform.startswith("linux"):
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL, 0, 0, 0)
+            # the role, not "python": "scheduler", "scheduler-tp1", "detokenizer" (the process's name)
+            libc.prctl(_PR_SET_NAME, ctypes.c_char_p(multiprocessing.current_process().name.encode()[:15]), 0, 0, 0)
         if not self.alive():  # the parent died before the kernel was told to warn us
             self.exit_orphaned()
 
