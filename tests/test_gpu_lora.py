@@ -51,6 +51,20 @@ def test_kernels_in_bf16(case):
     assert _relative_error(got, ref) < BF16_TOLERANCE
 
 
+def _captured(launch):
+    """``launch`` run once on a side stream (compiling outside the capture),
+    then captured: the graph and what the captured call returned."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        launch()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = launch()
+    return graph, out
+
+
 def test_kernels_under_a_cuda_graph():
     """Captured once over a static table, replayed with batches of other adapters and sizes."""
     from radixserve.lora.triton_ops import StaticKernelTable, build_table, lora_delta
@@ -60,14 +74,7 @@ def test_kernels_under_a_cuda_graph():
                                                       dtype=torch.bfloat16)
     static = StaticKernelTable(rows, slots, x.device)
     xs, ys = x.clone(), torch.zeros_like(y)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        lora_delta(xs, ys, A, B, static.view(rows), scaling, bounds, R)  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        lora_delta(xs, ys, A, B, static.view(rows), scaling, bounds, R)
+    graph, _ = _captured(lambda: lora_delta(xs, ys, A, B, static.view(rows), scaling, bounds, R))
     rng = np.random.default_rng(1)
     for n, none_share in ((rows, 0.0), (17, 0.5), (1, 0.0), (40, 1.0)):
         row_slots = rng.integers(0, slots, n)
@@ -113,14 +120,7 @@ def test_expand_with_silu_and_mul_under_a_cuda_graph():
     x, y, A, B, scaling, bounds, _, ranks = make_case(rows, k, parts, out, R, slots, 0.0, seed=0, device="cuda",
                                                       dtype=torch.bfloat16)
     static = StaticKernelTable(rows, slots, x.device)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        expand_silu_and_mul(x, y, A, B, static.view(rows), scaling, bounds, R)  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = expand_silu_and_mul(x, y, A, B, static.view(rows), scaling, bounds, R)
+    graph, got = _captured(lambda: expand_silu_and_mul(x, y, A, B, static.view(rows), scaling, bounds, R))
     rng = np.random.default_rng(1)
     for n, none_share in ((rows, 0.0), (17, 0.5), (1, 0.0), (40, 1.0)):
         row_slots = rng.integers(0, slots, n)

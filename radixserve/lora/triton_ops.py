@@ -160,13 +160,29 @@ class StaticKernelTable:
 
 @triton.jit
 def _block(Blocks, Rows, BLOCK_M: tl.constexpr):
-    """This program's block: its slot (-1: none), its batch rows and which of the BLOCK_M are real."""
+    """This program's block: its slot (-1: none, NO_ADAPTER: rows without one), its batch rows and which of the BLOCK_M are real."""
     slot = tl.load(Blocks + tl.program_id(0) * 3)
     start = tl.load(Blocks + tl.program_id(0) * 3 + 1)
     end = tl.load(Blocks + tl.program_id(0) * 3 + 2)
     offs_m = start + tl.arange(0, BLOCK_M)
     mask_m = offs_m < end
     return slot, tl.load(Rows + offs_m, mask=mask_m, other=0).to(tl.int64), mask_m  # no block: end -1, no row
+
+
+@triton.jit
+def _rank_columns(T, rows, mask_m, num_rows, N, R: tl.constexpr, R_PAD: tl.constexpr, PARTS: tl.constexpr,
+                  PR_PAD: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A block's rank columns of every part, the shrink's K-partials summed,
+    as one float32 ``[BLOCK_M, PR_PAD]`` tile; and for each of its
+    columns ``j`` the part ``jp``, the rank column ``jr`` and whether it is real."""
+    offs_j = tl.arange(0, PR_PAD)
+    jp, jr = offs_j // R_PAD, offs_j % R_PAD
+    mask_j = (jp < PARTS) & (jr < R)
+    t = tl.zeros([BLOCK_M, PR_PAD], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        t += tl.load(T + s * num_rows * N + rows[:, None] * N + (jp * R + jr)[None, :],
+                     mask=mask_m[:, None] & mask_j[None, :], other=0.0)
+    return t, jp, jr, mask_j
 
 
 @triton.jit
@@ -204,15 +220,9 @@ def _expand_kernel(T, B, Y, Rows, Blocks, Scaling, PartBounds, num_rows, N, OUT,
     slot, rows, mask_m = _block(Blocks, Rows, BLOCK_M)
     if slot < 0:
         return
-    offs_j = tl.arange(0, PR_PAD)
-    jp, jr = offs_j // R_PAD, offs_j % R_PAD
-    mask_j = (jp < PARTS) & (jr < R)
-    t = tl.zeros([BLOCK_M, PR_PAD], dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        t += tl.load(T + s * num_rows * N + rows[:, None] * N + (jp * R + jr)[None, :],
-                     mask=mask_m[:, None] & mask_j[None, :], other=0.0)
-    b_base = B + slot.to(tl.int64) * stride_bs
+    t, jp, jr, mask_j = _rank_columns(T, rows, mask_m, num_rows, N, R, R_PAD, PARTS, PR_PAD, SPLIT_K, BLOCK_M)
     t = t.to(B.dtype.element_ty)
+    b_base = B + slot.to(tl.int64) * stride_bs
     scale = tl.load(Scaling + slot)
     for c in range(TILES):
         offs_n = (tl.program_id(1) * TILES + c) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -266,27 +276,16 @@ def _expand_silu_and_mul_kernel(Y, T, B, Out, Rows, Blocks, Scaling, PartBounds,
     # adapter's block reads its rank columns (summing the K-partials) once,
     # and adds each half's delta (the expand's dot, over the rank columns of
     # the part each column belongs to).
-    slot = tl.load(Blocks + tl.program_id(0) * 3)
+    slot, rows, mask_m = _block(Blocks, Rows, BLOCK_M)
     if slot == -1:
         return
-    start = tl.load(Blocks + tl.program_id(0) * 3 + 1)
-    end = tl.load(Blocks + tl.program_id(0) * 3 + 2)
-    offs_m = start + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < end
-    rows = tl.load(Rows + offs_m, mask=mask_m, other=0).to(tl.int64)
     first = tl.program_id(1) * TILES * BLOCK_N
     if slot == -2:  # NO_ADAPTER
         for c in range(TILES):
             offs_n = first + c * BLOCK_N + tl.arange(0, BLOCK_N)
             _silu_and_mul_rows(Y, Out, rows, mask_m, offs_n, D, stride_ym, 0.0, 0.0, HAS_DELTA=False)
     else:
-        offs_j = tl.arange(0, PR_PAD)
-        jp, jr = offs_j // R_PAD, offs_j % R_PAD
-        mask_j = (jp < PARTS) & (jr < R)
-        t = tl.zeros([BLOCK_M, PR_PAD], dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):
-            t += tl.load(T + s * num_rows * N + rows[:, None] * N + (jp * R + jr)[None, :],
-                         mask=mask_m[:, None] & mask_j[None, :], other=0.0)
+        t, jp, jr, mask_j = _rank_columns(T, rows, mask_m, num_rows, N, R, R_PAD, PARTS, PR_PAD, SPLIT_K, BLOCK_M)
         t = t.to(B.dtype.element_ty)
         scale = tl.load(Scaling + slot)
         b_base = B + slot.to(tl.int64) * stride_bs
