@@ -288,13 +288,18 @@ needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reas
 
 
 @needs_onednn
-def test_cpu_prepacked_linear_equals_plain_gemm():
+@pytest.mark.parametrize("dense_from", ["plain GEMM from 1,024 rows", "oneDNN at every size"])
+def test_cpu_prepacked_linear_equals_plain_gemm(monkeypatch, dense_from):
+    """Both choices of the GEMM for many rows (the CPU picks one by its vector width) give the plain result."""
+    from radixserve.layers import linear as linear_mod
     from radixserve.layers.linear import DENSE_GEMM_MIN_ROWS, QKVParallelLinear
 
+    monkeypatch.setattr(linear_mod, "dense_gemm_min_rows",
+                        lambda: DENSE_GEMM_MIN_ROWS if dense_from.startswith("plain") else float("inf"))
     layer = QKVParallelLinear(64, 16, num_heads=4, num_kv_heads=2, bias=True)
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)
-    x = torch.randn(DENSE_GEMM_MIN_ROWS + 5, 64)  # the first 37 rows take oneDNN's GEMM, all of them the plain one
+    x = torch.randn(DENSE_GEMM_MIN_ROWS + 5, 64)  # the first 37 rows take oneDNN's GEMM, all of them either
     with torch.inference_mode():
         plain = layer(x)
         assert layer.prepack_for_cpu() and layer.weight.is_mkldnn

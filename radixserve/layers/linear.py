@@ -22,7 +22,9 @@ same model). At tp size 1 these are plain linear layers and no collective runs.
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -64,11 +66,22 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
 # (and for the LM head's huge N). The packed weight is an opaque ``mkldnn``
 # tensor of the same shape; ``.to_dense()`` gives the matrix back.
 #
-# From about a thousand rows on (prefill chunks) the plain GEMM is the faster
-# one again (176-186 GFLOP/s against 155-168 at 2,048 rows of SmolLM2's
-# shapes, 2 cores), and unpacking the weight costs a fraction of a millisecond
-# against the tens the GEMM takes: such inputs get the matrix back for the call.
+# On a CPU without AVX-512, from about a thousand rows on (prefill chunks) the
+# plain GEMM is the faster one again (176-186 GFLOP/s against 155-168 at 2,048
+# rows of SmolLM2's shapes, 2 cores of an AVX2 EPYC), and unpacking the weight
+# costs a fraction of a millisecond against the tens the GEMM takes: such
+# inputs get the matrix back for the call. With AVX-512, oneDNN's GEMM stays
+# the faster at every row count (207-223 GFLOP/s against the plain GEMM's
+# 183-201 at 512 to 2,048 rows, 2 cores of an AVX-512 EPYC;
+# benchmarks/cpu_gemm.py), so it takes all.
 DENSE_GEMM_MIN_ROWS = 1024
+
+
+@functools.cache
+def dense_gemm_min_rows() -> float:
+    """The rows from which a prepacked weight's GEMM unpacks it (see above):
+    :data:`DENSE_GEMM_MIN_ROWS`, or never where torch runs AVX-512 kernels."""
+    return math.inf if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else DENSE_GEMM_MIN_ROWS
 
 
 def cpu_prepacked_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -108,7 +121,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight_scale is not None:
         return fp8_linear(x, weight, weight_scale, bias)
     if weight.is_mkldnn:
-        if x.numel() >= DENSE_GEMM_MIN_ROWS * x.shape[-1]:  # a prefill chunk: the plain GEMM on the matrix back
+        if x.numel() >= dense_gemm_min_rows() * x.shape[-1]:  # a prefill chunk: the plain GEMM on the matrix back
             return F.linear(x, weight.to_dense(), bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
