@@ -6,10 +6,11 @@ and tiles a program), and the default choice
 (``kernel_config``), with rows spread evenly over ADAPTERS rank-16 adapters.
 For gate_up also the MLP's activation: SiLU-and-mul alone, after the LoRA
 kernels, and the fused expand-and-activation (``expand_silu_and_mul``, with
-its shrink; swept over column tiles and warps with ``--sweep``).
+its shrink; swept over column tiles and warps with ``--sweep fused``), also
+over the same rows without an adapter.
 Times are per call, the best of CUDA graphs of REPEATS calls. Prints JSON lines.
 
-    python benchmarks/lora_kernel.py [--rows 1 32 256 4096] [--sweep]
+    python benchmarks/lora_kernel.py [--rows 1 32 256 4096] [--shapes qkv gate_up] [--sweep [fused ...]]
 """
 
 from __future__ import annotations
@@ -43,10 +44,14 @@ def graph_time_us(fn) -> float:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 32, 64, 256, 4096])
-    p.add_argument("--sweep", action="store_true", help="time each kernel over the launch parameters too")
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    p.add_argument("--sweep", nargs="*", choices=("shrink", "expand", "fused"),
+                   help="time these kernels (all without a name) over their launch parameters too")
     args = p.parse_args()
+    sweeps = set(("shrink", "expand", "fused") if args.sweep == [] else args.sweep or ())
     dev, dt = torch.device("cuda"), torch.bfloat16
-    for name, (k, parts) in SHAPES.items():
+    for name in args.shapes:
+        k, parts = SHAPES[name]
         out = parts[-1][0] + parts[-1][1]
         W = torch.randn(out, k, device=dev, dtype=dt) / k**0.5
         A = torch.randn(ADAPTERS, len(parts) * R, k, device=dev, dtype=dt) / k**0.5
@@ -71,16 +76,20 @@ def main() -> None:
                     lambda: silu_and_mul(lora_delta(x, y, A, B, table, scaling, bounds, R))), 2)
                 line["lora_silu_fused_us"] = round(graph_time_us(
                     lambda: expand_silu_and_mul(x, y, A, B, table, scaling, bounds, R)), 2)
-                if args.sweep:
+                plain = build_table(np.full(rows, -1), rows).to(dev)  # the same rows without an adapter
+                line["fused_no_adapter_us"] = round(graph_time_us(
+                    lambda: expand_silu_and_mul(x, y, A, B, plain, scaling, bounds, R)), 2)
+                if "fused" in sweeps:
                     line["fused_sweep"] = {f"n{bn}w{w}t{tiles}": round(graph_time_us(
                         lambda: expand_silu_and_mul(x, y, A, B, table, scaling, bounds, R, bn, w, tiles)), 2)
-                        for bn, w, tiles in itertools.product((32, 64, 128), (4, 8), (1, 4, 16))}
-            if args.sweep:
+                        for bn, w, tiles in itertools.product((64, 128, 256), (2, 4, 8), (1, 2, 4, 8))}
+            if "shrink" in sweeps:
                 line["shrink_sweep"] = {
                     f"s{s}k{bk}w{w}n{bn}": round(graph_time_us(
                         lambda: shrink(x, A, table, KernelConfig(s, bk, w, shrink_block_n=bn))), 2)
                     for s, bk, w, bn in itertools.product((1, 2, 4, 8, 16), (64, 128, 256), (2, 4), (16, 64))
                     if s * bk <= max(k, bk)}
+            if "expand" in sweeps:
                 tt = {s: shrink(x, A, table, KernelConfig(s)) for s in (1, 8)}
                 line["expand_sweep"] = {
                     f"s{s}n{bn}w{w}t{tiles}": round(graph_time_us(
