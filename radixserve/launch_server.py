@@ -1,13 +1,13 @@
 """``python -m radixserve.launch_server --model-path ...``, as SGLang users type it.
 
 The import stays under the main guard: the server's child processes are
-spawned, and a spawned child imports this module again (as ``__mp_main__``);
-at module level that would load the HTTP server (FastAPI, the OpenAI routes,
-the launcher) into every child."""
+spawned, and a spawned child imports this module again (as ``__mp_main__``),
+where it must load and start nothing. ``launcher.serve`` starts the
+scheduler ranks before it loads the HTTP server and torch."""
 
 import sys
 
 if __name__ == "__main__":
-    from radixserve.entrypoints.http_server import main
+    from radixserve.entrypoints.launcher import serve
 
-    sys.exit(main())
+    sys.exit(serve())

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from radixserve.disaggregation import check_transfer_backend
-from radixserve.distributed.expert_parallel import MOE_A2A_BACKENDS, check_expert_parallel
+from radixserve.distributed.expert_flags import MOE_A2A_BACKENDS, check_expert_parallel
 # The flags' choices are the parsers' registries (SGLang's names), which import nothing of the engine.
 from radixserve.entrypoints.openai.reasoning_parser import REASONING_FORMATS
 from radixserve.entrypoints.openai.tool_parser import TOOL_CALL_PARSERS

@@ -1,6 +1,7 @@
 """What the server's processes do at start-up: the main module a spawned
-child imports again loads nothing, and the start-up objects are moved out of
-the collector's reach (a stop took 4 s instead of 1.3 without it:
+child imports again loads nothing, the scheduler ranks are made before the
+main process loads torch, and the start-up objects are moved out of the
+collector's reach (a stop took 4 s instead of 1.3 without it:
 benchmarks/server_start_stop.py)."""
 
 from __future__ import annotations
@@ -21,6 +22,25 @@ def test_launch_server_imported_by_a_spawned_child_loads_nothing():
             "if name in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_ranks_are_made_before_torch_or_the_http_server_loads():
+    """``launcher.serve`` starts the scheduler ranks before it imports the
+    HTTP server, so that their start-up overlaps the main process's imports:
+    parsing the arguments and making the ranks must load neither torch,
+    transformers nor FastAPI."""
+    code = ("import argparse, shutil, sys\n"
+            "from radixserve.entrypoints import launcher\n"
+            "from radixserve.server_args import ServerArgs\n"
+            "parser = argparse.ArgumentParser()\n"
+            "ServerArgs.add_cli_args(parser)\n"
+            "args = ServerArgs.from_cli_args(parser.parse_args(['--model-path', 'tiny-llama', '--tp-size', '2']))\n"
+            "ranks = launcher.scheduler_ranks(args)\n"
+            "shutil.rmtree(ranks.ipc_dir)\n"
+            "print([p.name for p, _ in ranks.children], sorted(name for name in ('torch', 'transformers', 'fastapi', "
+            "'radixserve.entrypoints.http_server') if name in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "['scheduler', 'scheduler-tp1'] []"
 
 
 class Node:

@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return kvctl_main(argv[1:])
     if argv[:1] == ["serve"]:
-        from radixserve.entrypoints.http_server import main as serve_main
+        from radixserve.entrypoints.launcher import serve
 
-        return serve_main(argv[1:])
+        return serve(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _generate(args)

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException
 import radixserve
 from radixserve.entrypoints import http_guards
 from radixserve.entrypoints.http_guards import error_body
-from radixserve.entrypoints.launcher import EngineProcesses, start_engine_processes
+from radixserve.entrypoints.launcher import EngineProcesses, SchedulerRanks, start_engine_processes
 from radixserve.entrypoints.openai.adapters import validation_error_to_openai, value_error_to_openai
 from radixserve.entrypoints.streaming import incremental, peek, sse_stream
 from radixserve.managers.child_process import freeze_startup_objects
@@ -448,18 +448,24 @@ def _exit_deadline(engine: EngineProcesses, seconds: float) -> None:
     timer.start()
 
 
-def launch_server(args: ServerArgs) -> int:
-    """Start everything, serve until SIGINT/SIGTERM or a child's death; returns the exit code."""
-    import uvicorn
-
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    max_connections = http_guards.resolved_max_connections(args.max_connections, http_guards.raise_open_file_limit())
-    bootstrap = start_bootstrap_server(args)  # before the schedulers, which register with it
+def launch_server(args: ServerArgs, ranks: SchedulerRanks | None = None) -> int:
+    """Start everything (``ranks``: the scheduler ranks, already started by
+    ``launcher.serve``), serve until SIGINT/SIGTERM or a child's death;
+    returns the exit code."""
+    bootstrap = None
     try:
-        engine = start_engine_processes(args)
+        import uvicorn
+
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        max_connections = http_guards.resolved_max_connections(args.max_connections,
+                                                               http_guards.raise_open_file_limit())
+        bootstrap = start_bootstrap_server(args)  # before the schedulers, which register with it
+        engine = start_engine_processes(args, ranks)
     except BaseException:
         if bootstrap is not None:
             bootstrap.close()
+        if ranks is not None:
+            ranks.stop()
         raise
     if args.node_rank > 0:
         return _run_ranks_only(engine)
@@ -541,11 +547,9 @@ def _has_uvloop() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
+    from radixserve.entrypoints.launcher import serve
 
-    parser = argparse.ArgumentParser(prog="radixserve serve", description="Start the radixserve HTTP server")
-    ServerArgs.add_cli_args(parser)
-    return launch_server(ServerArgs.from_cli_args(parser.parse_args(argv)))
+    return serve(argv)
 
 
 if __name__ == "__main__":

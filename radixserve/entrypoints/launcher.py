@@ -1,8 +1,14 @@
 """Start the engine's processes (the scheduler ranks, the detokenizer) and
-connect a TokenizerManager to them; stop them again."""
+connect a TokenizerManager to them; stop them again.
+
+This module loads neither torch nor the HTTP server: :func:`serve` parses
+the server's arguments and starts the scheduler ranks before it imports
+them, so the ranks' start-up overlaps the main process's own imports. The
+children's entry points import their managers in the child."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import multiprocessing as mp
 import shutil
@@ -10,11 +16,12 @@ import socket
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from radixserve.managers.detokenizer_manager import run_detokenizer_process
-from radixserve.managers.scheduler_process import run_scheduler_process
-from radixserve.managers.tokenizer_manager import RequestLimits, TokenizerManager
 from radixserve.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from radixserve.managers.tokenizer_manager import RequestLimits, TokenizerManager
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +139,20 @@ def scheduler_addr(ipc_dir: str, dp_rank: int) -> str:
     return f"ipc://{ipc_dir}/scheduler-{dp_rank}"
 
 
+def _run_scheduler(*args) -> None:
+    """A spawned scheduler rank's entry point (``run_scheduler_process``)."""
+    from radixserve.managers.scheduler_process import run_scheduler_process
+
+    run_scheduler_process(*args)
+
+
+def _run_detokenizer(*args) -> None:
+    """The spawned detokenizer's entry point (``run_detokenizer_process``)."""
+    from radixserve.managers.detokenizer_manager import run_detokenizer_process
+
+    run_detokenizer_process(*args)
+
+
 def scheduler_processes(ctx, args: ServerArgs, addr: dict, ipc_dir: str) -> list[tuple[mp.Process, object]]:
     """This node's scheduler processes (every replica's local ranks), each
     with the read end of its ready pipe; each replica's rank 0 gets the
@@ -145,29 +166,71 @@ def scheduler_processes(ctx, args: ServerArgs, addr: dict, ipc_dir: str) -> list
             reader, writer = ctx.Pipe(duplex=False)
             name = "scheduler" + (f"-dp{dp_rank}" if args.dp_size > 1 else "") + (
                 f"-pp{pp_rank}" if args.pp_size > 1 and pp_rank else "") + (f"-tp{rank}" if args.tp_size > 1 and rank else "")
-            proc = ctx.Process(target=run_scheduler_process, name=name, daemon=True,
+            proc = ctx.Process(target=_run_scheduler, name=name, daemon=True,
                                args=(args, recv, send, writer, ipc_dir, rank, init, dp_rank, pp_rank))
             out.append((proc, reader))
     return out
 
 
-def start_engine_processes(args: ServerArgs) -> EngineProcesses:
-    """Start the scheduler ranks, resolve the model here meanwhile (a GGUF is
-    converted once, here, before they start), start the detokenizer, wait
-    until the model is loaded. A node other than node 0 (``--node-rank``)
-    runs only its scheduler ranks."""
+@dataclass
+class SchedulerRanks:
+    """This node's scheduler processes (see :func:`scheduler_processes`), their
+    IPC directory and socket addresses, and the spawn context they came from."""
+
+    ctx: object
+    ipc_dir: str
+    addr: dict[str, str]
+    children: list[tuple[mp.Process, object]]
+
+    def started(self) -> list[mp.Process]:
+        return [p for p, _ in self.children if p.pid is not None]
+
+    def start(self) -> None:
+        for p, _ in self.children:
+            if p.pid is None:
+                p.start()
+
+    def stop(self) -> None:
+        EngineProcesses(None, self.started(), self.ipc_dir, {}).shutdown()
+
+
+def scheduler_ranks(args: ServerArgs) -> SchedulerRanks:
+    """This node's scheduler ranks, not yet started, with a new IPC directory."""
     ipc_dir = tempfile.mkdtemp(prefix="radixserve-ipc-")
     addr = {name: f"ipc://{ipc_dir}/{name}" for name in ("detokenizer", "tokenizer")}
     ctx = mp.get_context("spawn")
-    children = scheduler_processes(ctx, args, addr, ipc_dir)
-    started: list[mp.Process] = []
+    return SchedulerRanks(ctx, ipc_dir, addr, scheduler_processes(ctx, args, addr, ipc_dir))
+
+
+def start_ranks_early(args: ServerArgs) -> SchedulerRanks | None:
+    """The scheduler ranks, started now, so that their start-up (imports, the
+    model, the weights) overlaps the main process's imports; None under
+    disaggregation, where they register with a bootstrap server that is not
+    up yet."""
+    if args.disaggregation_mode != "null":
+        return None
+    ranks = scheduler_ranks(args)
     try:
-        if not (args.model_path or "").endswith(".gguf"):
-            # Each rank's start-up (imports, its own resolve_model, the weights) overlaps this
-            # process's resolve_model, whose imports (transformers' configs) alone take seconds.
-            for p, _ in children:
-                p.start()
-                started.append(p)
+        ranks.start()
+    except BaseException:
+        ranks.stop()
+        raise
+    return ranks
+
+
+def start_engine_processes(args: ServerArgs, ranks: SchedulerRanks | None = None) -> EngineProcesses:
+    """Start the scheduler ranks (or take ``ranks``, started by
+    :func:`start_ranks_early`), resolve the model here meanwhile, start the
+    detokenizer, wait until the model is loaded. Each rank's start-up
+    (imports, its own ``resolve_model``, the weights) overlaps this process's
+    ``resolve_model``, whose imports (transformers' configs) alone take
+    seconds; a GGUF file that is not converted yet is converted by whichever
+    of them comes first while the others wait (``load_gguf``'s lock). A node
+    other than node 0 (``--node-rank``) runs only its scheduler ranks."""
+    ranks = ranks or scheduler_ranks(args)
+    ctx, ipc_dir, addr, children = ranks.ctx, ranks.ipc_dir, ranks.addr, ranks.children
+    try:
+        ranks.start()
         from radixserve.model_loader import resolve_model
 
         model_config = resolve_model(args.model_path, args.load_format, args.dtype, args.resolved_device(),
@@ -175,17 +238,14 @@ def start_engine_processes(args: ServerArgs) -> EngineProcesses:
         if args.node_rank == 0:
             reader, writer = ctx.Pipe(duplex=False)
             detok = ctx.Process(
-                target=run_detokenizer_process, name="detokenizer", daemon=True,
+                target=_run_detokenizer, name="detokenizer", daemon=True,
                 args=(model_config.tokenizer_dir, addr["detokenizer"], addr["tokenizer"], writer, ipc_dir),
             )
             children.insert(0, (detok, reader))
-        for p, _ in children:
-            if p not in started:
-                p.start()
-                started.append(p)
+        ranks.start()  # the detokenizer
         info = _wait_ready(children)
     except BaseException:
-        EngineProcesses(None, started, ipc_dir, {}).shutdown()
+        ranks.stop()
         raise
     procs = [p for p, _ in children]
     if args.node_rank > 0:
@@ -199,6 +259,8 @@ def start_engine_processes(args: ServerArgs) -> EngineProcesses:
         tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer_dir)
     info.update(model_path=model_config.model_path, tokenizer_path=model_config.tokenizer_dir,
                 weights_dir=model_config.weights_dir, dtype=str(model_config.dtype).replace("torch.", ""))
+    from radixserve.managers.tokenizer_manager import TokenizerManager
+
     sends = [scheduler_addr(ipc_dir, d) for d in range(args.dp_size)]
     tm = TokenizerManager(tokenizer, info, args.model_name(), sends, addr["tokenizer"],
                           request_limits(args, info), args.model_names(model_config.model_path),
@@ -211,6 +273,8 @@ def start_engine_processes(args: ServerArgs) -> EngineProcesses:
 
 def request_limits(args: ServerArgs, info: dict) -> RequestLimits:
     """The TokenizerManager's limits from the options and what the scheduler reported."""
+    from radixserve.managers.tokenizer_manager import RequestLimits
+
     queued = args.max_queued_requests
     return RequestLimits(
         max_prompt_chars=args.resolved_max_prompt_chars(info["context_len"]),
@@ -218,3 +282,23 @@ def request_limits(args: ServerArgs, info: dict) -> RequestLimits:
         request_timeout=args.request_timeout,
         grammar=args.grammar_compile_limits(),
     )
+
+
+def serve(argv: list[str] | None = None) -> int:
+    """``radixserve serve`` / ``python -m radixserve.launch_server``: parse
+    the arguments, start the scheduler ranks, then load the HTTP server and
+    serve (see the module's docstring); returns the exit code."""
+    from radixserve.entrypoints.http_guards import raise_open_file_limit
+
+    parser = argparse.ArgumentParser(prog="radixserve serve", description="Start the radixserve HTTP server")
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli_args(parser.parse_args(argv))
+    raise_open_file_limit()  # first, as the children inherit it (launch_server raises it again, for its connections)
+    ranks = start_ranks_early(args)
+    try:
+        from radixserve.entrypoints.http_server import launch_server
+    except BaseException:
+        if ranks is not None:
+            ranks.stop()
+        raise
+    return launch_server(args, ranks)

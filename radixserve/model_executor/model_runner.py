@@ -32,7 +32,8 @@ from torch import nn
 
 from radixserve.configs.model_config import ModelConfig
 from radixserve.distributed import DEFAULT_TIMEOUT_S, PPGroup, TPGroup, check_tp_devices, init_model_parallel
-from radixserve.distributed.expert_parallel import MoEParallel, check_expert_parallel
+from radixserve.distributed.expert_flags import check_expert_parallel
+from radixserve.distributed.expert_parallel import MoEParallel
 from radixserve.distributed.pipeline import PPHidden, PPStage
 from radixserve.layers.attention import create_attention_backend
 from radixserve.layers.linear import prepack_linears_for_cpu, quantize_linears
