@@ -2,12 +2,12 @@
 
 The import stays under the main guard: the server's child processes are
 spawned, and a spawned child imports this module again (as ``__mp_main__``),
-where it must load and start nothing. ``launcher.serve`` starts the
+where it must load and start nothing. ``entrypoints/serve.py`` starts the
 scheduler ranks before it loads the HTTP server and torch."""
 
 import sys
 
 if __name__ == "__main__":
-    from radixserve.entrypoints.launcher import serve
+    from radixserve.entrypoints.serve import serve
 
     sys.exit(serve())

@@ -25,11 +25,12 @@ def test_launch_server_imported_by_a_spawned_child_loads_nothing():
 
 
 def test_the_ranks_are_made_before_torch_or_the_http_server_loads():
-    """``launcher.serve`` starts the scheduler ranks before it imports the
-    HTTP server, so that their start-up overlaps the main process's imports:
-    parsing the arguments and making the ranks must load neither torch,
-    transformers nor FastAPI."""
+    """``entrypoints/serve.py`` starts the scheduler ranks before it imports
+    the HTTP server, so that their start-up overlaps the main process's
+    imports: loading it, parsing the arguments and making the ranks must
+    load neither torch, transformers nor FastAPI."""
     code = ("import argparse, shutil, sys\n"
+            "import radixserve.entrypoints.serve\n"
             "from radixserve.entrypoints import launcher\n"
             "from radixserve.server_args import ServerArgs\n"
             "parser = argparse.ArgumentParser()\n"

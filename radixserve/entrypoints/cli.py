@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return kvctl_main(argv[1:])
     if argv[:1] == ["serve"]:
-        from radixserve.entrypoints.launcher import serve
+        from radixserve.entrypoints.serve import serve
 
         return serve(argv[1:])
     args = parser.parse_args(argv)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import resource
 
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -157,19 +156,6 @@ class HeaderTimeoutH11(H11Protocol):
 def protocol_with_header_timeout(seconds: float) -> type[HeaderTimeoutH11]:
     """The protocol class to give uvicorn (``Config(http=...)``)."""
     return type("HeaderTimeoutH11", (HeaderTimeoutH11,), {"header_timeout": seconds})
-
-
-def raise_open_file_limit() -> int:
-    """Raise this process's open-file limit to its hard limit; returns the new soft limit."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or hard > soft:
-        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError):
-            pass
-    return soft
 
 
 def resolved_max_connections(requested: int | None, open_file_limit: int) -> int:

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import threading
 from typing import Any, AsyncIterator
 
@@ -29,7 +28,8 @@ from starlette.exceptions import HTTPException
 import radixserve
 from radixserve.entrypoints import http_guards
 from radixserve.entrypoints.http_guards import error_body
-from radixserve.entrypoints.launcher import EngineProcesses, SchedulerRanks, start_engine_processes
+from radixserve.entrypoints.launcher import (EngineProcesses, SchedulerRanks, raise_open_file_limit,
+                                            start_engine_processes)
 from radixserve.entrypoints.openai.adapters import validation_error_to_openai, value_error_to_openai
 from radixserve.entrypoints.streaming import incremental, peek, sse_stream
 from radixserve.managers.child_process import freeze_startup_objects
@@ -450,15 +450,14 @@ def _exit_deadline(engine: EngineProcesses, seconds: float) -> None:
 
 def launch_server(args: ServerArgs, ranks: SchedulerRanks | None = None) -> int:
     """Start everything (``ranks``: the scheduler ranks, already started by
-    ``launcher.serve``), serve until SIGINT/SIGTERM or a child's death;
+    ``serve.py``), serve until SIGINT/SIGTERM or a child's death;
     returns the exit code."""
     bootstrap = None
     try:
         import uvicorn
 
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        max_connections = http_guards.resolved_max_connections(args.max_connections,
-                                                               http_guards.raise_open_file_limit())
+        max_connections = http_guards.resolved_max_connections(args.max_connections, raise_open_file_limit())
         bootstrap = start_bootstrap_server(args)  # before the schedulers, which register with it
         engine = start_engine_processes(args, ranks)
     except BaseException:
@@ -545,13 +544,3 @@ def _has_uvloop() -> bool:
     except ImportError:
         return False
 
-
-def main(argv: list[str] | None = None) -> int:
-    from radixserve.entrypoints.launcher import serve
-
-    return serve(argv)
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(main())

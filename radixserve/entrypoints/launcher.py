@@ -1,16 +1,16 @@
 """Start the engine's processes (the scheduler ranks, the detokenizer) and
 connect a TokenizerManager to them; stop them again.
 
-This module loads neither torch nor the HTTP server: :func:`serve` parses
-the server's arguments and starts the scheduler ranks before it imports
-them, so the ranks' start-up overlaps the main process's own imports. The
-children's entry points import their managers in the child."""
+This module loads neither torch nor the HTTP server, so that ``serve.py``
+can start the scheduler ranks before the main process imports them (the
+ranks' start-up then overlaps those imports). The children's entry points
+import their managers in the child."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import multiprocessing as mp
+import resource
 import shutil
 import socket
 import tempfile
@@ -175,7 +175,9 @@ def scheduler_processes(ctx, args: ServerArgs, addr: dict, ipc_dir: str) -> list
 @dataclass
 class SchedulerRanks:
     """This node's scheduler processes (see :func:`scheduler_processes`), their
-    IPC directory and socket addresses, and the spawn context they came from."""
+    IPC directory and socket addresses, and the spawn context they came from.
+    :func:`start_engine_processes` adds the detokenizer to ``children``, so
+    that :meth:`start` and :meth:`stop` take it too."""
 
     ctx: object
     ipc_dir: str
@@ -284,21 +286,14 @@ def request_limits(args: ServerArgs, info: dict) -> RequestLimits:
     )
 
 
-def serve(argv: list[str] | None = None) -> int:
-    """``radixserve serve`` / ``python -m radixserve.launch_server``: parse
-    the arguments, start the scheduler ranks, then load the HTTP server and
-    serve (see the module's docstring); returns the exit code."""
-    from radixserve.entrypoints.http_guards import raise_open_file_limit
-
-    parser = argparse.ArgumentParser(prog="radixserve serve", description="Start the radixserve HTTP server")
-    ServerArgs.add_cli_args(parser)
-    args = ServerArgs.from_cli_args(parser.parse_args(argv))
-    raise_open_file_limit()  # first, as the children inherit it (launch_server raises it again, for its connections)
-    ranks = start_ranks_early(args)
-    try:
-        from radixserve.entrypoints.http_server import launch_server
-    except BaseException:
-        if ranks is not None:
-            ranks.stop()
-        raise
-    return launch_server(args, ranks)
+def raise_open_file_limit() -> int:
+    """Raise this process's open-file limit to its hard limit; returns the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
