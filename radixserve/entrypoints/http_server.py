@@ -452,19 +452,21 @@ def launch_server(args: ServerArgs, ranks: SchedulerRanks | None = None) -> int:
     """Start everything (``ranks``: the scheduler ranks, already started by
     ``serve.py``), serve until SIGINT/SIGTERM or a child's death;
     returns the exit code."""
-    bootstrap = None
     try:
         import uvicorn
 
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
         max_connections = http_guards.resolved_max_connections(args.max_connections, raise_open_file_limit())
         bootstrap = start_bootstrap_server(args)  # before the schedulers, which register with it
-        engine = start_engine_processes(args, ranks)
+    except BaseException:
+        if ranks is not None:
+            ranks.stop()
+        raise
+    try:
+        engine = start_engine_processes(args, ranks)  # which stops the ranks itself if it fails
     except BaseException:
         if bootstrap is not None:
             bootstrap.close()
-        if ranks is not None:
-            ranks.stop()
         raise
     if args.node_rank > 0:
         return _run_ranks_only(engine)
