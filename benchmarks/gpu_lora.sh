@@ -7,8 +7,10 @@
 #   w2      bench.one_batch W2 (bs 1, 32, 256) without LoRA, then on a LoRA runner with
 #           0, 1, 4 and 8 distinct rank-16 adapters (all linear layers) per batch -> w2.jsonl
 #   w8      W8: W5 at W8_RATE req/s against a server without adapters, then against one
-#           serving 8 random rank-16 adapters with requests spread evenly over them
-#           -> w8-base.json, w8-lora.json, w8.txt
+#           serving 8 random rank-16 adapters with requests spread evenly over them, W8_ROUNDS
+#           times in turn; then bench.serving_compare over the rounds' saved requests (the
+#           p50 and p99 ratios with their 95% intervals) -> w8-base-N.json, w8-lora-N.json,
+#           w8.txt, w8-compare.jsonl
 #
 #   OUT=/some/dir PARTS="tests kernel w2 w8" benchmarks/gpu_lora.sh
 #
@@ -22,7 +24,7 @@ PARTS=${PARTS:-tests kernel w2 w8} KERNEL_ARGS=${KERNEL_ARGS:-} MODEL=${MODEL:-l
 PORT=${PORT:-31000} START_TIMEOUT=${START_TIMEOUT:-240} BUDGET=${BUDGET:-570} RESERVE=10
 W2_ARGS=${W2_ARGS:-"--output-len 64"} LORA_RANK=${LORA_RANK:-16} ADAPTERS=${ADAPTERS:-8}
 W8_RATE=${W8_RATE:-16} W8_PROMPTS=${W8_PROMPTS:-256} W8_INPUT=${W8_INPUT:-1024} W8_OUTPUT=${W8_OUTPUT:-256}
-W8_TIMEOUT=${W8_TIMEOUT:-120}
+W8_TIMEOUT=${W8_TIMEOUT:-120} W8_ROUNDS=${W8_ROUNDS:-2}
 PY=${PYTHON:-python3}
 # shellcheck source=benchmarks/script_lib.sh
 source "$(dirname "$0")/script_lib.sh"  # OUT, LOGDIR, the checkout's root, FAILED, log, cap, fail, has
@@ -81,18 +83,20 @@ w8() {  # NAME BENCH-FLAGS...
     timeout -s INT -k 20 "$(cap "$W8_TIMEOUT")" "$PY" -m radixserve.bench.serving --port "$PORT" --disable-tqdm \
         --dataset-name random --num-prompts "$W8_PROMPTS" --random-input-len "$W8_INPUT" \
         --random-output-len "$W8_OUTPUT" --random-range-ratio 1 --request-rate "$W8_RATE" --seed 3 \
-        --label "$name" --output-json "$OUT/w8-$name.json" "$@" >"$LOGDIR/w8-$name.log" 2>&1 ||
+        --label "$name" --save-requests --output-json "$OUT/w8-$name.json" "$@" >"$LOGDIR/w8-$name.log" 2>&1 ||
         fail "w8 $name" "$LOGDIR/w8-$name.log"
 }
 if has w8; then
     adapters=$("$PY" -m radixserve.bench.lora_adapters --model-path "$MODEL" --count "$ADAPTERS" --rank "$LORA_RANK" \
         --dest "$LOGDIR/adapters")
     names=$(for e in $adapters; do printf '%s ' "${e%%=*}"; done)
-    start base && w8 base
-    stop_server
-    # shellcheck disable=SC2086  # lists
-    start lora --lora-paths $adapters --max-loras-per-batch "$ADAPTERS" && w8 lora --lora-name $names
-    stop_server
+    for round in $(seq "$W8_ROUNDS"); do
+        start "base-$round" && w8 "base-$round"
+        stop_server
+        # shellcheck disable=SC2086  # lists
+        start "lora-$round" --lora-paths $adapters --max-loras-per-batch "$ADAPTERS" && w8 "lora-$round" --lora-name $names
+        stop_server
+    done
     "$PY" - "$OUT" <<'PYEOF' | tee "$OUT/w8.txt"
 import glob, json, os, sys
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "w8-*.json"))):
@@ -102,5 +106,14 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "w8-*.json"))):
               f"  ITL p50/p99 {r['itl_ms']['median']:.1f}/{r['itl_ms']['p99']:.1f} ms"
               f"  peak running {r.get('peak_running_requests')}")
 PYEOF
+    "$PY" -m radixserve.bench.serving_compare --baseline "$OUT"/w8-base-*.json --candidate "$OUT"/w8-lora-*.json \
+        >"$OUT/w8-compare.jsonl" 2>"$LOGDIR/w8-compare.log" || fail "w8 compare" "$LOGDIR/w8-compare.log"
+    "$PY" -c "
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(f\"{r['metric']} p{r['percentile']}: {r['candidate']:.1f} against {r['baseline']:.1f} ms, x{r['ratio']:.3f} \"
+          f\"(95% {r['ci95'][0]:.3f}-{r['ci95'][1]:.3f}; {r['candidate_runs']} and {r['baseline_runs']} runs)\")
+" "$OUT/w8-compare.jsonl"
 fi
 finish

@@ -8,6 +8,11 @@ For gate_up also the MLP's activation: SiLU-and-mul alone, after the LoRA
 kernels, and the fused expand-and-activation (``expand_silu_and_mul``, with
 its shrink; swept over column tiles and warps with ``--sweep fused``), also
 over the same rows without an adapter.
+Each shape also times a whole projection both ways, the base GEMM then
+its LoRA (``unstacked_us``) against one GEMM over the weight with every
+slot's A stacked under it and the expand over the rank columns it wrote
+(``stacked_us``: no shrink; ``stacked_delta``, contiguous for o and down;
+gate_up through the fused activation in both).
 Times are per call, the best of CUDA graphs of REPEATS calls. Prints JSON lines.
 
     python benchmarks/lora_kernel.py [--rows 1 32 256 4096] [--shapes qkv gate_up] [--sweep [fused ...]]
@@ -25,7 +30,7 @@ import torch
 from radixserve.bench.fp8_gemm import cuda_time
 from radixserve.layers.triton_ops.activation import silu_and_mul
 from radixserve.lora.triton_ops import (KernelConfig, build_table, expand, expand_silu_and_mul, kernel_config,
-                                        lora_delta, shrink)
+                                        lora_delta, shrink, stacked_delta)
 
 HIDDEN, INTER, KV, R, ADAPTERS, REPEATS = 4096, 14336, 1024, 16, 8, 20
 # name: (K, parts as (offset, size))
@@ -70,6 +75,23 @@ def main() -> None:
                     "shrink_us": round(graph_time_us(lambda: shrink(x, A, table, default)), 2),
                     "expand_us": round(graph_time_us(lambda: expand(t, B, y, table, scaling, bounds, R, default)), 2)}
             line["lora_pct_of_base"] = round(100 * line["lora_us"] / base, 1)
+            Ws = torch.cat([W, A.flatten(0, 1)])  # [W; A_0; ...; A_S-1]
+            ys = torch.empty(rows, Ws.shape[0], device=dev, dtype=dt)
+
+            def unstacked():
+                if name == "gate_up":
+                    return expand_silu_and_mul(x, torch.matmul(x, W.t(), out=y), A, B, table, scaling, bounds, R)
+                return lora_delta(x, torch.matmul(x, W.t(), out=y), A, B, table, scaling, bounds, R)
+
+            def stacked():
+                torch.matmul(x, Ws.t(), out=ys)
+                if name == "gate_up":
+                    return expand_silu_and_mul(x, ys[:, :out], A, B, table, scaling, bounds, R, stacked_t=ys[:, out:])
+                return stacked_delta(ys, out, B, table, scaling, bounds, R, A.shape[1], name in ("o", "down"))
+
+            line["stacked_gemm_us"] = round(graph_time_us(lambda: torch.matmul(x, Ws.t(), out=ys)), 2)
+            line["unstacked_us"] = round(graph_time_us(unstacked), 2)
+            line["stacked_us"] = round(graph_time_us(stacked), 2)
             if name == "gate_up":
                 line["silu_us"] = round(graph_time_us(lambda: silu_and_mul(y)), 2)
                 line["lora_then_silu_us"] = round(graph_time_us(

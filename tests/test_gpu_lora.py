@@ -51,6 +51,36 @@ def test_kernels_in_bf16(case):
     assert _relative_error(got, ref) < BF16_TOLERANCE
 
 
+@pytest.mark.parametrize("case", CASES + [("model", *c) for c in MODEL_CASES], ids=lambda c: f"{c[0]}-{c[1]}rows")
+def test_stacked_expand_in_bf16(case):
+    """One GEMM over ``[W; A_0; ...]`` (the rank columns rounded to bf16 as
+    it writes them), then the expand over its rank columns: in place, and
+    into a contiguous tensor; and captured in a CUDA graph over a static
+    table, replayed with another batch."""
+    from radixserve.lora.triton_ops import StaticKernelTable, build_table, stacked_delta
+
+    _, rows, k, parts, out, R, slots, none_share = case
+    x, y, A, B, scaling, bounds, row_slots, ranks = make_case(rows, k, parts, out, R, slots, none_share, seed=rows,
+                                                              device="cuda", dtype=torch.bfloat16)
+    W = torch.randn(out, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    Ws = torch.cat([W, A.flatten(0, 1)])
+    base = (x @ W.T).float().cpu()
+    ref = reference(x, base, A, B, scaling, parts, row_slots, ranks, R)
+    table = build_table(row_slots, rows).to(torch.device("cuda"))
+    for contiguous in (False, True):
+        got = stacked_delta(x @ Ws.T, out, B, table, scaling, bounds, R, A.shape[1], contiguous)
+        assert got.is_contiguous() or not contiguous
+        assert _relative_error(got, ref) < BF16_TOLERANCE, contiguous
+    static = StaticKernelTable(rows, slots, x.device)
+    ys = torch.empty(rows, Ws.shape[0], device="cuda", dtype=torch.bfloat16)
+    graph, got = _captured(lambda: stacked_delta(torch.matmul(x, Ws.T, out=ys), out, B, static.view(rows), scaling,
+                                                 bounds, R, A.shape[1], True))
+    other = np.random.default_rng(rows).integers(-1, slots, rows)
+    static.fill(other, rows)
+    graph.replay()
+    assert _relative_error(got, reference(x, base, A, B, scaling, parts, other, ranks, R)) < BF16_TOLERANCE
+
+
 def _captured(launch):
     """``launch`` run once on a side stream (compiling outside the capture),
     then captured: the graph and what the captured call returned."""

@@ -98,6 +98,95 @@ def prompts(n: int, length: int = 12, seed: int = 0, shared: tuple = ()) -> list
     return [list(shared) + torch.randint(0, 320, (length + i,), generator=gen).tolist() for i in range(n)]
 
 
+STACKED_SCRIPT = r"""
+import copy, json, sys
+import torch
+from torch import nn
+from radixserve.layers.activation import SiluAndMul
+from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from radixserve.lora.manager import LoRAManager
+from radixserve.lora.options import LoRAOptions
+
+folders = json.loads(sys.argv[1])
+H, I = 64, 96
+
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv_proj, self.o_proj = QKVParallelLinear(H, 16, 4, 2), RowParallelLinear(H, H)
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = MergedColumnParallelLinear(H, [I, I]), RowParallelLinear(I, H)
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn, self.mlp = Attn(), Mlp()
+
+
+torch.manual_seed(0)
+base = nn.Module()
+base.layers = nn.ModuleList([Layer(), Layer()])
+for p in base.parameters():
+    p.data.normal_(0, 0.1)
+weights = {n: p.detach().clone() for n, p in base.named_parameters()}
+models = {b: copy.deepcopy(base) for b in ("triton", "torch_native")}
+managers = {b: LoRAManager(m, 2, LoRAOptions(paths=folders, max_loras_per_batch=2, backend=b), 0, torch.float32,
+                           torch.device("cpu")) for b, m in models.items()}
+stacked = managers["triton"].layers
+report = {"stacked": sum(layer.stacked for layer in stacked), "plain": sum(layer.stacked for layer in managers["torch_native"].layers),
+          "pool": [managers[b].pool.shape[1] for b in managers],
+          "weights kept": all(torch.equal(p, weights[n]) for n, p in models["triton"].named_parameters()),
+          "views": all(layer.stacked_weight.data_ptr() == m.weight.data_ptr() for layer, m in
+                       zip(stacked, (mod for name, mod in models["triton"].named_modules() if name.endswith("_proj"))))}
+act = SiluAndMul()
+# (adapter, slot, tokens) per request; the second batch puts a16 in slot 0 in place of a8
+batches = [[("a8", 0, 3), (None, -1, 2), ("a64", 1, 4), ("a8", 0, 1)], [("a16", 0, 2), ("a64", 1, 3), (None, -1, 1)],
+           [(None, -1, 3)]]
+errors = []
+for i, reqs in enumerate(batches):
+    rows = sum(n for _, _, n in reqs)
+    outs = {}
+    for b, manager in managers.items():
+        uids = [None if a is None else manager.resolve(a) for a, _, _ in reqs]
+        manager.activate(manager.prepare(uids, [s for _, s, _ in reqs], [n for _, _, n in reqs]))
+        gen = torch.Generator().manual_seed(i)
+        outs[b] = []
+        for layer in models[b].layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            outs[b] += [attn.qkv_proj(torch.randn(rows, H, generator=gen)), attn.o_proj(torch.randn(rows, H, generator=gen)),
+                        mlp.gate_up_proj.forward_gated(torch.randn(rows, H, generator=gen), act),
+                        mlp.down_proj(torch.randn(rows, I, generator=gen))]
+    errors.append(max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(outs["triton"], outs["torch_native"])))
+report["errors"] = errors
+report["contiguous"] = [bool(o.is_contiguous()) for o in outs["triton"][:4]]
+print(json.dumps(report))
+"""
+
+
+def test_stacked_layers_equal_the_torch_path_through_slot_refills(models):
+    """The triton backend's stacked layers (each slot's A under the base
+    weight: the shrink is the base GEMM's; pool.LoRALayer.stack) against
+    the torch path, layer by layer, in Triton's interpreter: batches mixing
+    adapters and rows without one, a slot refilled with another adapter,
+    and a batch with no adapter. The base weights keep their values and
+    shapes (views of the stacked ones), the pool holds no A, and the
+    row-parallel layers' outputs are contiguous."""
+    from triton_interpreter import run_interpreted
+
+    report = run_interpreted(STACKED_SCRIPT, models[1])
+    assert report["stacked"] == 8 and report["plain"] == 0
+    assert report["weights kept"] and report["views"]
+    assert report["pool"][0] < report["pool"][1], "the stacked layers' A are still in the pool"
+    assert all(e < 1e-5 for e in report["errors"]), report["errors"]
+    assert report["contiguous"][1] and report["contiguous"][3], "o_proj and down_proj must give contiguous outputs"
+
+
 MIX = ["a8", None, "a16", "a64", "a8", "a64", None, "a16"]  # interleaved: no adapter's rows are contiguous
 
 

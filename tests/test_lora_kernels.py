@@ -87,7 +87,12 @@ import numpy as np
 import torch
 sys.path.insert(0, json.loads(sys.argv[1]))
 from test_lora_kernels import ACT_CASES, CASES, make_case, reference, silu_and_mul
-from radixserve.lora.triton_ops import KernelConfig, StaticKernelTable, build_table, expand_silu_and_mul, lora_delta
+from radixserve.lora.triton_ops import (KernelConfig, StaticKernelTable, build_table, expand_silu_and_mul, lora_delta,
+                                        stacked_delta)
+
+
+def stacked(x, y, A):  # what the stacked GEMM writes: y, then x @ A_s.T of every slot s ([T, OUT + S * P*R])
+    return torch.cat([y, x @ A.flatten(0, 1).T], dim=1)
 
 errors = {}
 for seed, (name, rows, k, parts, out, R, slots, none_share) in enumerate(CASES):
@@ -105,9 +110,18 @@ for seed, (name, rows, k, parts, out, R, slots, none_share) in enumerate(CASES):
     tiled = lora_delta(x, y.clone(), A, B, build_table(row_slots, rows), scaling, bounds, R,
                        KernelConfig(split_k=2, shrink_block_k=16, expand_block_n=16, expand_tiles=3,
                                     shrink_block_n=32))
+    # the stacked GEMM's rank columns, no shrink: in place on a view of its output, and into a new tensor
+    ext = stacked(x, y, A)
+    in_place = stacked_delta(ext, out, B, build_table(row_slots, rows), scaling, bounds, R, A.shape[1], False)
+    fresh = stacked_delta(stacked(x, y, A), out, B, build_table(row_slots, rows), scaling, bounds, R, A.shape[1], True)
+    ext_graph = stacked(torch.cat([x, torch.zeros(3, k)]), torch.cat([y, torch.zeros(3, out)]), A)
+    stacked_graph = stacked_delta(ext_graph, out, B, static.view(rows + 3), scaling, bounds, R, A.shape[1], True)
     scale = float(ref.abs().max())
     errors[name] = [float((got - ref).abs().max()) / scale, float((graph[:rows] - ref).abs().max()) / scale,
-                    float(graph[rows:].abs().max()), float((tiled - ref).abs().max()) / scale]
+                    float(graph[rows:].abs().max()), float((tiled - ref).abs().max()) / scale,
+                    float((in_place - ref).abs().max()) / scale, float((ext[:, out:] - stacked(x, y, A)[:, out:]).abs().max()),
+                    float((fresh - ref).abs().max()) / scale, int(fresh.is_contiguous() and in_place.data_ptr() == ext.data_ptr()),
+                    float((stacked_graph[:rows] - ref).abs().max()) / scale, float(stacked_graph[rows:].abs().max())]
 for seed, (name, rows, k, parts, out, R, slots, none_share) in enumerate(ACT_CASES):
     x, y, A, B, scaling, bounds, row_slots, ranks = make_case(rows, k, parts, out, R, slots, none_share, seed=seed)
     ref = silu_and_mul(reference(x, y, A, B, scaling, parts, row_slots, ranks, R))
@@ -120,9 +134,13 @@ for seed, (name, rows, k, parts, out, R, slots, none_share) in enumerate(ACT_CAS
                                 scaling, bounds, R)
     # 16-column tiles, three a program (a partial group at the end)
     tiled = expand_silu_and_mul(x, y, A, B, build_table(row_slots, rows), scaling, bounds, R, block_n=16, tiles=3)
+    ext = stacked(x, y, A)
+    from_stacked = expand_silu_and_mul(x, ext[:, :out], A, B, build_table(row_slots, rows), scaling, bounds, R,
+                                       stacked_t=ext[:, out:])
     scale = float(ref.abs().max())
     errors[name] = [float((got - ref).abs().max()) / scale, float((graph[:rows] - ref).abs().max()) / scale,
-                    float((graph[rows:] - silu_and_mul(pad)).abs().max()), float((tiled - ref).abs().max()) / scale]
+                    float((graph[rows:] - silu_and_mul(pad)).abs().max()), float((tiled - ref).abs().max()) / scale,
+                    float((from_stacked - ref).abs().max()) / scale]
 print(json.dumps(errors))
 """
 
@@ -134,9 +152,25 @@ def interpreted():
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES])
 def test_kernels_match_reference(interpreted, case):
-    eager, graph, padding, tiled = interpreted[case]
+    eager, graph, padding, tiled = interpreted[case][:4]
     assert eager < 1e-5, f"eager table: relative error {eager}"
     assert tiled < 1e-5, f"column tiles grouped per program: relative error {tiled}"
+    assert graph < 1e-5, f"static table: relative error {graph}"
+    assert padding == 0.0, "padding rows of a graph gained a delta"
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_stacked_expand_matches_reference(interpreted, case):
+    """The expand over the rank columns a stacked GEMM wrote beside the
+    output (each slot's at its own offset, no shrink): in place on the
+    output's view (the rank columns left as they were), or into a new
+    contiguous tensor, whose rows without an adapter are copied; and
+    through a graph's static table, whose padding rows gain nothing."""
+    in_place, rank_columns, fresh, layouts, graph, padding = interpreted[case][4:]
+    assert in_place < 1e-5, f"in place: relative error {in_place}"
+    assert rank_columns == 0.0, "the expand wrote into the rank columns"
+    assert fresh < 1e-5, f"into a new tensor: relative error {fresh}"
+    assert layouts == 1, "the new tensor is not contiguous, or the in-place result is not a view of the output"
     assert graph < 1e-5, f"static table: relative error {graph}"
     assert padding == 0.0, "padding rows of a graph gained a delta"
 
@@ -146,11 +180,12 @@ def test_expand_with_silu_and_mul_matches_reference(interpreted, case):
     """The gate|up deltas and SiLU-and-mul in one launch equal the reference
     deltas followed by the activation; a graph's padding rows get the
     activation of their own values, with no delta."""
-    eager, graph, padding, tiled = interpreted[case]
+    eager, graph, padding, tiled, from_stacked = interpreted[case]
     assert eager < 1e-5, f"eager table: relative error {eager}"
     assert graph < 1e-5, f"static table: relative error {graph}"
     assert padding < 1e-5, f"padding rows: error {padding}"
     assert tiled < 1e-5, f"column tiles grouped per program: relative error {tiled}"
+    assert from_stacked < 1e-5, f"the stacked GEMM's rank columns, no shrink: relative error {from_stacked}"
 
 
 def test_table_layout():

@@ -157,6 +157,9 @@ class LinearBase(nn.Module):
     :meth:`quantize_fp8` the weight is fp8 and ``weight_scale`` ``[1, out]``
     holds its per-channel float32 scales (None before)."""
 
+    # Whether the output must be contiguous: with LoRA a stacked GEMM's is else a view of its first columns
+    contiguous_output = False
+
     def __init__(self, weight_shape: tuple[int, int], bias_size: int | None, tp_group: TPGroup):
         super().__init__()
         self.tp_group = tp_group
@@ -168,8 +171,9 @@ class LinearBase(nn.Module):
         self.lora = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias, self.weight_scale)
-        return y if self.lora is None else self.lora.add_delta(x, y)
+        if self.lora is None:
+            return linear(x, self.weight, self.bias, self.weight_scale)
+        return self.lora.forward(x, self.weight, self.bias, self.weight_scale, contiguous=self.contiguous_output)
 
     def prepack_for_cpu(self) -> bool:
         return self.weight_scale is None and swap_in_prepacked_weight(self)
@@ -235,6 +239,8 @@ class RowParallelLinear(LinearBase):
     down_proj): each rank multiplies its slice of ``x`` by its columns of
     ``W``, an all-reduce sums the products, and the bias is added after it."""
 
+    contiguous_output = True  # added to the residual, or all-reduced
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_group: TPGroup | None = None):
         tp = tp_group or TPGroup()
         cols = divide(input_size, tp.size, f"input size of a {type(self).__name__}")
@@ -248,9 +254,10 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_group.size == 1:
             return super().forward(x)
-        y = linear(x, self.weight, None, self.weight_scale)
-        if self.lora is not None:  # each rank's partial delta (its columns of A) is summed with the product
-            y = self.lora.add_delta(x, y)
+        if self.lora is None:
+            y = linear(x, self.weight, None, self.weight_scale)
+        else:  # each rank's partial delta (its columns of A) is summed with the product
+            y = self.lora.forward(x, self.weight, None, self.weight_scale, contiguous=True)
         y = self.tp_group.all_reduce(y)
         return y if self.bias is None else y.add_(self.bias)
 
@@ -293,9 +300,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             if y is not None:
                 return y
         if self.lora is not None:
-            y = linear(x, self.weight, self.bias, self.weight_scale)
-            out = self.lora.add_delta_silu_and_mul(x, y)
-            return act_fn(self.lora.add_delta(x, y)) if out is None else out
+            return self.lora.forward_silu_and_mul(x, self.weight, self.bias, self.weight_scale, act_fn)
         return act_fn(self(x))
 
 

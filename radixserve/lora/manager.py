@@ -47,13 +47,16 @@ _LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(" + "|".join(re.escape(k) for
 class LoRAManager:
     """Adapters and slots of one rank (see the module's docstring).
     ``options.max_lora_rank`` and ``options.target_modules`` default to
-    what the start-up adapters need."""
+    what the start-up adapters need. ``stack``: with the triton backend,
+    lay the slots' ``A`` under each base weight in the model's dtype
+    (``pool.LoRALayer.stack``)."""
 
     def __init__(self, model: nn.Module, num_layers: int, options: LoRAOptions, tp_rank: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, stack: bool = True):
         self.num_layers, self.dtype, self.device = num_layers, dtype, device
         self.num_slots = options.max_loras_per_batch
         self.kernels = options.backend == "triton"
+        self.stack = stack and self.kernels  # the slots' A under unquantized base weights (LoRALayer.stack)
         self.slot_scaling = torch.zeros(self.num_slots, dtype=torch.float32, device=device)  # the kernels read it
         self.max_loaded = options.max_loaded_loras
         self.adapters: dict[str, LoRAAdapter] = {}  # by name: what requests may name
@@ -75,12 +78,17 @@ class LoRAManager:
         for adapter in self.adapters.values():
             self._check_fits(adapter, "lora_paths")
         self.layers = self._attach(model, tp_rank)
-        # One flat row per slot holds every layer's A and B (LoRALayer.bind): a slot fills in one copy.
+        if self.stack and device.type == "cuda":  # the unstacked weights' memory, for the KV pool to map
+            torch.cuda.empty_cache()
+        # One flat row per slot holds every layer's B and the unstacked layers' A (LoRALayer.bind): a slot
+        # fills in one copy, and one more per stacked layer for its A (under the base weight).
         self.pool = torch.zeros(self.num_slots, sum(layer.numel for layer in self.layers), dtype=dtype, device=device)
         at = 0
         for layer in self.layers:
             layer.bind(self.pool[:, at : at + layer.numel])
             at += layer.numel
+        # An adapter's host copy (_pack): the pool's row, then each stacked layer's A
+        self._stacked = [layer for layer in self.layers if layer.stacked]
         for adapter in self.adapters.values():
             self._pack(adapter, "lora_paths")
         self.slot_uids: list[str | None] = [None] * self.num_slots  # what each device slot holds
@@ -151,10 +159,18 @@ class LoRAManager:
     def _pack(self, adapter: LoRAAdapter, field: str) -> None:
         """Lay ``adapter`` out as a slot holds it on this rank (host memory,
         pinned for an asynchronous copy on CUDA), in place of its weights."""
-        packed = torch.zeros(self.pool.shape[1], dtype=self.dtype, pin_memory=self.device.type == "cuda")
-        at = 0
+        width = self.pool.shape[1]
+        packed = torch.zeros(width + sum(layer.a_numel for layer in self._stacked), dtype=self.dtype,
+                             pin_memory=self.device.type == "cuda")
+        at, tail = 0, width
         for layer in self.layers:
-            layer.pack(packed[at : at + layer.numel], adapter.weights, f"{field}: adapter {adapter.name!r}")
+            row = packed[at : at + layer.numel]
+            if layer.stacked:
+                a, b = packed[tail : tail + layer.a_numel], row
+                tail += layer.a_numel
+            else:
+                a, b = row[: layer.a_numel], row[layer.a_numel :]
+            layer.pack(a, b, adapter.weights, f"{field}: adapter {adapter.name!r}")
             at += layer.numel
         adapter.packed, adapter.weights = packed, {}
 
@@ -183,6 +199,8 @@ class LoRAManager:
             out_size = module.output_size if row else module.weight.shape[0]
             hook = LoRALayer(layer_id, parts, row, in_size, module.input_size, out_size, self.max_rank, tp_rank,
                              self.device, self._batch, self.slot_scaling)
+            if self.stack and module.weight_scale is None and not module.weight.is_mkldnn:  # the shrink in the GEMM
+                hook.stack(module, self.num_slots)
             module.lora = hook
             layers.append(hook)
         missing = sorted({m for m in self.target_modules for i in range(self.num_layers) if (i, m) not in found})
@@ -258,7 +276,11 @@ class LoRAManager:
         for slot, uid in batch.loads if batch is not None else ():
             if self.slot_uids[slot] != uid:
                 adapter = self._by_uid[uid]
-                self.pool[slot].copy_(adapter.packed, non_blocking=True)
+                width = self.pool.shape[1]
+                self.pool[slot].copy_(adapter.packed[:width], non_blocking=True)
+                for layer in self._stacked:
+                    layer.A[slot].view(-1).copy_(adapter.packed[width : width + layer.a_numel], non_blocking=True)
+                    width += layer.a_numel
                 self.slot_scaling[slot].fill_(adapter.config.scaling)
                 self.slot_uids[slot] = uid
         self.active = batch

@@ -19,8 +19,13 @@ columns of each adapter's rows, nothing to rows without an adapter, in one of
 two ways (``--lora-backend``):
 
 - ``triton`` (CUDA): the batch's table (``triton_ops.LoRAKernelTable``, its
-  rows sorted by slot and cut into blocks) and two segmented GEMMs per layer
-  for all adapters and parts, which CUDA graphs capture;
+  rows sorted by slot and cut into blocks) and segmented GEMMs for all
+  adapters and parts, which CUDA graphs capture. Over a weight in the
+  model's dtype the layer is *stacked*: every slot's ``A`` lies under the
+  base weight (``[W; A_0; ...; A_S-1]``, :meth:`LoRALayer.stack`), so the
+  base GEMM also computes each row's rank columns for every slot and one
+  expand launch reads its own slot's (no shrink launch, and ``x`` is read
+  once); an fp8 weight keeps ``A`` in the pool, and a shrink launch;
 - ``torch_native``: the rows grouped by slot into segments, a loop over
   segments and parts.
 """
@@ -31,6 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from radixserve.layers.linear import linear
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,7 @@ class LoRABatch:
 
 class LoRALayer:
     """The LoRA of one linear layer: its slots' weights and the delta. The
-    layer calls :meth:`add_delta` after its GEMM (``LinearBase.lora``);
+    layer calls :meth:`forward` in place of its GEMM (``LinearBase.lora``);
     ``batch()`` returns the forward's ``LoRABatch`` and ``scaling`` is
     each slot's scaling on the device (the manager's).
 
@@ -85,29 +92,60 @@ class LoRALayer:
         self.a_shape = (max_rank if row_parallel else len(parts) * max_rank, in_size)
         self.b_shape = (out_size, max_rank)
         self.A = self.B = None
+        # stacked (:meth:`stack`): [W; A of every slot] and its bias, whose first rows are the base layer's
+        self.stacked_weight = self.stacked_bias = None
+        self.out_size = out_size
         # The kernels' parts: the output columns each one's delta adds to
         self.part_bounds = torch.tensor([[p.offset, p.offset + p.size] for p in parts], dtype=torch.int32, device=device)
 
     @property
-    def numel(self) -> int:
-        return self.a_shape[0] * self.a_shape[1] + self.b_shape[0] * self.b_shape[1]
+    def a_numel(self) -> int:
+        return self.a_shape[0] * self.a_shape[1]
 
-    def _split(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``flat`` [..., numel] as this layer's ``A`` [..., *a_shape] and ``B`` [..., *b_shape]."""
-        n = self.a_shape[0] * self.a_shape[1]
-        return flat[..., :n].unflatten(-1, self.a_shape), flat[..., n:].unflatten(-1, self.b_shape)
+    @property
+    def numel(self) -> int:
+        """Elements a slot of the pool holds for this layer: ``A`` and ``B``, or ``B`` alone once stacked."""
+        return self.b_shape[0] * self.b_shape[1] + (0 if self.stacked else self.a_numel)
+
+    @property
+    def stacked(self) -> bool:
+        return self.stacked_weight is not None
+
+    def stack(self, module: torch.nn.Module, num_slots: int) -> None:
+        """Lay the slots' ``A`` under ``module``'s weight (in the model's
+        dtype), before :meth:`bind`: the weight becomes the first rows of
+        ``[W; A_0; ...; A_S-1]`` (a view, so the layer and its loaders see
+        it as before), the bias likewise with zeros under it, and ``A`` a
+        view of the other rows."""
+        weight = module.weight.data
+        rows = weight.shape[0]
+        stacked = torch.zeros(rows + num_slots * self.a_shape[0], weight.shape[1], dtype=weight.dtype,
+                              device=weight.device)
+        stacked[:rows].copy_(weight)
+        module.weight.data = stacked[:rows]
+        if module.bias is not None:
+            bias = torch.zeros(stacked.shape[0], dtype=module.bias.dtype, device=module.bias.device)
+            bias[:rows].copy_(module.bias.data)
+            module.bias.data = bias[:rows]
+            self.stacked_bias = bias
+        self.stacked_weight = stacked
+        self.A = stacked[rows:].unflatten(0, (num_slots, self.a_shape[0]))
 
     def bind(self, flat: torch.Tensor) -> None:
         """Take this layer's slots in the pool: ``flat`` [slots, numel]."""
-        self.A, self.B = self._split(flat)
+        if self.stacked:
+            self.B = flat.unflatten(-1, self.b_shape)
+        else:
+            self.A, self.B = flat[:, : self.a_numel].unflatten(-1, self.a_shape), flat[:, self.a_numel :].unflatten(
+                -1, self.b_shape)
 
-    def pack(self, flat: torch.Tensor, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
-             where: str) -> None:
+    def pack(self, a_flat: torch.Tensor, b_flat: torch.Tensor,
+             weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], where: str) -> None:
         """Write an adapter's weights of this layer (``weights``, whole, on
-        the host), this rank's shard of them, into ``flat`` [numel] (zeros),
-        as a slot holds them. ValueError (naming ``where``) for a shape that
-        does not fit the model."""
-        A, B = self._split(flat)
+        the host), this rank's shard of them, into ``a_flat`` [a_numel] and
+        ``b_flat`` (zeros), as a slot holds them. ValueError (naming
+        ``where``) for a shape that does not fit the model."""
+        A, B = a_flat.unflatten(0, self.a_shape), b_flat.unflatten(0, self.b_shape)
         in_size, out_size = self.a_shape[1], self.b_shape[0]
         for i, part in enumerate(self.parts):
             ab = weights.get((self.layer_id, part.module))
@@ -137,9 +175,25 @@ class LoRALayer:
             batch.table = build_table(batch.row_slots, x.shape[0]).to(x.device)
         return batch.table
 
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                weight_scale: torch.Tensor | None, contiguous: bool = False) -> torch.Tensor:
+        """The base layer's product for ``x`` (``linear`` over its ``weight``,
+        ``bias`` and ``weight_scale``, this rank's part of it) plus each row's
+        delta. A stacked layer computes both in one GEMM and the expand;
+        ``contiguous``: its output must be (a row-parallel layer's, which is
+        added to the residual or all-reduced), else it may be a view."""
+        table = self._kernel_table(self.batch(), x) if self.stacked else None
+        if table is None:
+            return self.add_delta(x, linear(x, weight, bias, weight_scale))
+        from radixserve.lora.triton_ops import stacked_delta
+
+        y_ext = linear(x, self.stacked_weight, None if bias is None else self.stacked_bias, None)
+        return stacked_delta(y_ext, self.out_size, self.B, table, self.scaling, self.part_bounds, self.max_rank,
+                             self.a_shape[0], contiguous)
+
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base layer's output for ``x``, this rank's part of it)
-        plus each segment's delta, in place."""
+        plus each segment's delta, in place (an unstacked layer)."""
         batch = self.batch()
         if batch is None:
             return y
@@ -162,18 +216,23 @@ class LoRALayer:
                     out.index_add_(0, seg.rows, delta, alpha=seg.scaling)
         return y
 
-    def add_delta_silu_and_mul(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-        """``silu(gate) * up`` of ``y`` ``[T, 2 * I]`` = ``[gate | up]`` plus
-        the deltas, the expand and the activation in one launch
-        (``triton_ops.expand_silu_and_mul``); None where the triton backend
-        does not run this forward (the caller adds the deltas, then applies
-        the activation)."""
+    def forward_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             weight_scale: torch.Tensor | None, act_fn) -> torch.Tensor:
+        """``act_fn`` (SiLU-and-mul) of :meth:`forward`'s ``[T, 2 * I]`` =
+        ``[gate | up]``: with the triton backend the expand and the
+        activation in one launch (``triton_ops.expand_silu_and_mul``)."""
         table = self._kernel_table(self.batch(), x)
         if table is None:
-            return None
+            return act_fn(self.add_delta(x, linear(x, weight, bias, weight_scale)))
         from radixserve.lora.triton_ops import expand_silu_and_mul
 
-        return expand_silu_and_mul(x, y, self.A, self.B, table, self.scaling, self.part_bounds, self.max_rank)
+        if self.stacked:
+            y_ext = linear(x, self.stacked_weight, None if bias is None else self.stacked_bias, None)
+            y, t = y_ext[:, : self.out_size], y_ext[:, self.out_size :]
+        else:
+            y, t = linear(x, weight, bias, weight_scale), None
+        return expand_silu_and_mul(x, y, self.A, self.B, table, self.scaling, self.part_bounds, self.max_rank,
+                                   stacked_t=t)
 
     def __repr__(self) -> str:
         kind = "row" if self.row_parallel else "column"

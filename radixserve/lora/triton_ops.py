@@ -1,6 +1,7 @@
 """Segmented LoRA GEMMs in Triton (``--lora-backend triton``): the delta of
-every adapter in a batch in two launches per linear layer, whatever the
-number of adapters, and no host sync, so CUDA graphs capture them.
+every adapter in a batch in two launches per linear layer, or one beside a
+stacked base GEMM (:func:`stacked_delta`), whatever the number of adapters,
+and no host sync, so CUDA graphs capture them.
 
 The batch's rows that have an adapter are sorted by slot and cut into blocks
 of at most ``BLOCK_M`` rows of one slot (``LoRAKernelTable``, built on the
@@ -14,6 +15,11 @@ host by :func:`build_table`). A block is one program row of both kernels:
    summing the partials once per program, which then walks several column
    tiles; each output column takes the rank columns of the part it belongs to.
 
+A stacked layer (``pool.LoRALayer.stack``) has no shrink: its base GEMM
+over ``[W; A_0; ...; A_S-1]`` writes every slot's rank columns beside ``y``,
+and the expand reads its block's slot's (one partial, ``t``'s strides
+say where: :func:`_t_strides`).
+
 Region map of a table (``BLOCK_M`` = 4; batch rows r0..r7, ``-`` no adapter)::
 
     row slots   r0:1  r1:-  r2:0  r3:1  r4:1  r5:1  r6:1  r7:0
@@ -26,7 +32,8 @@ column tile, enough for any batch of at most ``T`` rows.
 
 After the adapters' blocks, the table holds the rows without one (``r1`` and
 any padding rows of a graph), in blocks of ``slot = NO_ADAPTER``, which the
-two kernels never launch. The MLP's gate/up takes them:
+shrink never launches, nor the expand unless it writes a new tensor (it
+then copies their rows). The MLP's gate/up takes them:
 :func:`expand_silu_and_mul` replaces its expand and the SiLU-and-mul after
 it, so the layer's ``[T, 2 * I]`` output is read once and never written
 back: every block's rows go through SiLU-and-mul, an adapter's with their
@@ -38,6 +45,7 @@ zero (``LoRALayer.fill``), so the kernels read ``R`` and add nothing more.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -170,18 +178,20 @@ def _block(Blocks, Rows, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _rank_columns(T, rows, mask_m, num_rows, N, R: tl.constexpr, R_PAD: tl.constexpr, PARTS: tl.constexpr,
-                  PR_PAD: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr):
-    """A block's rank columns of every part, the shrink's K-partials summed,
-    as one float32 ``[BLOCK_M, PR_PAD]`` tile; and for each of its
-    columns ``j`` the part ``jp``, the rank column ``jr`` and whether it is real."""
+def _rank_columns(T, rows, mask_m, slot, stride_tp, stride_tm, stride_ts, R: tl.constexpr, R_PAD: tl.constexpr,
+                  PARTS: tl.constexpr, PR_PAD: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A block's rank columns of every part, the K-partials summed, as one
+    float32 ``[BLOCK_M, PR_PAD]`` tile; and for each of its columns ``j``
+    the part ``jp``, the rank column ``jr`` and whether it is real. ``T``'s
+    strides: between partials, rows and slots (0 for the shrink's own
+    ``t``; see :func:`_t_strides`)."""
     offs_j = tl.arange(0, PR_PAD)
     jp, jr = offs_j // R_PAD, offs_j % R_PAD
     mask_j = (jp < PARTS) & (jr < R)
     t = tl.zeros([BLOCK_M, PR_PAD], dtype=tl.float32)
+    base = T + slot.to(tl.int64) * stride_ts + rows[:, None] * stride_tm + (jp * R + jr)[None, :]
     for s in tl.static_range(SPLIT_K):
-        t += tl.load(T + s * num_rows * N + rows[:, None] * N + (jp * R + jr)[None, :],
-                     mask=mask_m[:, None] & mask_j[None, :], other=0.0)
+        t += tl.load(base + s * stride_tp, mask=mask_m[:, None] & mask_j[None, :], other=0.0).to(tl.float32)
     return t, jp, jr, mask_j
 
 
@@ -209,32 +219,42 @@ def _shrink_kernel(X, A, T, Rows, Blocks, num_rows, N, K, stride_xm, stride_as, 
 
 
 @triton.jit
-def _expand_kernel(T, B, Y, Rows, Blocks, Scaling, PartBounds, num_rows, N, OUT, stride_ym, stride_bs, stride_bo,
-                   R: tl.constexpr, R_PAD: tl.constexpr, PARTS: tl.constexpr, PR_PAD: tl.constexpr,
-                   SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, BLOCK_M: tl.constexpr):
+def _expand_kernel(T, B, Y, Out, Rows, Blocks, Scaling, PartBounds, OUT, stride_tp, stride_tm, stride_ts, stride_ym,
+                   stride_om, stride_bs, stride_bo, R: tl.constexpr, R_PAD: tl.constexpr, PARTS: tl.constexpr,
+                   PR_PAD: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
     # One program: a block's rows times TILES column tiles. Its rank columns
     # of every part are read (and the K-partials summed) once, as one
     # [BLOCK_M, PR_PAD] tile; each column tile then takes B's rank columns of
     # its own part only (``jp``: the part of rank column j), so one dot adds
-    # each column's own part's delta.
+    # each column's own part's delta. ``Out`` is ``Y`` (in place) or another
+    # tensor, into which the blocks of rows without an adapter copy theirs.
     slot, rows, mask_m = _block(Blocks, Rows, BLOCK_M)
-    if slot < 0:
+    if slot == -1:
         return
-    t, jp, jr, mask_j = _rank_columns(T, rows, mask_m, num_rows, N, R, R_PAD, PARTS, PR_PAD, SPLIT_K, BLOCK_M)
-    t = t.to(B.dtype.element_ty)
-    b_base = B + slot.to(tl.int64) * stride_bs
-    scale = tl.load(Scaling + slot)
-    for c in range(TILES):
-        offs_n = (tl.program_id(1) * TILES + c) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < OUT
-        part = _parts_of(offs_n, PartBounds, PARTS)
-        b = tl.load(b_base + offs_n[:, None] * stride_bo + jr[None, :],
-                    mask=mask_n[:, None] & (part[:, None] == jp[None, :]) & mask_j[None, :], other=0.0)
-        acc = tl.dot(t, tl.trans(b))
-        y_ptrs = Y + rows[:, None] * stride_ym + offs_n[None, :]
-        mask = mask_m[:, None] & mask_n[None, :]
-        y = tl.load(y_ptrs, mask=mask, other=0.0)
-        tl.store(y_ptrs, (y.to(tl.float32) + scale * acc).to(y.dtype), mask=mask)
+    if slot == -2:  # NO_ADAPTER: launched only where Out is not Y
+        for c in range(TILES):
+            offs_n = (tl.program_id(1) * TILES + c) * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = mask_m[:, None] & (offs_n < OUT)[None, :]
+            y = tl.load(Y + rows[:, None] * stride_ym + offs_n[None, :], mask=mask, other=0.0)
+            tl.store(Out + rows[:, None] * stride_om + offs_n[None, :], y, mask=mask)
+    else:
+        t, jp, jr, mask_j = _rank_columns(T, rows, mask_m, slot, stride_tp, stride_tm, stride_ts, R, R_PAD, PARTS,
+                                          PR_PAD, SPLIT_K, BLOCK_M)
+        t = t.to(B.dtype.element_ty)
+        b_base = B + slot.to(tl.int64) * stride_bs
+        scale = tl.load(Scaling + slot)
+        for c in range(TILES):
+            offs_n = (tl.program_id(1) * TILES + c) * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < OUT
+            part = _parts_of(offs_n, PartBounds, PARTS)
+            b = tl.load(b_base + offs_n[:, None] * stride_bo + jr[None, :],
+                        mask=mask_n[:, None] & (part[:, None] == jp[None, :]) & mask_j[None, :], other=0.0)
+            acc = tl.dot(t, tl.trans(b))
+            mask = mask_m[:, None] & mask_n[None, :]
+            y = tl.load(Y + rows[:, None] * stride_ym + offs_n[None, :], mask=mask, other=0.0)
+            tl.store(Out + rows[:, None] * stride_om + offs_n[None, :], (y.to(tl.float32) + scale * acc).to(y.dtype),
+                     mask=mask)
 
 
 @triton.jit
@@ -267,8 +287,8 @@ def _silu_and_mul_rows(Y, Out, rows, mask_m, offs_n, D, stride_ym, dgate, dup, H
 
 
 @triton.jit
-def _expand_silu_and_mul_kernel(Y, T, B, Out, Rows, Blocks, Scaling, PartBounds, num_rows, N, D, stride_ym,
-                                stride_bs, stride_bo, R: tl.constexpr, R_PAD: tl.constexpr, PARTS: tl.constexpr,
+def _expand_silu_and_mul_kernel(Y, T, B, Out, Rows, Blocks, Scaling, PartBounds, D, stride_tp, stride_tm, stride_ts,
+                                stride_ym, stride_bs, stride_bo, R: tl.constexpr, R_PAD: tl.constexpr, PARTS: tl.constexpr,
                                 PR_PAD: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
                                 TILES: tl.constexpr, BLOCK_M: tl.constexpr):
     # One program: a block's rows times TILES tiles of BLOCK_N output columns,
@@ -285,7 +305,8 @@ def _expand_silu_and_mul_kernel(Y, T, B, Out, Rows, Blocks, Scaling, PartBounds,
             offs_n = first + c * BLOCK_N + tl.arange(0, BLOCK_N)
             _silu_and_mul_rows(Y, Out, rows, mask_m, offs_n, D, stride_ym, 0.0, 0.0, HAS_DELTA=False)
     else:
-        t, jp, jr, mask_j = _rank_columns(T, rows, mask_m, num_rows, N, R, R_PAD, PARTS, PR_PAD, SPLIT_K, BLOCK_M)
+        t, jp, jr, mask_j = _rank_columns(T, rows, mask_m, slot, stride_tp, stride_tm, stride_ts, R, R_PAD, PARTS,
+                                          PR_PAD, SPLIT_K, BLOCK_M)
         t = t.to(B.dtype.element_ty)
         scale = tl.load(Scaling + slot)
         b_base = B + slot.to(tl.int64) * stride_bs
@@ -372,44 +393,84 @@ def shrink(x: torch.Tensor, A: torch.Tensor, table: LoRAKernelTable, config: Ker
     return t
 
 
+def _t_strides(t: torch.Tensor, slot_cols: int) -> tuple[int, int, int, int]:
+    """(partials, plane stride, row stride, slot stride) of the rank columns
+    ``t`` the expand reads: :func:`shrink`'s ``[split_k, T, P*R]``, or (a
+    2-D ``t``) the stacked GEMM's ``[T, S*P*R]`` columns, where slot ``s``'s
+    begin at ``s * slot_cols``."""
+    if t.dim() == 3:
+        return t.shape[0], t.stride(0), t.stride(1), 0
+    return 1, 0, t.stride(0), slot_cols
+
+
 def expand(t: torch.Tensor, B: torch.Tensor, y: torch.Tensor, table: LoRAKernelTable, scaling: torch.Tensor,
-           part_bounds: torch.Tensor, rank: int, config: KernelConfig) -> torch.Tensor:
-    """``y[rows, part p] += scaling[slot] * sum(t)[rows, p*R : p*R+R] @ B[slot, part p].T``, in place."""
-    split, num_rows, n = t.shape
-    out, parts, num_blocks = y.shape[1], part_bounds.shape[0], table.blocks.shape[0]
-    n_tiles = triton.cdiv(out, config.expand_block_n)
+           part_bounds: torch.Tensor, rank: int, config: KernelConfig, slot_cols: int = 0,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``y[rows, part p] += scaling[slot] * sum(t)[rows, p*R : p*R+R] @ B[slot, part p].T``,
+    in place; or, with ``out``, ``y`` plus the deltas written to ``out``
+    (every row: those without an adapter are copied). ``t``: see :func:`_t_strides`."""
+    split, stride_tp, stride_tm, stride_ts = _t_strides(t, slot_cols)
+    blocks = table.blocks if out is None else table.all_blocks
+    out = y if out is None else out
+    width, parts, num_blocks = y.shape[1], part_bounds.shape[0], blocks.shape[0]
+    if num_blocks == 0 or y.shape[0] == 0:
+        return out
+    n_tiles = triton.cdiv(width, config.expand_block_n)
     tiles = _tiles_per_program(config, n_tiles, num_blocks)
     r_pad = max(16, triton.next_power_of_2(rank))
     _expand_kernel[(num_blocks, triton.cdiv(n_tiles, tiles))](
-        t, B, y, table.rows, table.blocks, scaling, part_bounds, num_rows, n, out, y.stride(0), B.stride(0), B.stride(1),
-        R=rank, R_PAD=r_pad, PARTS=parts, PR_PAD=triton.next_power_of_2(parts) * r_pad, SPLIT_K=split,
-        BLOCK_N=config.expand_block_n, TILES=tiles, BLOCK_M=table.block_m, num_warps=config.expand_warps)
-    return y
+        t, B, y, out, table.rows, blocks, scaling, part_bounds, width, stride_tp, stride_tm, stride_ts, y.stride(0),
+        out.stride(0), B.stride(0), B.stride(1), R=rank, R_PAD=r_pad, PARTS=parts,
+        PR_PAD=triton.next_power_of_2(parts) * r_pad, SPLIT_K=split, BLOCK_N=config.expand_block_n, TILES=tiles,
+        BLOCK_M=table.block_m, num_warps=config.expand_warps)
+    return out
+
+
+def stacked_delta(y_ext: torch.Tensor, width: int, B: torch.Tensor, table: LoRAKernelTable, scaling: torch.Tensor,
+                  part_bounds: torch.Tensor, rank: int, slot_cols: int, contiguous: bool,
+                  config: KernelConfig | None = None) -> torch.Tensor:
+    """The layer's output from the stacked GEMM's ``y_ext`` ``[T, width +
+    S * slot_cols]`` (``x @ [W; A_0; ...; A_S-1].T``): its first ``width``
+    columns plus each adapter row's delta, whose rank columns are the rest
+    of the row, no shrink launched. In place (a strided view of ``y_ext``),
+    or with ``contiguous`` a new ``[T, width]`` tensor."""
+    y, t = y_ext[:, :width], y_ext[:, width:]
+    # one column tile a program: with one partial there is nothing to read once for several
+    config = config or dataclasses.replace(kernel_config(max(1, table.num_blocks), slot_cols, 1, table.block_m),
+                                           expand_tiles=1)
+    out = torch.empty(y.shape, dtype=y.dtype, device=y.device) if contiguous else None
+    return expand(t, B, y, table, scaling, part_bounds, rank, config, slot_cols, out)
 
 
 def expand_silu_and_mul(x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: torch.Tensor, table: LoRAKernelTable,
                         scaling: torch.Tensor, part_bounds: torch.Tensor, rank: int, block_n: int = _ACT_BLOCK_N,
-                        num_warps: int = 4, tiles: int = 0) -> torch.Tensor:
+                        num_warps: int = 4, tiles: int = 0, stacked_t: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up`` of ``y`` [T, 2 * D] = ``[gate | up]`` plus each
     adapter row's delta (``lora_delta``'s): the shrink, then one launch for
     the expand and the activation, over every block of ``table`` (the rows
     without an adapter too), ``tiles`` tiles of ``block_n`` output columns a
-    program (0: as the expand chooses). Returns a new ``[T, D]`` tensor."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    program (0: as the expand chooses). With ``stacked_t`` (the stacked
+    GEMM's rank columns, ``A.shape[1]`` a slot, as :func:`stacked_delta`
+    takes them) no shrink runs and ``x`` is not read. Returns a new ``[T, D]`` tensor."""
     num_rows, d = y.shape[0], y.shape[1] // 2
     out = torch.empty(num_rows, d, dtype=y.dtype, device=y.device)
     num_all = table.all_blocks.shape[0]
     if num_rows == 0 or d == 0 or num_all == 0:
         return out
     config = kernel_config(max(1, table.num_blocks), A.shape[1], x.shape[1], table.block_m)
-    t = (shrink(x, A, table, config) if table.num_blocks else
-         torch.empty(1, num_rows, A.shape[1], dtype=torch.float32, device=x.device))
+    if stacked_t is not None:
+        t = stacked_t
+    elif table.num_blocks:
+        t = shrink(x if x.stride(-1) == 1 else x.contiguous(), A, table, config)
+    else:
+        t = torch.empty(1, num_rows, A.shape[1], dtype=torch.float32, device=x.device)
+    split, stride_tp, stride_tm, stride_ts = _t_strides(t, A.shape[1])
     r_pad = max(16, triton.next_power_of_2(rank))
     parts = part_bounds.shape[0]
     tiles = tiles or _tiles_per_program(config, triton.cdiv(d, block_n), num_all)
     _expand_silu_and_mul_kernel[(num_all, triton.cdiv(d, block_n * tiles))](
-        y, t, B, out, table.rows, table.all_blocks, scaling, part_bounds, num_rows, t.shape[2], d, y.stride(0),
-        B.stride(0), B.stride(1), R=rank, R_PAD=r_pad, PARTS=parts, PR_PAD=triton.next_power_of_2(parts) * r_pad,
-        SPLIT_K=t.shape[0], BLOCK_N=block_n, TILES=tiles, BLOCK_M=table.block_m, num_warps=num_warps)
+        y, t, B, out, table.rows, table.all_blocks, scaling, part_bounds, d, stride_tp, stride_tm, stride_ts,
+        y.stride(0), B.stride(0), B.stride(1), R=rank, R_PAD=r_pad, PARTS=parts,
+        PR_PAD=triton.next_power_of_2(parts) * r_pad, SPLIT_K=split, BLOCK_N=block_n, TILES=tiles,
+        BLOCK_M=table.block_m, num_warps=num_warps)
     return out

@@ -235,8 +235,9 @@ class ModelRunner:
             raise ValueError(f"lora_backend: triton runs on CUDA only; this runner's device is {self.device}")
         if options.backend != "triton" and self.device.type == "cuda" and (cuda_graph_max_bs > 0 or piecewise_tokens):
             raise ValueError(f"lora_backend: {options.backend} runs eagerly; turn CUDA graphs off or use triton")
+        # the slots' A go under the base weights (LoRALayer.stack), except those of the memory saver's arena
         return LoRAManager(self.model, self.model_config.num_hidden_layers, options, self.tp_rank, self.dtype,
-                           self.device)
+                           self.device, stack=self.weight_arena is None)
 
     def _piecewise_runner(self, token_sizes: list[int]) -> PiecewiseCudaGraphRunner | None:
         if not supports_pieces(self.model):
