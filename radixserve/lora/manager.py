@@ -87,8 +87,13 @@ class LoRAManager:
         for layer in self.layers:
             layer.bind(self.pool[:, at : at + layer.numel])
             at += layer.numel
-        # An adapter's host copy (_pack): the pool's row, then each stacked layer's A
-        self._stacked = [layer for layer in self.layers if layer.stacked]
+        # An adapter's host copy (_pack): the pool's row, then each stacked layer's A from this offset
+        self._stacked, at = [], self.pool.shape[1]
+        for layer in self.layers:
+            if layer.stacked:
+                self._stacked.append((layer, at))
+                at += layer.a_numel
+        self._packed_numel = at
         for adapter in self.adapters.values():
             self._pack(adapter, "lora_paths")
         self.slot_uids: list[str | None] = [None] * self.num_slots  # what each device slot holds
@@ -159,15 +164,14 @@ class LoRAManager:
     def _pack(self, adapter: LoRAAdapter, field: str) -> None:
         """Lay ``adapter`` out as a slot holds it on this rank (host memory,
         pinned for an asynchronous copy on CUDA), in place of its weights."""
-        width = self.pool.shape[1]
-        packed = torch.zeros(width + sum(layer.a_numel for layer in self._stacked), dtype=self.dtype,
-                             pin_memory=self.device.type == "cuda")
-        at, tail = 0, width
+        packed = torch.zeros(self._packed_numel, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        a_offsets = iter(at for _, at in self._stacked)  # in the layers' order
+        at = 0
         for layer in self.layers:
             row = packed[at : at + layer.numel]
             if layer.stacked:
-                a, b = packed[tail : tail + layer.a_numel], row
-                tail += layer.a_numel
+                a_at = next(a_offsets)
+                a, b = packed[a_at : a_at + layer.a_numel], row
             else:
                 a, b = row[: layer.a_numel], row[layer.a_numel :]
             layer.pack(a, b, adapter.weights, f"{field}: adapter {adapter.name!r}")
@@ -276,11 +280,9 @@ class LoRAManager:
         for slot, uid in batch.loads if batch is not None else ():
             if self.slot_uids[slot] != uid:
                 adapter = self._by_uid[uid]
-                width = self.pool.shape[1]
-                self.pool[slot].copy_(adapter.packed[:width], non_blocking=True)
-                for layer in self._stacked:
-                    layer.A[slot].view(-1).copy_(adapter.packed[width : width + layer.a_numel], non_blocking=True)
-                    width += layer.a_numel
+                self.pool[slot].copy_(adapter.packed[: self.pool.shape[1]], non_blocking=True)
+                for layer, at in self._stacked:
+                    layer.A[slot].view(-1).copy_(adapter.packed[at : at + layer.a_numel], non_blocking=True)
                 self.slot_scaling[slot].fill_(adapter.config.scaling)
                 self.slot_uids[slot] = uid
         self.active = batch

@@ -117,19 +117,17 @@ class LoRALayer:
         ``[W; A_0; ...; A_S-1]`` (a view, so the layer and its loaders see
         it as before), the bias likewise with zeros under it, and ``A`` a
         view of the other rows."""
-        weight = module.weight.data
-        rows = weight.shape[0]
-        stacked = torch.zeros(rows + num_slots * self.a_shape[0], weight.shape[1], dtype=weight.dtype,
-                              device=weight.device)
-        stacked[:rows].copy_(weight)
-        module.weight.data = stacked[:rows]
-        if module.bias is not None:
-            bias = torch.zeros(stacked.shape[0], dtype=module.bias.dtype, device=module.bias.device)
-            bias[:rows].copy_(module.bias.data)
-            module.bias.data = bias[:rows]
-            self.stacked_bias = bias
-        self.stacked_weight = stacked
-        self.A = stacked[rows:].unflatten(0, (num_slots, self.a_shape[0]))
+        rows, extra = module.weight.shape[0], num_slots * self.a_shape[0]
+
+        def extended(param: torch.nn.Parameter) -> torch.Tensor:  # zeros under it; param becomes its first rows
+            out = param.data.new_zeros(rows + extra, *param.shape[1:])
+            out[:rows].copy_(param.data)
+            param.data = out[:rows]
+            return out
+
+        self.stacked_weight = extended(module.weight)
+        self.stacked_bias = None if module.bias is None else extended(module.bias)
+        self.A = self.stacked_weight[rows:].unflatten(0, (num_slots, self.a_shape[0]))
 
     def bind(self, flat: torch.Tensor) -> None:
         """Take this layer's slots in the pool: ``flat`` [slots, numel]."""
@@ -187,9 +185,12 @@ class LoRALayer:
             return self.add_delta(x, linear(x, weight, bias, weight_scale))
         from radixserve.lora.triton_ops import stacked_delta
 
-        y_ext = linear(x, self.stacked_weight, None if bias is None else self.stacked_bias, None)
-        return stacked_delta(y_ext, self.out_size, self.B, table, self.scaling, self.part_bounds, self.max_rank,
-                             self.a_shape[0], contiguous)
+        return stacked_delta(self._stacked_product(x, bias), self.out_size, self.B, table, self.scaling,
+                             self.part_bounds, self.max_rank, self.a_shape[0], contiguous)
+
+    def _stacked_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ [W; A_0; ...].T`` (plus the bias, zeros under it): the output, then every slot's rank columns."""
+        return linear(x, self.stacked_weight, None if bias is None else self.stacked_bias)
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base layer's output for ``x``, this rank's part of it)
@@ -227,7 +228,7 @@ class LoRALayer:
         from radixserve.lora.triton_ops import expand_silu_and_mul
 
         if self.stacked:
-            y_ext = linear(x, self.stacked_weight, None if bias is None else self.stacked_bias, None)
+            y_ext = self._stacked_product(x, bias)
             y, t = y_ext[:, : self.out_size], y_ext[:, self.out_size :]
         else:
             y, t = linear(x, weight, bias, weight_scale), None
