@@ -12,7 +12,10 @@ Each shape also times a whole projection both ways, the base GEMM then
 its LoRA (``unstacked_us``) against one GEMM over the weight with every
 slot's A stacked under it and the expand over the rank columns it wrote
 (``stacked_us``: no shrink; ``stacked_delta``, contiguous for o and down;
-gate_up through the fused activation in both).
+gate_up through the fused activation in both); that GEMM alone
+(``stacked_gemm_us``) and as two writing the same columns, over W's rows
+and over the A rows (``stacked_split_gemm_us``); and gate_up's stacked
+expand over a CUDA graph's padded table at 1 to 16 column tiles a program.
 Times are per call, the best of CUDA graphs of REPEATS calls. Prints JSON lines.
 
     python benchmarks/lora_kernel.py [--rows 1 32 256 4096] [--shapes qkv gate_up] [--sweep [fused ...]]
@@ -29,7 +32,7 @@ import torch
 
 from radixserve.bench.fp8_gemm import cuda_time
 from radixserve.layers.triton_ops.activation import silu_and_mul
-from radixserve.lora.triton_ops import (KernelConfig, build_table, expand, expand_silu_and_mul, kernel_config,
+from radixserve.lora.triton_ops import (KernelConfig, blocks_for, build_table, expand, expand_silu_and_mul, kernel_config,
                                         lora_delta, shrink, stacked_delta)
 
 HIDDEN, INTER, KV, R, ADAPTERS, REPEATS = 4096, 14336, 1024, 16, 8, 20
@@ -90,6 +93,14 @@ def main() -> None:
                 return stacked_delta(ys, out, B, table, scaling, bounds, R, A.shape[1], name in ("o", "down"))
 
             line["stacked_gemm_us"] = round(graph_time_us(lambda: torch.matmul(x, Ws.t(), out=ys)), 2)
+            # the same columns from two GEMMs, over W's rows and over the stacked A's
+            line["stacked_split_gemm_us"] = round(graph_time_us(lambda: (
+                torch.mm(x, Ws[:out].t(), out=ys[:, :out]), torch.mm(x, Ws[out:].t(), out=ys[:, out:]))), 2)
+            if name == "gate_up":  # a CUDA graph's table (padded for its rows), column tiles a program
+                padded = build_table(np.arange(rows) % ADAPTERS, rows, blocks_for(rows, ADAPTERS)).to(dev)
+                line["stacked_fused_graph_table_tiles_us"] = {tiles: round(graph_time_us(
+                    lambda: expand_silu_and_mul(x, ys[:, :out], A, B, padded, scaling, bounds, R, tiles=tiles,
+                                                stacked_t=ys[:, out:])), 2) for tiles in (1, 2, 4, 16)}
             line["unstacked_us"] = round(graph_time_us(unstacked), 2)
             line["stacked_us"] = round(graph_time_us(stacked), 2)
             if name == "gate_up":

@@ -117,6 +117,25 @@ def test_kernels_under_a_cuda_graph():
         assert torch.equal(ys[n:], y[n:]), "rows past the batch gained a delta"
 
 
+def test_static_table_fill_does_not_wait_for_the_stream():
+    """Under overlap scheduling a step's table is copied in while the step
+    before still runs on the forward's stream: the host must not wait for it
+    (as a copy from pageable memory may). The stream is still busy when
+    ``fill`` returns, and the graph's buffers then hold the new table."""
+    from radixserve.lora.triton_ops import StaticKernelTable, blocks_for, build_table
+
+    rows, slots = 256, 8
+    static = StaticKernelTable(rows, slots, torch.device("cuda"))
+    row_slots = np.random.default_rng(0).integers(-1, slots, 200)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(2_000_000_000)  # about a second of a busy stream
+        static.fill(row_slots, rows)
+        assert not stream.query(), "fill waited for the work queued before it"
+    stream.synchronize()
+    want = build_table(row_slots, rows, blocks_for(rows, slots))
+    assert torch.equal(static.rows[:rows].cpu(), want.rows)
+    assert torch.equal(static.blocks[: want.all_blocks.shape[0]].cpu(), want.all_blocks)
 # llama-3.1-8b's gate|up at rank 16: decode batches, and a prefill of several blocks of 64 rows
 GATE_UP_CASES = [(rows, 4096, [(0, 14336), (14336, 14336)], 28672, 16, 8, 0.2) for rows in (1, 32, 256, 2000)]
 

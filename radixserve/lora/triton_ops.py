@@ -86,8 +86,18 @@ class LoRAKernelTable:
         return self.all_blocks[: self.num_blocks]
 
     def to(self, device: torch.device) -> "LoRAKernelTable":
-        return LoRAKernelTable(self.rows.to(device, non_blocking=True), self.all_blocks.to(device, non_blocking=True),
-                               self.num_blocks, self.block_m)
+        return LoRAKernelTable(staged(self.rows, device).to(device, non_blocking=True),
+                               staged(self.all_blocks, device).to(device, non_blocking=True), self.num_blocks,
+                               self.block_m)
+
+
+def staged(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` ready for an asynchronous copy to ``device``: in pinned
+    memory when that is a GPU. A copy from pageable memory may wait for the
+    stream's earlier work before it returns, which under overlap scheduling
+    is the previous step's forward; PyTorch's pinned allocator keeps the
+    block until the copy has run."""
+    return host.pin_memory() if torch.device(device).type == "cuda" else host
 
 
 def blocks_for(num_rows: int, num_slots: int) -> int:
@@ -155,14 +165,15 @@ class StaticKernelTable:
         """Copy in the table of a batch whose rows take ``row_slots`` (None:
         no adapter) for a graph of ``num_rows`` rows: two host-to-device copies,
         none when the buffers hold that table already (decode steps of an
-        unchanged running batch)."""
+        unchanged running batch), from pinned memory: the host does not wait
+        for the forward before."""
         row_slots = np.full(0, -1) if row_slots is None else row_slots
         key = (num_rows, row_slots.tobytes())
         if key == self._filled:
             return
         table = build_table(row_slots, num_rows, blocks_for(num_rows, self.num_slots))
-        self.rows[:num_rows].copy_(table.rows, non_blocking=True)
-        self.blocks[: table.all_blocks.shape[0]].copy_(table.all_blocks, non_blocking=True)
+        self.rows[:num_rows].copy_(staged(table.rows, self.rows.device), non_blocking=True)
+        self.blocks[: table.all_blocks.shape[0]].copy_(staged(table.all_blocks, self.blocks.device), non_blocking=True)
         self._filled = key
 
 
@@ -449,9 +460,9 @@ def expand_silu_and_mul(x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: to
     adapter row's delta (``lora_delta``'s): the shrink, then one launch for
     the expand and the activation, over every block of ``table`` (the rows
     without an adapter too), ``tiles`` tiles of ``block_n`` output columns a
-    program (0: as the expand chooses). With ``stacked_t`` (the stacked
-    GEMM's rank columns, ``A.shape[1]`` a slot, as :func:`stacked_delta`
-    takes them) no shrink runs and ``x`` is not read. Returns a new ``[T, D]`` tensor."""
+    program (0: as the expand chooses; one with ``stacked_t``). With
+    ``stacked_t`` (the stacked GEMM's rank columns, ``A.shape[1]`` a slot, as
+    :func:`stacked_delta` takes them) no shrink runs and ``x`` is not read. Returns a new ``[T, D]`` tensor."""
     num_rows, d = y.shape[0], y.shape[1] // 2
     out = torch.empty(num_rows, d, dtype=y.dtype, device=y.device)
     num_all = table.all_blocks.shape[0]
@@ -467,7 +478,8 @@ def expand_silu_and_mul(x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: to
     split, stride_tp, stride_tm, stride_ts = _t_strides(t, A.shape[1])
     r_pad = max(16, triton.next_power_of_2(rank))
     parts = part_bounds.shape[0]
-    tiles = tiles or _tiles_per_program(config, triton.cdiv(d, block_n), num_all)
+    # stacked rank columns are one partial: one column tile a program, as stacked_delta's
+    tiles = tiles or (1 if stacked_t is not None else _tiles_per_program(config, triton.cdiv(d, block_n), num_all))
     _expand_silu_and_mul_kernel[(num_all, triton.cdiv(d, block_n * tiles))](
         y, t, B, out, table.rows, table.all_blocks, scaling, part_bounds, d, stride_tp, stride_tm, stride_ts,
         y.stride(0), B.stride(0), B.stride(1), R=rank, R_PAD=r_pad, PARTS=parts,
