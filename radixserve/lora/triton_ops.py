@@ -93,10 +93,11 @@ class LoRAKernelTable:
 
 def staged(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``host`` ready for an asynchronous copy to ``device``: in pinned
-    memory when that is a GPU. A copy from pageable memory may wait for the
-    stream's earlier work before it returns, which under overlap scheduling
-    is the previous step's forward; PyTorch's pinned allocator keeps the
-    block until the copy has run."""
+    memory when that is a GPU. CUDA lets a copy from pageable memory wait
+    for the stream's earlier work (which under overlap scheduling is the
+    previous step's forward) while the driver stages it; one from pinned
+    memory never waits. PyTorch's pinned allocator keeps the block until
+    the copy has run."""
     return host.pin_memory() if torch.device(device).type == "cuda" else host
 
 
