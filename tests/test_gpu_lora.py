@@ -136,6 +136,8 @@ def test_static_table_fill_does_not_wait_for_the_stream():
     want = build_table(row_slots, rows, blocks_for(rows, slots))
     assert torch.equal(static.rows[:rows].cpu(), want.rows)
     assert torch.equal(static.blocks[: want.all_blocks.shape[0]].cpu(), want.all_blocks)
+
+
 # llama-3.1-8b's gate|up at rank 16: decode batches, and a prefill of several blocks of 64 rows
 GATE_UP_CASES = [(rows, 4096, [(0, 14336), (14336, 14336)], 28672, 16, 8, 0.2) for rows in (1, 32, 256, 2000)]
 

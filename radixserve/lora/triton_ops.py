@@ -463,7 +463,8 @@ def expand_silu_and_mul(x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: to
     without an adapter too), ``tiles`` tiles of ``block_n`` output columns a
     program (0: as the expand chooses; one with ``stacked_t``). With
     ``stacked_t`` (the stacked GEMM's rank columns, ``A.shape[1]`` a slot, as
-    :func:`stacked_delta` takes them) no shrink runs and ``x`` is not read. Returns a new ``[T, D]`` tensor."""
+    :func:`stacked_delta` takes them) no shrink runs and ``x`` is not read.
+    Returns a new ``[T, D]`` tensor."""
     num_rows, d = y.shape[0], y.shape[1] // 2
     out = torch.empty(num_rows, d, dtype=y.dtype, device=y.device)
     num_all = table.all_blocks.shape[0]
