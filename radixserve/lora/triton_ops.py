@@ -45,7 +45,6 @@ zero (``LoRALayer.fill``), so the kernels read ``R`` and add nothing more.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -448,8 +447,7 @@ def stacked_delta(y_ext: torch.Tensor, width: int, B: torch.Tensor, table: LoRAK
     or with ``contiguous`` a new ``[T, width]`` tensor."""
     y, t = y_ext[:, :width], y_ext[:, width:]
     # one column tile a program: with one partial there is nothing to read once for several
-    config = config or dataclasses.replace(kernel_config(max(1, table.num_blocks), slot_cols, 1, table.block_m),
-                                           expand_tiles=1)
+    config = config or KernelConfig(split_k=1, expand_tiles=1)
     out = torch.empty(y.shape, dtype=y.dtype, device=y.device) if contiguous else None
     return expand(t, B, y, table, scaling, part_bounds, rank, config, slot_cols, out)
 
@@ -470,18 +468,16 @@ def expand_silu_and_mul(x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: to
     num_all = table.all_blocks.shape[0]
     if num_rows == 0 or d == 0 or num_all == 0:
         return out
-    config = kernel_config(max(1, table.num_blocks), A.shape[1], x.shape[1], table.block_m)
-    if stacked_t is not None:
-        t = stacked_t
-    elif table.num_blocks:
-        t = shrink(x if x.stride(-1) == 1 else x.contiguous(), A, table, config)
+    if stacked_t is not None:  # one partial: one column tile a program, as stacked_delta's
+        t, tiles = stacked_t, tiles or 1
     else:
-        t = torch.empty(1, num_rows, A.shape[1], dtype=torch.float32, device=x.device)
+        config = kernel_config(max(1, table.num_blocks), A.shape[1], x.shape[1], table.block_m)
+        t = (shrink(x if x.stride(-1) == 1 else x.contiguous(), A, table, config) if table.num_blocks else
+             torch.empty(1, num_rows, A.shape[1], dtype=torch.float32, device=x.device))
+        tiles = tiles or _tiles_per_program(config, triton.cdiv(d, block_n), num_all)
     split, stride_tp, stride_tm, stride_ts = _t_strides(t, A.shape[1])
     r_pad = max(16, triton.next_power_of_2(rank))
     parts = part_bounds.shape[0]
-    # stacked rank columns are one partial: one column tile a program, as stacked_delta's
-    tiles = tiles or (1 if stacked_t is not None else _tiles_per_program(config, triton.cdiv(d, block_n), num_all))
     _expand_silu_and_mul_kernel[(num_all, triton.cdiv(d, block_n * tiles))](
         y, t, B, out, table.rows, table.all_blocks, scaling, part_bounds, d, stride_tp, stride_tm, stride_ts,
         y.stride(0), B.stride(0), B.stride(1), R=rank, R_PAD=r_pad, PARTS=parts,
