@@ -47,6 +47,35 @@ def test_offline_throughput_figures_follow_from_the_tokens_and_the_walls(capsys,
     assert summary["speedup_output_tok_s"] == HF_S / OURS_S
 
 
+def test_rounds_alternate_the_backends_and_summarise_each_round(capsys, monkeypatch):
+    ours_walls, hf_walls = iter([1.0, 2.0]), iter([4.0, 4.0])  # round speed-ups 4 and 2; summed walls 8 / 3
+    real = {name: getattr(bench, name) for name in ("run_radixserve", "run_hf")}
+    order = []
+
+    def ours(*a):
+        order.append("radixserve")
+        return _with_wall(real["run_radixserve"](*a), next(ours_walls))
+
+    def hf(*a):
+        order.append("hf")
+        return _with_wall(real["run_hf"](*a), next(hf_walls))
+
+    monkeypatch.setattr(bench, "run_radixserve", ours)
+    monkeypatch.setattr(bench, "run_hf", hf)
+    records = bench.main([
+        "--workload", "W1", "--model-path", "tiny-llama", "--num-prompts", "3", "--input-len-range", "4", "8",
+        "--output-len-range", "2", "3", "--compare-hf", "--rounds", "2", "--disable-tqdm",
+    ])
+    capsys.readouterr()
+    assert order == ["radixserve", "hf", "radixserve", "hf"]
+    *runs, summary = records
+    assert [(r["backend"], r["round"], r["wall_s"]) for r in runs] == [
+        ("radixserve", 0, 1.0), ("hf_transformers", 0, 4.0), ("radixserve", 1, 2.0), ("hf_transformers", 1, 4.0)]
+    assert runs[0]["output_tokens"] == runs[2]["output_tokens"]  # the same requests each round
+    assert summary["rounds"] == 2 and summary["speedup_by_round"] == [4.0, 2.0] and summary["speedup_median"] == 3.0
+    assert summary["speedup_output_tok_s"] == round(8 / 3, 3)
+
+
 def test_warm_give_back_makes_the_timed_run_map_its_pool_again(capsys):
     args = ["--workload", "W1", "--model-path", "tiny-llama", "--num-prompts", "6", "--input-len-range", "200", "300",
             "--output-len-range", "2", "4", "--disable-tqdm", "--enable-elastic-kv", "--elastic-kv-page-mb", "0.0625",
