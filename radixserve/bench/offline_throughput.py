@@ -7,9 +7,10 @@
 
 Prints one JSON line per backend (radixserve, then hf_transformers with
 ``--compare-hf``) and a summary line with the speedup. ``--rounds N`` times
-the workload N times, the backends taking turns (a fresh ``Engine`` each
-round): on a small shared CPU one run's figure moves by 10-20%, so the
-summary then gives each round's speed-up and their median. Every line says what was
+the workload N times; with ``--compare-hf`` the backends take turns (a fresh
+``Engine`` each round): on a small shared CPU one run's figure moves by
+10-20%, so the summary then gives each round's speed-up and their median.
+Every line says what was
 run (lengths, count, ``full_size``), so a scaled-down run is never mistaken
 for the full workload. The timed region is one ``generate`` call over all
 requests, prefill included, after a small untimed warm-up.
@@ -286,7 +287,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         engine.shutdown()
         engine = None
         gc.collect()  # the KV pool goes before the HF model comes
-        hf_model = hf_model or load_hf_model(model_config, device)
+        if hf_model is None:  # loaded once, kept across rounds
+            hf_model = load_hf_model(model_config, device)
         theirs, hf_wall, hf_counters = run_hf(hf_model, wl, reqs, args.hf_batch_size, pad_id, device)
         records.append(_record("hf_transformers", *common, sum(map(len, theirs)), hf_wall, **per_round,
                                **hf_counters))
