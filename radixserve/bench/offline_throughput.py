@@ -264,12 +264,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     reqs = make_requests(wl, model_config.vocab_size, _special_ids(engine), args.seed)
     pad_id = getattr(engine.tokenizer, "pad_token_id", None) or 0
     common = (args.workload, wl, full_size, model, device, model_config.dtype, reqs)
-    per_round = {"round": None} if args.rounds > 1 else {}
 
     records, walls, identical, prefixes, hf_model = [], [], [], [], None
     for round_ in range(args.rounds):
-        if args.rounds > 1:
-            per_round["round"] = round_
+        per_round = {"round": round_} if args.rounds > 1 else {}
         if engine is None:
             engine = Engine(**vars(server_args))
         ours, wall, counters = run_radixserve(engine, wl, reqs, args.profile, args.warm_runs, args.warm_give_back)
