@@ -28,10 +28,15 @@
 #define BLOCK 32   /* keys scored before each softmax rescale */
 #define PREFETCH 4 /* keys ahead whose K rows are prefetched */
 
+/* A slot's row fetched into L2, not L1 (locality 1: prefetcht2). A step's K/V
+ * are far larger than the caches; fetched into L1, the rows of a few keys
+ * ahead evicted the rows in use, and W6's decode step took 34 ms of
+ * attention against 29 ms with them fetched into L2
+ * (benchmarks/cpu_decode_attention.py, cold). */
 static inline void prefetch_row(const void *pool, const float *lut, int32_t slot, int kv_row) {
     int64_t bytes = lut == NULL ? (int64_t)kv_row * 4 : kv_row;
     const char *row = (const char *)pool + slot * bytes;
-    for (int i = 0; i < bytes; i += 64) __builtin_prefetch(row + i, 0, 3);
+    for (int i = 0; i < bytes; i += 64) __builtin_prefetch(row + i, 0, 1);
 }
 
 /* Slot ``slot``'s row of ``pool`` as floats: in place for a float32 pool, else
