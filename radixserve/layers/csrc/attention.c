@@ -29,10 +29,10 @@
 #define PREFETCH 4 /* keys ahead whose K rows are prefetched */
 
 /* A slot's row fetched into L2, not L1 (locality 1: prefetcht2). A step's K/V
- * are far larger than the caches; fetched into L1, the rows of a few keys
- * ahead evicted the rows in use, and W6's decode step took 34 ms of
- * attention against 29 ms with them fetched into L2
- * (benchmarks/cpu_decode_attention.py, cold). */
+ * are far larger than the caches, and the rows of keys ahead, fetched into
+ * L1, compete there with the rows being scored: W6's decode step took 33 ms
+ * of attention with them fetched into L1, 28 ms into L2
+ * (benchmarks/cpu_decode_attention.py, cold; benchmarks/README.md). */
 static inline void prefetch_row(const void *pool, const float *lut, int32_t slot, int kv_row) {
     int64_t bytes = lut == NULL ? (int64_t)kv_row * 4 : kv_row;
     const char *row = (const char *)pool + slot * bytes;
