@@ -16,6 +16,7 @@ from tqdm import tqdm
 from radixserve.managers.detokenizer_manager import DecodeStatus, NullTokenizer
 from radixserve.managers.schedule_batch import Req
 from radixserve.managers.scheduler_factory import build_scheduler
+from radixserve.model_executor.cpu_malloc import HeapTrimmer
 from radixserve.sampling.grammar import check_grammar, grammar_spec
 from radixserve.sampling.grammar_sandbox import GrammarSandbox
 from radixserve.sampling.sampling_params import SamplingParams
@@ -46,6 +47,8 @@ class Engine:
             self.scheduler = build_scheduler(self.server_args)
         self.tokenizer = self.scheduler.tokenizer
         self._counter = itertools.count()
+        # freed blocks are kept for reuse on a CPU (cpu_malloc.py): a long run's fragmented heap goes back every 30 s
+        self._heap = HeapTrimmer()
         self._grammar_sandbox = (GrammarSandbox(self.tokenizer, self.scheduler.vocab_size,
                                                 self.server_args.grammar_compile_limits())
                                  if self.tokenizer is not None else None)
@@ -204,7 +207,7 @@ class Engine:
         bar = tqdm(total=len(reqs), desc="generate", disable=self.server_args.disable_tqdm or len(reqs) < 2)
         pending = {id(r) for r in reqs}
         while pending:
-            for req in self.scheduler.step():
+            for req in self._step():
                 if req.finished() and id(req) in pending:
                     pending.discard(id(req))
                     bar.update(1)
@@ -218,7 +221,7 @@ class Engine:
         status, text, sent = self._decode_status(req), "", 0
         try:
             while not req.finished():
-                if any(r is req for r in self.scheduler.step()):
+                if any(r is req for r in self._step()):
                     reason = req.finished_reason.to_json() if req.finished_reason else None
                     text += status.feed(req.output_ids[sent:], reason, req.sampling_params.no_stop_trim)
                     sent = len(req.output_ids)
@@ -237,7 +240,12 @@ class Engine:
     def _drain(self) -> None:
         """Run until requests that only wait for their abort to land are gone."""
         while any(r.to_abort for r in self.scheduler.live_reqs()):
-            self.scheduler.step()
+            self._step()
+
+    def _step(self) -> list[Req]:
+        finished = self.scheduler.step()
+        self._heap.busy()
+        return finished
 
     def _decode_status(self, req: Req) -> DecodeStatus:
         sp = req.sampling_params
