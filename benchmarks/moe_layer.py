@@ -8,7 +8,9 @@ milliseconds (eager; the fused path also replayed from a CUDA graph at the
 decode sizes, as the engine runs decode), the speed-up, the fused output's
 error against the torch path, and at batch 1 the bandwidth the fused path
 achieves on the bytes of the experts it reads (the k chosen experts' w13 and
-w2; activations are noise) against the H200's ~4.8 TB/s::
+w2; activations are noise) against the H200's ~4.8 TB/s. The sort-and-pad
+alone is timed both ways: as the layer runs it, and in one launch (every
+program counting every pair, the only way before 2026-12-07)::
 
     python benchmarks/moe_layer.py --model qwen3-30b-a3b [--config-dir DIR]
 
@@ -19,6 +21,7 @@ than the package's; a directory without them gives the untuned defaults.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -105,6 +108,9 @@ def main() -> None:
                 "max_rel_error": float((got - want).abs().max() / want.abs().max()),
                 "torch_ms": round(eager_ms(native, max(3, args.iters // 4)), 4),
                 "fused_ms": round(eager_ms(fused, args.iters), 4)}
+        align = functools.partial(moe_align_block_size, ids, config["BLOCK_SIZE_M"], e)
+        line["align_ms"] = round(eager_ms(align, args.iters), 4)  # counted first past 8,192 pairs
+        line["align_one_launch_ms"] = round(eager_ms(functools.partial(align, count_first=False), args.iters), 4)
         best = line["fused_ms"]
         if tokens <= DECODE_MAX:
             line["fused_graph_ms"] = round(graph_ms(fused, args.iters), 4)

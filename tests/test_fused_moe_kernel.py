@@ -61,7 +61,10 @@ KERNEL_CASES = [
          config=dict(BLOCK_SIZE_M=2, BLOCK_SIZE_N=16, BLOCK_SIZE_K=32)),
 ]
 # (tokens, top_k, experts, block size, share of -1 ids)
-ALIGN_CASES = [(1, 1, 4, 16, 0.0), (5, 3, 7, 4, 0.3), (100, 3, 7, 8, 0.2), (64, 8, 128, 16, 0.0), (3, 2, 5, 4, 1.0)]
+# (tokens, top_k, experts, block, skipped share[, count_first]): counted first, as past 64 programs,
+# on a few programs here
+ALIGN_CASES = [(1, 1, 4, 16, 0.0), (5, 3, 7, 4, 0.3), (100, 3, 7, 8, 0.2), (64, 8, 128, 16, 0.0), (3, 2, 5, 4, 1.0),
+               (5, 3, 7, 4, 0.3, True), (100, 3, 7, 8, 0.2, True), (64, 8, 128, 16, 0.0, True), (3, 2, 5, 4, 1.0, True)]
 # max |fused - reference| / max |reference|: float32 end to end; half precision rounds
 # SiLU * up and each expert's output once (the interpreter truncates to bf16 where the GPU rounds)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -128,9 +131,9 @@ def kernel_case(case: Case, device) -> dict:
 def align_case(case, device) -> dict:
     from radixserve.layers.moe.triton_ops import moe_align_block_size
 
-    tokens, top_k, experts, block, skipped = case
+    tokens, top_k, experts, block, skipped, *count_first = case
     _, ids = routing(tokens, top_k, experts, skipped, seed=tokens, device=device)
-    sorted_ids, expert_ids, num_post = moe_align_block_size(ids, block, experts)
+    sorted_ids, expert_ids, num_post = moe_align_block_size(ids, block, experts, count_first=(count_first or [None])[0])
     return {"ids": ids.tolist(), "sorted": sorted_ids.tolist(), "experts": expert_ids.tolist(),
             "num_post": num_post.tolist(), "dtypes": [str(t.dtype) for t in (sorted_ids, expert_ids, num_post)]}
 
@@ -177,7 +180,7 @@ def check_align_result(case, result):
     """Every kept pair once, in its expert's run, in increasing order; each
     run padded with T * k to whole blocks; each block's expert; the sizes
     within the worst case T * k + E * (block - 1)."""
-    tokens, top_k, experts, block, _ = case
+    tokens, top_k, experts, block, *_ = case
     ids = [e for row in result["ids"] for e in row]
     n, sorted_ids, expert_ids, (num_post,) = len(ids), result["sorted"], result["experts"], result["num_post"]
     assert result["dtypes"] == ["torch.int32"] * 3
@@ -205,7 +208,8 @@ def test_the_cases_cover_empty_experts_and_skipped_ids(interpreted):
     assert results["experts without tokens"]["empty_experts"] > 0
 
 
-@pytest.mark.parametrize("case", ALIGN_CASES, ids=[f"T{c[0]}k{c[1]}E{c[2]}b{c[3]}" for c in ALIGN_CASES])
+@pytest.mark.parametrize("case", ALIGN_CASES,
+                         ids=[f"T{c[0]}k{c[1]}E{c[2]}b{c[3]}{'-counted' if c[5:] else ''}" for c in ALIGN_CASES])
 def test_moe_align_block_size_in_the_interpreter(interpreted, case):
     check_align_result(case, interpreted["align"][ALIGN_CASES.index(case)])
 
@@ -266,9 +270,26 @@ def test_one_token_on_the_cuda_cores_on_the_gpu(skipped):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("case", [(4096, 8, 128, 64, 0.0), (1, 8, 128, 16, 0.0), (513, 2, 8, 128, 0.5),
-                                  (300, 8, 256, 16, 0.1)])
+                                  (300, 8, 256, 16, 0.1), (300, 8, 256, 16, 0.1, True), (1000, 8, 128, 64, 0.0, False)])
 def test_moe_align_block_size_on_the_gpu(case):
     check_align_result(case, align_case(case, "cuda"))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_prefills_alignment_counted_first_matches_one_launch():
+    """131,072 tokens of qwen3-30b-a3b's routing (a million pairs: W2's
+    prefill at batch 256), counted first as by default there, against the
+    one-launch kernel that counts every pair in every program."""
+    from radixserve.layers.moe.triton_ops import moe_align_block_size
+
+    _, ids = routing(131072, 8, 128, 0.0, seed=0, device="cuda")
+    counted = moe_align_block_size(ids, 64, 128)
+    one_launch = moe_align_block_size(ids, 64, 128, count_first=False)
+    num_post = int(counted[2])
+    assert num_post == int(one_launch[2])
+    assert torch.equal(counted[0][:num_post], one_launch[0][:num_post])
+    assert torch.equal(counted[1][:num_post // 64], one_launch[1][:num_post // 64])
 
 
 @pytest.mark.gpu

@@ -48,6 +48,11 @@ CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "
 
 _ALIGN_CHUNK = 128  # pairs placed by one program of the align kernel
 _ALIGN_COUNT_BLOCK = 1024  # pairs counted per step of its histogram loop
+# Past this many programs the pairs are counted first, a chunk a program, and the counts summed up by
+# torch: each program of the one-launch kernel counts every pair, n^2 / 128 in all, which at a prefill
+# of 131,072 tokens (a million pairs) took longer than the GEMMs (W2 at batch 256 prefilled at 19.9k
+# tok/s on an H200 where batch 32 did 59k)
+_ALIGN_ONE_LAUNCH_PROGRAMS = 64
 _ALIGN_TILE = 8192  # elements of its [experts x something] tiles
 _SUM_BLOCK = 1024
 _SAFE_SHARED_MEMORY = 96 * 1024  # bytes a block may use on sm_80 and later (sm_89 has the least: 99 KB)
@@ -58,27 +63,43 @@ _SAFE_SHARED_MEMORY = 96 * 1024  # bytes a block may use on sm_80 and later (sm_
 # ---------------------------------------------------------------------------
 
 
+@triton.jit(do_not_specialize=["n"])
+def _moe_count_kernel(TopkIds, Counts, n, num_experts, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    # Counts[pid]: the pairs of each expert in chunk pid (bin num_experts: the skipped ones)
+    pid = tl.program_id(0)
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(TopkIds + offs, mask=offs < n, other=-1).to(tl.int32)
+    e = tl.where((e >= 0) & (e < num_experts), e, num_experts)
+    tl.store(Counts + pid * E_PAD + tl.arange(0, E_PAD), tl.histogram(e, E_PAD))
+
+
 @triton.jit(do_not_specialize=["n"])  # one compiled kernel for every batch size
 def _moe_align_kernel(
-    TopkIds, SortedIds, ExpertIds, NumPostPadded, n, num_experts,
+    TopkIds, SortedIds, ExpertIds, NumPostPadded, n, num_experts, Counts, CountsSummed,
     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, COUNT_BLOCK: tl.constexpr,
-    PAD_COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    PAD_COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr, COUNTED: tl.constexpr,
 ):
-    # Every program counts all pairs (each needs every expert's start) and the
-    # pairs before its chunk; it then places its chunk's pairs, the pads of
-    # the experts e with e % programs == pid, and every programs-th block's expert.
+    # Every program needs every expert's count (for its start) and the pairs
+    # of each expert before its chunk: COUNTED, from the chunks' counts and
+    # their running sums over chunks; otherwise it counts all pairs itself.
+    # It then places its chunk's pairs, the pads of the experts e with
+    # e % programs == pid, and every programs-th block's expert.
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     chunk_start = pid * CHUNK
     bins = tl.arange(0, E_PAD)  # bin num_experts (< E_PAD) collects the skipped pairs
-    total = tl.zeros([E_PAD], dtype=tl.int32)
-    before = tl.zeros([E_PAD], dtype=tl.int32)
-    for start in range(0, n, COUNT_BLOCK):
-        offs = start + tl.arange(0, COUNT_BLOCK)
-        e = tl.load(TopkIds + offs, mask=offs < n, other=-1).to(tl.int32)
-        e = tl.where((e >= 0) & (e < num_experts), e, num_experts)
-        total += tl.histogram(e, E_PAD)
-        before += tl.histogram(tl.where(offs < chunk_start, e, num_experts), E_PAD)
+    if COUNTED:
+        total = tl.load(CountsSummed + (programs - 1) * E_PAD + bins)
+        before = tl.load(CountsSummed + pid * E_PAD + bins) - tl.load(Counts + pid * E_PAD + bins)
+    else:
+        total = tl.zeros([E_PAD], dtype=tl.int32)
+        before = tl.zeros([E_PAD], dtype=tl.int32)
+        for start in range(0, n, COUNT_BLOCK):
+            offs = start + tl.arange(0, COUNT_BLOCK)
+            e = tl.load(TopkIds + offs, mask=offs < n, other=-1).to(tl.int32)
+            e = tl.where((e >= 0) & (e < num_experts), e, num_experts)
+            total += tl.histogram(e, E_PAD)
+            before += tl.histogram(tl.where(offs < chunk_start, e, num_experts), E_PAD)
     counts = tl.where(bins < num_experts, total, 0)
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     ends = tl.cumsum(padded, 0)
@@ -139,7 +160,7 @@ def one_token_layout(top_k: int, block_size: int, device: torch.device) -> tuple
 
 
 def moe_align_block_size(
-    topk_ids: torch.Tensor, block_size: int, num_experts: int
+    topk_ids: torch.Tensor, block_size: int, num_experts: int, *, count_first: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(sorted_token_ids, expert_ids, num_tokens_post_padded)`` for ``topk_ids [T, k]``.
 
@@ -149,7 +170,9 @@ def moe_align_block_size(
     ``block_size``; ``expert_ids`` (int32, one per block) is the expert of
     each block; ``num_tokens_post_padded`` (int32 ``[1]``) is the length of
     the runs together. Entries past it are left unwritten. Ids outside
-    ``[0, num_experts)`` (-1) are left out. One launch, no host sync."""
+    ``[0, num_experts)`` (-1) are left out. No host sync: one launch up to
+    ``64 * 128`` pairs; past that (or with ``count_first``) a launch counts
+    each chunk's pairs and torch sums the counts over chunks first."""
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
@@ -162,11 +185,19 @@ def moe_align_block_size(
         num_post.zero_()
         return sorted_ids, expert_ids, num_post
     e_pad = triton.next_power_of_2(num_experts + 1)
-    _moe_align_kernel[(triton.cdiv(n, _ALIGN_CHUNK),)](
-        ids, sorted_ids, expert_ids, num_post, n, num_experts,
+    programs = triton.cdiv(n, _ALIGN_CHUNK)
+    if count_first is None:
+        count_first = programs > _ALIGN_ONE_LAUNCH_PROGRAMS
+    counts = summed = num_post  # unread without count_first
+    if count_first:
+        counts = torch.empty(programs, e_pad, dtype=torch.int32, device=ids.device)
+        _moe_count_kernel[(programs,)](ids, counts, n, num_experts, E_PAD=e_pad, CHUNK=_ALIGN_CHUNK)
+        summed = counts.cumsum(0, dtype=torch.int32)
+    _moe_align_kernel[(programs,)](
+        ids, sorted_ids, expert_ids, num_post, n, num_experts, counts, summed,
         BLOCK_M=block_size, E_PAD=e_pad, CHUNK=_ALIGN_CHUNK, COUNT_BLOCK=_ALIGN_COUNT_BLOCK,
         PAD_COLS=max(1, min(triton.next_power_of_2(block_size), _ALIGN_TILE // e_pad)),
-        BLOCK_ROWS=max(16, _ALIGN_TILE // e_pad), num_warps=8,
+        BLOCK_ROWS=max(16, _ALIGN_TILE // e_pad), COUNTED=count_first, num_warps=8,
     )
     return sorted_ids, expert_ids, num_post
 
