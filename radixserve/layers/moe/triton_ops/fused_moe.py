@@ -49,9 +49,9 @@ CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "
 _ALIGN_CHUNK = 128  # pairs placed by one program of the align kernel
 _ALIGN_COUNT_BLOCK = 1024  # pairs counted per step of its histogram loop
 # Past this many programs the pairs are counted first, a chunk a program, and the counts summed up by
-# torch: each program of the one-launch kernel counts every pair, n^2 / 128 in all, 8.6 billion at a
-# prefill of 131,072 tokens (a million pairs; W2 at batch 256 prefilled at 19.9k tok/s on an H200
-# where batch 32 did 59k)
+# torch: each program of the one-launch kernel counts every pair, n^2 / 128 in all. On an H100 at
+# 131,072 tokens of top-8 (a million pairs) it took 118.5 ms a layer, counted first 1.78; at 1,024
+# tokens (64 programs) one launch is faster (0.10 against 0.18 ms; benchmarks/README.md)
 _ALIGN_ONE_LAUNCH_PROGRAMS = 64
 _ALIGN_TILE = 8192  # elements of its [experts x something] tiles
 _SUM_BLOCK = 1024
