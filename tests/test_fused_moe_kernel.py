@@ -60,9 +60,8 @@ KERNEL_CASES = [
     Case("bf16, two rows a block on the CUDA cores", 8, 2, 5, 64, 32, torch.bfloat16,
          config=dict(BLOCK_SIZE_M=2, BLOCK_SIZE_N=16, BLOCK_SIZE_K=32)),
 ]
-# (tokens, top_k, experts, block size, share of -1 ids)
-# (tokens, top_k, experts, block, skipped share[, count_first]): counted first, as past 64 programs,
-# on a few programs here
+# (tokens, top_k, experts, block size, share of -1 ids[, count_first]): the last four counted first,
+# as past 64 programs, on a few programs here
 ALIGN_CASES = [(1, 1, 4, 16, 0.0), (5, 3, 7, 4, 0.3), (100, 3, 7, 8, 0.2), (64, 8, 128, 16, 0.0), (3, 2, 5, 4, 1.0),
                (5, 3, 7, 4, 0.3, True), (100, 3, 7, 8, 0.2, True), (64, 8, 128, 16, 0.0, True), (3, 2, 5, 4, 1.0, True)]
 # max |fused - reference| / max |reference|: float32 end to end; half precision rounds
