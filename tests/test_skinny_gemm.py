@@ -34,6 +34,15 @@ CASES = [
     ("3 rows in 4, CUDA cores, uneven split", 3, 33, 200, "fp8", (4, 16, 64, 3), True),
     ("8 rows, CUDA cores, bf16 weight", 8, 20, 96, "bf16", (8, 16, 32, 2), False),
     ("float32, CUDA cores", 2, 17, 50, "fp32", (2, 16, 16, 2), False),
+    # row_loop: the CUDA cores a row at a time over the same converted tile
+    ("one row, CUDA cores as a row, K split in 2", 1, 40, 300, "fp8",
+     dict(block_m=1, block_n=8, block_k=128, split_k=2, row_loop=True), True),
+    ("3 rows in 4, CUDA cores a row at a time, uneven split", 3, 33, 200, "fp8",
+     dict(block_m=4, block_n=16, block_k=64, split_k=3, row_loop=True), True),
+    ("8 rows, CUDA cores a row at a time, bf16 weight", 8, 20, 96, "bf16",
+     dict(block_m=8, block_n=16, block_k=32, split_k=1, row_loop=True), False),
+    ("float32, CUDA cores a row at a time", 2, 17, 50, "fp32",
+     dict(block_m=2, block_n=16, block_k=16, split_k=2, row_loop=True), False),
 ]
 
 # gated (a [gate; up] weight, silu(gate) * up out): (name, rows, N out, K, weight dtype, tiles, bias)
@@ -42,7 +51,18 @@ GATED_CASES = [
     ("gated, 5 rows, tensor cores, K split in 3", 5, 48, 200, "fp8", (16, 64, 32, 3), False),
     ("gated, 3 rows, CUDA cores, K split in 2, bf16 weight", 3, 21, 96, "bf16", (4, 8, 32, 2), True),
     ("gated, float32", 2, 17, 50, "fp32", (16, 32, 16, 1), False),
+    ("gated, 5 rows in 8, CUDA cores a row at a time, K split in 2", 5, 24, 160, "fp8",
+     dict(block_m=8, block_n=16, block_k=32, split_k=2, row_loop=True), True),
 ]
+
+
+def config_of(tiles):
+    """A case's SkinnyConfig: its tiles as a tuple or keyword arguments, None for the default."""
+    from radixserve.layers.triton_ops.skinny_gemm import SkinnyConfig
+
+    if tiles is None:
+        return None
+    return SkinnyConfig(**tiles) if isinstance(tiles, dict) else SkinnyConfig(*tiles)
 
 
 def gated_reference(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -77,20 +97,20 @@ SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, json.loads(sys.argv[1]))
-from test_skinny_gemm import CASES, make_case
+from test_skinny_gemm import CASES, config_of, make_case
 from radixserve.layers.triton_ops.skinny_gemm import SkinnyConfig, skinny_linear
 
 out = {}
 for seed, (name, rows, n, k, wdtype, tiles, bias) in enumerate(CASES):
     x, w, scale, b, ref = make_case(rows, n, k, wdtype, bias, seed=seed)
-    y = skinny_linear(x, w, scale, b, SkinnyConfig(*tiles) if tiles else None)
+    y = skinny_linear(x, w, scale, b, config_of(tiles))
     out[name] = {"dtype": str(y.dtype), "shape": list(y.shape),
                  "error": float((y.float() - ref).abs().max() / ref.abs().max())}
 from test_skinny_gemm import GATED_CASES, gated_reference
 from radixserve.layers.triton_ops.activation import silu_and_mul
 for seed, (name, rows, n, k, wdtype, tiles, bias) in enumerate(GATED_CASES):
     x, w, scale, b, ref = make_case(rows, 2 * n, k, wdtype, bias, seed=100 + seed)
-    cfg = SkinnyConfig(*tiles) if tiles else None
+    cfg = config_of(tiles)
     y = skinny_linear(x, w, scale, b, cfg, gated=True)
     unfused = silu_and_mul(skinny_linear(x, w, scale, b, cfg))
     ref = gated_reference(ref, x.dtype)
@@ -109,6 +129,10 @@ try:
     skinny_linear(torch.zeros(3, 8), torch.zeros(4, 8), config=SkinnyConfig(2, 16, 16, 1))
 except ValueError as e:
     out["config too small"] = str(e)
+try:
+    skinny_linear(torch.zeros(3, 8), torch.zeros(4, 8), config=SkinnyConfig(16, 16, 16, 1, row_loop=True))
+except ValueError as e:
+    out["row loop on tensor cores"] = str(e)
 print(json.dumps(out))
 """
 
@@ -147,12 +171,14 @@ def test_more_rows_than_the_kernel_takes_is_an_error(interpreted):
     assert "at most 64 rows, got 65" in interpreted["too many rows"]
     assert "fewer rows than x (3)" in interpreted["config too small"]
     assert "rows must be even, got 5" in interpreted["odd gated"]
+    assert "row_loop is a CUDA-core form" in interpreted["row loop on tensor cores"]
 
 
 def test_a_tuned_table_gives_the_config_for_the_fewest_rows_at_least_m(tmp_path, monkeypatch):
     """The engine's lookup: the table of this shape, dtype and GPU name; the
-    entry for the fewest rows covering m; the default beyond the table, for
-    other shapes and off CUDA."""
+    entry for the fewest rows covering m (a config, with or without its
+    timings, or ``_scaled_mm`` where that won); the default beyond the
+    table, for other shapes and off CUDA."""
     import json
 
     pytest.importorskip("triton")
@@ -160,21 +186,66 @@ def test_a_tuned_table_gives_the_config_for_the_fewest_rows_at_least_m(tmp_path,
 
     monkeypatch.setattr(skinny_gemm, "device_name", lambda device: "Fake_GPU")
     monkeypatch.setattr(skinny_gemm, "num_sms", lambda device: 100)
+    skinny_gemm.table_entry.cache_clear()
     skinny_gemm.get_config.cache_clear()
     cuda = torch.device("cuda", 0)
     name = skinny_gemm.table_file_name(4096, 1024, torch.float8_e4m3fn, cuda)
     assert name == "N=4096,K=1024,dtype=fp8,device_name=Fake_GPU.json"
     table = {"1": dict(block_m=1, block_n=16, block_k=512, split_k=2, num_warps=8, num_stages=3),
-             "4": dict(block_m=4, block_n=32, block_k=256, split_k=4, num_warps=4, num_stages=2)}
+             "2": dict(kernel="skinny", block_m=2, block_n=8, block_k=1024, split_k=1, num_warps=4, num_stages=4,
+                       row_loop=True, us=9.5, scaled_mm_us=12.0),
+             "4": dict(block_m=4, block_n=32, block_k=256, split_k=4, num_warps=4, num_stages=2),
+             "8": dict(kernel="scaled_mm", us=20.0, scaled_mm_us=15.5)}
     (tmp_path / name).write_text(json.dumps(table))
     get = lambda m, n=4096, dtype=torch.float8_e4m3fn, device=cuda: skinny_gemm.get_config(  # noqa: E731
         m, n, 1024, dtype, device, tmp_path)
+    scaled = lambda m, n=4096, device=cuda: skinny_gemm.prefers_scaled_mm(  # noqa: E731
+        m, n, 1024, torch.float8_e4m3fn, device, tmp_path)
     try:
         assert get(1) == skinny_gemm.SkinnyConfig(**table["1"])
-        assert get(2) == get(4) == skinny_gemm.SkinnyConfig(**table["4"])
-        assert get(5) == skinny_gemm.default_config(5, 4096, 1024, 100)
+        assert get(2) == skinny_gemm.SkinnyConfig(2, 8, 1024, 1, 4, 4, row_loop=True)
+        assert get(3) == get(4) == skinny_gemm.SkinnyConfig(**table["4"])
+        assert [scaled(m) for m in (1, 2, 3, 4, 5, 8, 9)] == [False] * 4 + [True] * 2 + [False]
+        # rows where _scaled_mm won, asked for this kernel anyway, get the default tiles
+        assert get(5) == get(8) == skinny_gemm.default_config(8, 4096, 1024, 100)
+        assert get(9) == skinny_gemm.default_config(9, 4096, 1024, 100)
         assert get(1, n=2048) == skinny_gemm.default_config(1, 2048, 1024, 100)
+        assert not scaled(8, n=2048)
         assert get(1, dtype=torch.bfloat16) == skinny_gemm.default_config(1, 4096, 1024, 100)
         assert get(1, device=torch.device("cpu")) == skinny_gemm.default_config(1, 4096, 1024, 1)
+        assert not scaled(8, device=torch.device("cpu"))
     finally:
+        skinny_gemm.table_entry.cache_clear()
         skinny_gemm.get_config.cache_clear()
+
+
+def test_the_tune_writes_scaled_mm_where_it_was_faster(tmp_path, monkeypatch):
+    """``bench.fp8_gemm``'s tables: each swept row as the best config with
+    its time, or as ``_scaled_mm`` where quantization + ``_scaled_mm`` was
+    faster in the same run; rows already in the file stay unless swept
+    again. What it writes, the engine's lookup reads back."""
+    import json
+
+    pytest.importorskip("triton")
+    from radixserve.bench import fp8_gemm
+    from radixserve.layers.triton_ops import skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "device_name", lambda device: "Fake_GPU")
+    monkeypatch.setattr(fp8_gemm, "table_file_name", lambda n, k, dtype, device: f"N={n},K={k},Fake_GPU.json")
+    cfg = dict(block_m=1, block_n=8, block_k=2048, split_k=1, num_warps=4, num_stages=4, row_loop=False)
+    row = lambda m, best, scaled: {"out": 4096, "in": 1024, "tokens": m, "best_us": best,  # noqa: E731
+                                    "config": dict(cfg, block_m=m), "scaled_mm_us": scaled}
+    path = tmp_path / "N=4096,K=1024,Fake_GPU.json"
+    path.write_text(json.dumps({"16": dict(cfg, block_m=16), "2": dict(cfg, block_m=2)}))
+    fp8_gemm.write_table(str(tmp_path), [row(1, 11.1, 15.6), row(2, 16.3, 15.5), row(4, 18.1, 18.1)],
+                         torch.float8_e4m3fn)
+    table = json.loads(path.read_text())
+    assert list(table) == ["1", "2", "4", "16"]
+    assert table["1"] == {"kernel": "skinny", **cfg, "us": 11.1, "scaled_mm_us": 15.6}
+    assert table["2"] == {"kernel": "scaled_mm", "us": 16.3, "scaled_mm_us": 15.5}
+    assert table["4"]["kernel"] == "skinny"  # a tie keeps the skinny kernel (no quantization launch)
+    assert table["16"] == dict(cfg, block_m=16)
+    read = skinny_gemm.load_table(str(path))
+    assert read[1] == skinny_gemm.SkinnyConfig(**cfg)
+    assert read[2] == skinny_gemm.SCALED_MM
+    assert read[16] == skinny_gemm.SkinnyConfig(**dict(cfg, block_m=16))

@@ -22,7 +22,9 @@ of the weight (``--rotate-mb`` in all) so that none is read from L2.
 ``--sweep-s`` also searches the skinny kernel's tiles for each case up to 64
 rows (on the CUDA cores and on the tensor cores) and prints the best beside
 the default choice; ``--write-tables DIR`` writes the fp8 bests as the
-kernel's tuned tables for this GPU (``layers/triton_ops/configs/skinny``).
+kernel's tuned tables for this GPU (``layers/triton_ops/configs/skinny``),
+each entry naming ``scaled_mm`` instead where quantization +
+``_scaled_mm`` was faster in the same run (the engine then takes it).
 GPU only (fp8 tensor cores).
 """
 
@@ -43,7 +45,7 @@ from radixserve.layers.quantization import FP8_DTYPE, fp8_linear, quantize_fp8_r
 from radixserve.layers.triton_ops import num_sms
 from radixserve.layers.triton_ops.activation import silu_and_mul
 from radixserve.layers.triton_ops.skinny_gemm import (
-    MAX_ROWS, SkinnyConfig, default_config, skinny_linear, split_for, table_file_name,
+    MAX_ROWS, SCALED_MM, SkinnyConfig, default_config, get_config, skinny_linear, split_for, table_file_name,
 )
 
 
@@ -108,15 +110,23 @@ CUDA_CORE_TILES = ((8, 1024), (16, 1024), (4, 2048), (8, 2048), (16, 512), (8, 5
                    (4, 1024), (32, 128), (64, 128), (16, 2048), (8, 4096), (4, 4096), (32, 1024))
 
 
-def sweep(name: str, m: int, x, weights, scale, repeats: int, inner: int, budget_s: float) -> dict:
+def sweep(name: str, m: int, x, weights, scale, repeats: int, inner: int, budget_s: float,
+          scaled_mm_s: float | None = None) -> dict:
     """The fastest skinny config for this case, within ``budget_s``: the
-    default, then the tiles (N, K) on the CUDA cores (up to 8 rows) and on the
-    tensor cores, K split to 4, 2 or 8 programs an SM at 4 warps and 4 stages,
-    then the best of those at other warps and stages."""
+    default and the config the tuned table already has, then the tiles (N,
+    K) on the CUDA cores a row at a time (``row_loop``, up to 8 rows), on the
+    tensor cores, and on the CUDA cores as one 3-D product, K split to 4, 2
+    or 8 programs an SM at 4 warps and 4 stages, then the best of those at
+    other warps and stages. ``scaled_mm_s``: quantization + ``_scaled_mm``'s
+    time in the same run, which the row records beside the best (the tuned
+    table's choice)."""
     sms = num_sms(x.device)
     n, k = weights[0].shape
-    tiles = [(1 << (m - 1).bit_length(), bn, bk) for bn, bk in CUDA_CORE_TILES] if m <= 8 else []
-    tiles += [(max(16, 1 << (m - 1).bit_length()), bn, bk) for bn, bk in TENSOR_CORE_TILES]
+    rows = 1 << (m - 1).bit_length()
+    cuda_cores = CUDA_CORE_TILES if m <= 8 else ()
+    tiles = [(rows, bn, bk, True) for bn, bk in cuda_cores]
+    tiles += [(max(16, rows), bn, bk, False) for bn, bk in TENSOR_CORE_TILES]
+    tiles += [(rows, bn, bk, False) for bn, bk in cuda_cores if rows > 1]  # one row is a row loop either way
     deadline, tried = time.monotonic() + budget_s, {}
 
     def attempt(cfg: SkinnyConfig) -> None:
@@ -129,27 +139,43 @@ def sweep(name: str, m: int, x, weights, scale, repeats: int, inner: int, budget
 
     default = default_config(m, n, k, sms)
     attempt(default)
-    for per_sm, (bm, bn, bk) in itertools.product((4, 2, 8), tiles):
-        attempt(SkinnyConfig(bm, bn, bk, split_for(n, k, bn, bk, per_sm * sms)))
+    attempt(get_config(m, n, k, weights[0].dtype, x.device))  # the tuned table's, where there is one
+    for per_sm, (bm, bn, bk, loop) in itertools.product((4, 2, 8), tiles):
+        attempt(SkinnyConfig(bm, bn, bk, split_for(n, k, bn, bk, per_sm * sms), row_loop=loop))
     top = min(tried, key=tried.get)
     for warps, stages in itertools.product((4, 8, 2), (4, 2, 3, 1, 6)):
         attempt(dataclasses.replace(top, num_warps=warps, num_stages=stages))
     best = min(tried, key=tried.get)
-    return {"bench": "skinny_sweep", "projection": name, "weight": str(weights[0].dtype).split(".")[-1],
-            "in": k, "out": n, "tokens": m, "best_us": tried[best] * 1e6, "config": dataclasses.asdict(best),
-            "best_weight_tbs": n * k * weights[0].element_size() / tried[best] / 1e12,
-            "tried": len(tried), "default_us": tried[default] * 1e6}
+    row = {"bench": "skinny_sweep", "projection": name, "weight": str(weights[0].dtype).split(".")[-1],
+           "in": k, "out": n, "tokens": m, "best_us": tried[best] * 1e6, "config": dataclasses.asdict(best),
+           "best_weight_tbs": n * k * weights[0].element_size() / tried[best] / 1e12,
+           "tried": len(tried), "default_us": tried[default] * 1e6}
+    if scaled_mm_s is not None:
+        row["scaled_mm_us"] = scaled_mm_s * 1e6
+    return row
+
+
+def table_entry(row: dict) -> dict:
+    """A sweep row as its tuned table's entry: the best config with its
+    time, or, where quantization + ``_scaled_mm`` was faster, that kernel
+    (``skinny_gemm.SCALED_MM``) with both times."""
+    times = {"us": round(row["best_us"], 2)}
+    if "scaled_mm_us" in row:
+        times["scaled_mm_us"] = round(row["scaled_mm_us"], 2)
+        if row["scaled_mm_us"] < row["best_us"]:
+            return {"kernel": SCALED_MM, **times}
+    return {"kernel": "skinny", **row["config"], **times}
 
 
 def write_table(table_dir: str, sweeps: list[dict], dtype: torch.dtype) -> str:
-    """One weight shape's tuned table (rows -> best config) where
-    ``skinny_gemm.get_config`` looks for it on this GPU, the sweep's rows
+    """One weight shape's tuned table (rows -> :func:`table_entry`) where
+    ``skinny_gemm.table_entry`` looks for it on this GPU, the sweep's rows
     replacing or joining those of a table already there."""
     n, k = sweeps[0]["out"], sweeps[0]["in"]
     path = Path(table_dir) / table_file_name(n, k, dtype, torch.device("cuda"))
     path.parent.mkdir(parents=True, exist_ok=True)
     table = json.loads(path.read_text()) if path.exists() else {}
-    table.update({str(row["tokens"]): row["config"] for row in sweeps})
+    table.update({str(row["tokens"]): table_entry(row) for row in sweeps})
     path.write_text(json.dumps(dict(sorted(table.items(), key=lambda item: int(item[0]))), indent=1) + "\n")
     return str(path)
 
@@ -213,7 +239,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if m <= MAX_ROWS and args.sweep_s > 0:
                 for label, weights, scale in (("fp8", fp8s, ws.view(-1)), ("bf16", bf16s, None)):
                     if label in args.sweep_weights:
-                        rows.append(sweep(name, m, x, weights, scale, args.repeats, args.inner, args.sweep_s))
+                        rows.append(sweep(name, m, x, weights, scale, args.repeats, args.inner, args.sweep_s,
+                                          times["fp8_scaled_mm"] if label == "fp8" else None))
                         print(json.dumps(rows[-1]), flush=True)
                         if label == "fp8":
                             swept.append(rows[-1])

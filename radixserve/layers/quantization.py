@@ -13,7 +13,9 @@ SGLang and vLLM, on a bf16 / fp16 / fp32 checkpoint): W8A8 in float8 e4m3.
   fp8 weight, converts it in registers (to float32 for one row on the CUDA
   cores, to bf16 for the tensor cores) and leaves the activations
   unquantized: a weight-bound GEMM reads half the bytes of bf16 and does no
-  more work than a bf16 one.
+  more work than a bf16 one. Where the weight's tuned table on this GPU
+  says quantization plus ``_scaled_mm`` was faster at those rows
+  (``skinny_gemm.prefers_scaled_mm``), that path runs instead.
   Above that it is ``torch._scaled_mm``, which applies the per-token and
   per-channel scales to its float32 accumulator (cuBLASLt / CUTLASS on a GPU
   with fp8 tensor cores, compute capability 8.9 or higher; a reference kernel
@@ -37,7 +39,7 @@ from radixserve.server_args import QUANTIZATIONS
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # an all-zero row still gets a finite, positive scale
-SKINNY_MAX_ROWS = 16  # up to here the skinny kernel beats quantization + _scaled_mm (benchmarks/README.md)
+SKINNY_MAX_ROWS = 16  # up to here the skinny kernel can beat quantization + _scaled_mm (benchmarks/README.md)
 # Rows at which the skinny kernel with SiLU-and-mul in its epilogue beat it followed by the activation
 # kernel on llama-3.1-8b's gate_up (H100): at one row (the CUDA cores) and at 16 it was slower.
 GATED_ROWS = range(2, 9)
@@ -84,8 +86,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 def takes_skinny(x2: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`fp8_linear` runs the skinny kernel for rows ``x2`` ``[M, K]``."""
-    return 0 < x2.shape[0] <= SKINNY_MAX_ROWS and use_triton(x2, weight)
+    """Whether :func:`fp8_linear` runs the skinny kernel for rows ``x2``
+    ``[M, K]``: on CUDA, up to :data:`SKINNY_MAX_ROWS` rows, unless the
+    weight's tuned table prefers ``_scaled_mm`` at those rows."""
+    m = x2.shape[0]
+    if not (0 < m <= SKINNY_MAX_ROWS and use_triton(x2, weight)):
+        return False
+    from radixserve.layers.triton_ops.skinny_gemm import prefers_scaled_mm
+
+    return not prefers_scaled_mm(m, weight.shape[0], weight.shape[1], weight.dtype, x2.device)
 
 
 def fp8_gated_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

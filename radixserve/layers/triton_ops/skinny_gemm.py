@@ -18,7 +18,11 @@ and the few rows its small one.
 At one to a few rows the tensor cores gain nothing: the MMA pads the rows to
 16 and its operands go through shared memory. A config with ``block_m``
 below 16 multiplies on the CUDA cores instead: each weight tile, loaded
-straight to registers, times each row, summed along K in registers.
+straight to registers, times each row, summed along K in registers. One
+row is an ``[N, K]`` product with the weight tile left in the registers it
+was loaded into; several rows either one ``[N, K]`` product a row over the
+same converted tile (``row_loop``) or one ``[N, K, rows]`` product, for
+which the compiler moves the weight tile through shared memory.
 
 Programs tile N. Where N's tiles are too few to keep every SM streaming, K is
 split too: each split writes a float32 partial ``[split, M, N]`` and a second
@@ -37,11 +41,15 @@ that kernel's tail instead of after it.
 
 The tiles come from a tuned table of the weight's shape on this GPU
 (``configs/skinny``, written by ``python -m radixserve.bench.fp8_gemm
---sweep-s S --write-tables DIR``), else from :func:`default_config`.
+--sweep-s S --write-tables DIR``), else from :func:`default_config`. The
+table also says at which rows quantization plus ``torch._scaled_mm`` beat
+the best tiles when it was tuned (:func:`prefers_scaled_mm`): the fp8 layers
+(``layers/quantization.py``) then take that path instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -73,13 +81,23 @@ class SkinnyConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 4
+    row_loop: bool = False  # CUDA cores, several rows: one [N, K] product a row (one row always is)
+
+    @classmethod
+    def from_json(cls, entry: dict) -> SkinnyConfig:
+        """A table entry's config (the entry may carry its timings beside it)."""
+        return cls(**{f.name: entry[f.name] for f in dataclasses.fields(cls) if f.name in entry})
+
+
+SCALED_MM = "scaled_mm"  # a table entry's kernel where quantization + torch._scaled_mm was faster
 
 
 @triton.jit
 def _skinny_gemm_kernel(X, W, Scale, Bias, Y, Part, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
                         HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, DOT_F32: tl.constexpr,
                         FMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        LINE: tl.constexpr = 128, GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                        LINE: tl.constexpr = 128, GATED: tl.constexpr = False, ROW_LOOP: tl.constexpr = False,
+                        USE_PDL: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -99,6 +117,7 @@ def _skinny_gemm_kernel(X, W, Scale, Bias, Y, Part, M, N, K, stride_xm, stride_w
     pdl_wait(USE_PDL)
     w_ptrs = W + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
     x_ptrs = X + rm[None, :] * stride_xm + (k_lo + rk)[:, None]
+    x_row0 = X + k_lo + rk  # ROW_LOOP: row 0 of x_ptrs' tile
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y's tile, transposed
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # GATED: the up rows' tile
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -106,12 +125,18 @@ def _skinny_gemm_kernel(X, W, Scale, Bias, Y, Part, M, N, K, stride_xm, stride_w
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if GATED:  # both tiles' loads in flight before either product waits for its own
             w_up = tl.load(w_ptrs + up, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-        acc = tile_product(acc, w, x, FMA, DOT_F32)
-        if GATED:
-            acc_up = tile_product(acc_up, w_up, x, FMA, DOT_F32)
+        if ROW_LOOP:
+            acc = _rows_product(acc, w, x_row0, stride_xm, k_ok, M, rm, BLOCK_M)
+            if GATED:
+                acc_up = _rows_product(acc_up, w_up, x_row0, stride_xm, k_ok, M, rm, BLOCK_M)
+        else:
+            x = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+            acc = tile_product(acc, w, x, FMA, DOT_F32)
+            if GATED:
+                acc_up = tile_product(acc_up, w_up, x, FMA, DOT_F32)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+        x_row0 += BLOCK_K
     pdl_trigger(USE_PDL)
     if PARTIAL:
         width = N
@@ -123,6 +148,22 @@ def _skinny_gemm_kernel(X, W, Scale, Bias, Y, Part, M, N, K, stride_xm, stride_w
             tl.store(part + N, acc_up, mask=n_ok[:, None] & m_ok[None, :])
     else:
         _epilogue(acc, acc_up, Scale, Bias, Y, rn, rm, n_ok, m_ok, N, stride_ym, HAS_SCALE, HAS_BIAS, GATED)
+
+
+@triton.jit
+def _rows_product(acc, w, x_row0, stride_xm, k_ok, M, rm, BLOCK_M: tl.constexpr):
+    """``acc`` ``[BLOCK_N, BLOCK_M]`` plus the weight tile ``w`` ``[BLOCK_N,
+    BLOCK_K]`` times each row of x (``x_row0``: row 0's pointers over this
+    K tile) on the CUDA cores, a row at a time: the tile is converted to
+    float32 once, and each row's products are summed along K as one row's
+    are."""
+    wf = w.to(tl.float32)
+    for m in tl.static_range(BLOCK_M):
+        row_ok = k_ok.to(tl.int32) * 0 + m < M  # [BLOCK_K]: this row is one of x's
+        xm = tl.load(x_row0 + m * stride_xm, mask=k_ok & row_ok, other=0.0)
+        part = tl.sum(wf * xm.to(tl.float32)[None, :], axis=1)
+        acc += tl.where(rm[None, :] == m, part[:, None], 0.0)
+    return acc
 
 
 @triton.jit
@@ -201,28 +242,48 @@ def table_file_name(n: int, k: int, dtype: torch.dtype, device: torch.device) ->
 
 
 @functools.cache
-def load_table(path: str) -> dict[int, SkinnyConfig] | None:
-    """A tuned table (rows -> config), read once; None where there is no such file."""
+def load_table(path: str) -> dict[int, SkinnyConfig | str] | None:
+    """A tuned table (rows -> config, or :data:`SCALED_MM` where quantization
+    plus ``torch._scaled_mm`` won), read once; None where there is no such file."""
     if not os.path.exists(path):
         return None
     with open(path) as f:
-        return {int(rows): SkinnyConfig(**cfg) for rows, cfg in json.load(f).items()}
+        return {int(rows): SCALED_MM if entry.get("kernel") == SCALED_MM else SkinnyConfig.from_json(entry)
+                for rows, entry in json.load(f).items()}
+
+
+@functools.cache
+def table_entry(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
+                table_dir: str | Path = TABLE_DIR) -> SkinnyConfig | str | None:
+    """The tuned table's entry for ``m`` rows of this weight on this GPU: the
+    entry for the fewest rows at least ``m`` (a config for more rows also
+    computes fewer); None without one (no table, more rows than it has, or
+    off CUDA). Cached: the engine asks once per layer and step."""
+    if device.type != "cuda":
+        return None
+    table = load_table(str(Path(table_dir) / table_file_name(n, k, dtype, device)))
+    fits = [rows for rows in table or () if rows >= m]
+    return table[min(fits)] if fits else None
 
 
 @functools.cache
 def get_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
                table_dir: str | Path = TABLE_DIR) -> SkinnyConfig:
-    """The config for ``m`` rows of this weight: the tuned table's entry for
-    the fewest rows at least ``m`` (a config for more rows also computes
-    fewer), else :func:`default_config`. Off a CUDA device (Triton's
-    interpreter), the default. Cached: the engine asks once per layer and step."""
-    if device.type == "cuda":
-        table = load_table(str(Path(table_dir) / table_file_name(n, k, dtype, device)))
-        fits = [rows for rows in table or () if rows >= m]
-        if fits:
-            return table[min(fits)]
-        return default_config(m, n, k, num_sms(device))
-    return default_config(m, n, k, 1)
+    """The config for ``m`` rows of this weight: the tuned table's
+    (:func:`table_entry`), else :func:`default_config` (also where the table
+    prefers ``_scaled_mm``: a caller that runs this kernel anyway gets the
+    untuned tiles)."""
+    entry = table_entry(m, n, k, dtype, device, table_dir)
+    if isinstance(entry, SkinnyConfig):
+        return entry
+    return default_config(m, n, k, num_sms(device) if device.type == "cuda" else 1)
+
+
+def prefers_scaled_mm(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
+                      table_dir: str | Path = TABLE_DIR) -> bool:
+    """Whether the tuned table says quantization plus ``torch._scaled_mm``
+    beat this kernel's best tiles at ``m`` rows of this weight."""
+    return table_entry(m, n, k, dtype, device, table_dir) == SCALED_MM
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
@@ -254,6 +315,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     if cfg.block_m < m:
         raise ValueError(f"config {cfg} has fewer rows than x ({m})")
     fma = cfg.block_m < 16
+    if cfg.row_loop and not fma:
+        raise ValueError(f"config {cfg}: row_loop is a CUDA-core form (block_m below 16)")
     block_n = max(cfg.block_n // 2, 1 if fma else 16) if gated else cfg.block_n
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
@@ -263,7 +326,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     bias_arg = bias if bias is not None else y
     _skinny_gemm_kernel[(triton.cdiv(n_out, block_n), split)](
         x, weight, scale_arg, bias_arg, y, part, m, n_out, k, x.stride(0), weight.stride(0), y.stride(0),
-        k_per_split, PARTIAL=split > 1, FMA=fma,
+        k_per_split, PARTIAL=split > 1, FMA=fma, ROW_LOOP=fma and (cfg.row_loop or cfg.block_m == 1),
         DOT_F32=x.dtype == torch.float32 or (interpreting() and x.dtype == torch.bfloat16),
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
         LINE=min(cfg.block_k, 128 // weight.element_size()),
