@@ -310,33 +310,36 @@ def _moe_sum_kernel(X, TopkIds, Out, H, num_experts, stride_xm, stride_om, TOP_K
 def _one_token_down_sum_kernel(
     Act, W2, TopkWeights, TopkIds, Out, H, inter, num_experts, stride_am, stride_be, stride_bn, stride_bk,
     TOP_K: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, EVEN_K: tl.constexpr,
+    TOPK_PAD: tl.constexpr,
 ):
     # One token: Out[0, cols] = sum over its k choices j of weight_j * Act[j] @ W2[expert_j, cols].T, the down
-    # GEMM and the top-k sum in one launch, on the CUDA cores. Each choice's weighted output is rounded to the
-    # model's dtype before the float32 sum, as in the two-launch path; choices outside [0, E) add nothing.
+    # GEMM and the top-k sum in one launch, on the CUDA cores. All k experts' weight tiles are one load
+    # ([choice, column, K]), so their reads are in flight together rather than one expert after another. Each
+    # choice's weighted output is rounded to the model's dtype before the float32 sum, as in the two-launch
+    # path; choices outside [0, E) read nothing and add nothing (their Act rows were never written).
     cols = tl.program_id(0) * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     w_cols = cols % H  # in bounds without a mask; the extra columns are not stored
     ks = tl.arange(0, BLOCK_SIZE_K)
-    out = tl.zeros([BLOCK_SIZE_N], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        e = tl.load(TopkIds + j).to(tl.int64)
-        if (e >= 0) & (e < num_experts):
-            a_ptrs = Act + j * stride_am + ks
-            b_ptrs = W2 + e * stride_be + w_cols[:, None] * stride_bn + ks[None, :] * stride_bk
-            acc = tl.zeros([BLOCK_SIZE_N], dtype=tl.float32)
-            for k0 in range(0, inter, BLOCK_SIZE_K):
-                if EVEN_K:
-                    a = tl.load(a_ptrs)
-                    b = tl.load(b_ptrs)
-                else:
-                    k_ok = ks < inter - k0
-                    a = tl.load(a_ptrs, mask=k_ok, other=0.0)
-                    b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
-                acc += tl.sum(b.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
-                a_ptrs += BLOCK_SIZE_K
-                b_ptrs += BLOCK_SIZE_K * stride_bk
-            weighted = acc * tl.load(TopkWeights + j).to(tl.float32)
-            out += weighted.to(Out.dtype.element_ty).to(tl.float32)
+    js = tl.arange(0, TOPK_PAD)
+    e = tl.load(TopkIds + js, mask=js < TOP_K, other=-1).to(tl.int64)
+    chosen = (e >= 0) & (e < num_experts)
+    e = tl.where(chosen, e, 0)
+    a_ptrs = Act + js[:, None] * stride_am + ks[None, :]
+    b_ptrs = W2 + e[:, None, None] * stride_be + w_cols[None, :, None] * stride_bn + ks[None, None, :] * stride_bk
+    acc = tl.zeros([TOPK_PAD, BLOCK_SIZE_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_SIZE_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=chosen[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=chosen[:, None, None], other=0.0)
+        else:
+            k_ok = ks < inter - k0
+            a = tl.load(a_ptrs, mask=chosen[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=chosen[:, None, None] & k_ok[None, None, :], other=0.0)
+        acc += tl.sum(b.to(tl.float32) * a.to(tl.float32)[:, None, :], axis=2)
+        a_ptrs += BLOCK_SIZE_K
+        b_ptrs += BLOCK_SIZE_K * stride_bk
+    weighted = acc * tl.load(TopkWeights + js, mask=chosen, other=0.0).to(tl.float32)[:, None]
+    out = tl.sum(weighted.to(Out.dtype.element_ty).to(tl.float32), axis=0)
     tl.store(Out + cols, out.to(Out.dtype.element_ty), mask=cols < H)
 
 
@@ -444,6 +447,7 @@ def fused_experts(
             act, w2, topk_weights, topk_ids, out, hidden_size, intermediate, num_experts,
             act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
             TOP_K=top_k, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, EVEN_K=intermediate % bk == 0,
+            TOPK_PAD=triton.next_power_of_2(top_k),
             num_warps=config["num_warps"], num_stages=config["num_stages"])
         return out
     down = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
