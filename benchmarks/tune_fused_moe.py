@@ -206,7 +206,10 @@ def main() -> None:
     if path.exists():  # keep the batch sizes this run did not tune
         table = {**json.loads(path.read_text()), **table}
     path.write_text(json.dumps(dict(sorted(table.items(), key=lambda kv: int(kv[0]))), indent=2) + "\n")
-    print(json.dumps({"bench": "tune_fused_moe", "wrote": str(path), "device": torch.cuda.get_device_name(),
+    shown = path.resolve()  # relative to the checkout where it is inside it: results files name no machine's paths
+    root = Path(fused_moe.__file__).resolve().parents[4]
+    shown = shown.relative_to(root) if shown.is_relative_to(root) else Path(path.name)
+    print(json.dumps({"bench": "tune_fused_moe", "wrote": str(shown), "device": torch.cuda.get_device_name(),
                       "triton": triton.__version__, "torch": torch.__version__,
                       "elapsed_s": round(time.monotonic() - t0, 1)}), flush=True)
 
