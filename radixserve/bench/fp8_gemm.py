@@ -155,7 +155,7 @@ def sweep(name: str, m: int, x, weights, scale, repeats: int, inner: int, budget
     return row
 
 
-def table_entry(row: dict) -> dict:
+def as_table_entry(row: dict) -> dict:
     """A sweep row as its tuned table's entry: the best config with its
     time, or, where quantization + ``_scaled_mm`` was faster, that kernel
     (``skinny_gemm.SCALED_MM``) with both times."""
@@ -168,14 +168,14 @@ def table_entry(row: dict) -> dict:
 
 
 def write_table(table_dir: str, sweeps: list[dict], dtype: torch.dtype) -> str:
-    """One weight shape's tuned table (rows -> :func:`table_entry`) where
+    """One weight shape's tuned table (rows -> :func:`as_table_entry`) where
     ``skinny_gemm.table_entry`` looks for it on this GPU, the sweep's rows
     replacing or joining those of a table already there."""
     n, k = sweeps[0]["out"], sweeps[0]["in"]
     path = Path(table_dir) / table_file_name(n, k, dtype, torch.device("cuda"))
     path.parent.mkdir(parents=True, exist_ok=True)
     table = json.loads(path.read_text()) if path.exists() else {}
-    table.update({str(row["tokens"]): table_entry(row) for row in sweeps})
+    table.update({str(row["tokens"]): as_table_entry(row) for row in sweeps})
     path.write_text(json.dumps(dict(sorted(table.items(), key=lambda item: int(item[0]))), indent=1) + "\n")
     return str(path)
 
