@@ -222,8 +222,9 @@ def test_a_tuned_table_gives_the_config_for_the_fewest_rows_at_least_m(tmp_path,
 def test_the_tune_writes_scaled_mm_where_it_was_faster(tmp_path, monkeypatch):
     """``bench.fp8_gemm``'s tables: each swept row as the best config with
     its time, or as ``_scaled_mm`` where quantization + ``_scaled_mm`` was
-    faster in the same run; rows already in the file stay unless swept
-    again. What it writes, the engine's lookup reads back."""
+    faster in the same run (for gate_up at ``GATED_ROWS``, with SiLU-and-mul
+    on both sides, as the MLP runs them); rows already in the file stay
+    unless swept again. What it writes, the engine's lookup reads back."""
     import json
 
     pytest.importorskip("triton")
@@ -245,6 +246,12 @@ def test_the_tune_writes_scaled_mm_where_it_was_faster(tmp_path, monkeypatch):
     assert table["2"] == {"kernel": "scaled_mm", "us": 16.3, "scaled_mm_us": 15.5}
     assert table["4"]["kernel"] == "skinny"  # a tie keeps the skinny kernel (no quantization launch)
     assert table["16"] == dict(cfg, block_m=16)
+    # gate_up at GATED_ROWS: the kernel with SiLU in its epilogue against _scaled_mm then the activation
+    gated = dict(row(4, 50.4, 46.7), skinny_gated_us=44.0, scaled_mm_then_silu_us=49.0)
+    assert fp8_gemm.as_table_entry(gated) == {"kernel": "skinny", **dict(cfg, block_m=4), "us": 44.0,
+                                              "scaled_mm_us": 49.0}
+    gated.update(skinny_gated_us=52.0)
+    assert fp8_gemm.as_table_entry(gated) == {"kernel": "scaled_mm", "us": 52.0, "scaled_mm_us": 49.0}
     read = skinny_gemm.load_table(str(path))
     assert read[1] == skinny_gemm.SkinnyConfig(**cfg)
     assert read[2] == skinny_gemm.SCALED_MM

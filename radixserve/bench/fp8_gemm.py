@@ -41,7 +41,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from radixserve.layers.quantization import FP8_DTYPE, fp8_linear, quantize_fp8_rows, quantize_tokens, scaled_mm_linear
+from radixserve.layers.quantization import (
+    FP8_DTYPE, GATED_ROWS, fp8_linear, quantize_fp8_rows, quantize_tokens, scaled_mm_linear,
+)
 from radixserve.layers.triton_ops import num_sms
 from radixserve.layers.triton_ops.activation import silu_and_mul
 from radixserve.layers.triton_ops.skinny_gemm import (
@@ -158,11 +160,18 @@ def sweep(name: str, m: int, x, weights, scale, repeats: int, inner: int, budget
 def as_table_entry(row: dict) -> dict:
     """A sweep row as its tuned table's entry: the best config with its
     time, or, where quantization + ``_scaled_mm`` was faster, that kernel
-    (``skinny_gemm.SCALED_MM``) with both times."""
-    times = {"us": round(row["best_us"], 2)}
-    if "scaled_mm_us" in row:
-        times["scaled_mm_us"] = round(row["scaled_mm_us"], 2)
-        if row["scaled_mm_us"] < row["best_us"]:
+    (``skinny_gemm.SCALED_MM``) with both times. For ``gate_up`` at
+    ``GATED_ROWS`` the times compared are the two paths the MLP runs there:
+    the kernel with SiLU-and-mul in its epilogue (``skinny_gated_us``)
+    against ``_scaled_mm`` followed by the activation
+    (``scaled_mm_then_silu_us``)."""
+    skinny, scaled = row["best_us"], row.get("scaled_mm_us")
+    if "skinny_gated_us" in row:
+        skinny, scaled = row["skinny_gated_us"], row["scaled_mm_then_silu_us"]
+    times = {"us": round(skinny, 2)}
+    if scaled is not None:
+        times["scaled_mm_us"] = round(scaled, 2)
+        if scaled < skinny:
             return {"kernel": SCALED_MM, **times}
     return {"kernel": "skinny", **row["config"], **times}
 
@@ -241,6 +250,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     if label in args.sweep_weights:
                         rows.append(sweep(name, m, x, weights, scale, args.repeats, args.inner, args.sweep_s,
                                           times["fp8_scaled_mm"] if label == "fp8" else None))
+                        if label == "fp8" and name == "gate_up_proj" and m in GATED_ROWS:  # what the MLP runs
+                            best = SkinnyConfig(**rows[-1]["config"])
+                            rows[-1]["skinny_gated_us"] = 1e6 * time_of(
+                                lambda w_: skinny_linear(x, w_, scale, config=best, gated=True), weights)
+                            rows[-1]["scaled_mm_then_silu_us"] = 1e6 * time_of(
+                                lambda w_: silu_and_mul(scaled_mm_linear(x, w_, ws)), weights)
                         print(json.dumps(rows[-1]), flush=True)
                         if label == "fp8":
                             swept.append(rows[-1])
