@@ -1,9 +1,10 @@
 """``--quantization fp8`` on the GPU (GPU only): the per-token quantization
 kernel against the torch reference, the fp8 GEMM against the dequantized
 product (the skinny kernel up to ``SKINNY_MAX_ROWS`` rows unless the tuned
-table prefers ``_scaled_mm`` there, ``_scaled_mm`` above), the skinny kernel against ``_scaled_mm`` and under a CUDA graph, and
-the Engine (CUDA graphs, piecewise graphs, overlap) against HF transformers
-in bfloat16 with the same fake-quantized linear layers
+table prefers ``_scaled_mm`` there, ``_scaled_mm`` above), the skinny
+kernel against ``_scaled_mm`` and under a CUDA graph, and the Engine
+(CUDA graphs, piecewise graphs, overlap) against HF transformers in
+bfloat16 with the same fake-quantized linear layers
 (``test_quantization.fake_quantize_fp8``; decode rows unquantized, as the
 skinny kernel takes them)."""
 
