@@ -226,3 +226,17 @@ def test_a_case_the_pool_cannot_hold_is_reported_as_skipped_and_the_others_run(d
     assert skipped["kv_pool_tokens"] == 40 and "decode_mean_ms" not in skipped
     assert (ours["backend"], ours["batch_size"], ours["decode_steps"]) == ("radixserve", 1, 3) and ours["decode_mean_ms"] > 0
     assert (hf["backend"], hf["batch_size"], summary["batch_size"]) == ("hf_transformers", 1, 1)
+
+
+def test_the_mean_step_subtracts_the_fastest_of_three_prefills(monkeypatch):
+    """Decode timing from whole generations: untimed runs of 1 and a few
+    tokens, three timed 1-token runs (the fastest is the prefill, so one run
+    slowed by a busy machine cannot make the mean step negative), then the
+    whole run."""
+    from radixserve.bench import generations
+
+    calls, durations = [], iter([0.050, 0.010, 0.012, 0.040])
+    monkeypatch.setattr(generations, "timed", lambda fn, device: (fn(), next(durations))[1])
+    timing = generations.generate_timing(calls.append, 7, torch.device("cpu"))
+    assert calls == [1, generations.WARMUP_MAX_OUTPUT_LEN, 1, 1, 1, 7]
+    assert timing.prefill_s == 0.010 and timing.decode_mean_s == pytest.approx((0.040 - 0.010) / 6)

@@ -16,6 +16,7 @@ from radixserve.bench import sync
 from radixserve.bench.rooflines import Timing
 
 WARMUP_MAX_OUTPUT_LEN = 4  # the untimed run of a case decodes at most this many tokens
+PREFILL_RUNS = 3  # generate_timing: the prefill is the fastest of this many 1-token runs
 
 
 def timed(fn, device: torch.device) -> float:
@@ -68,11 +69,12 @@ def run_hf_case(model, prompts: torch.Tensor, output_len: int, device: torch.dev
 def generate_timing(generate, output_len: int, device: torch.device) -> Timing:
     """Decode timing from whole generations: ``generate(n)`` makes ``n``
     tokens a prompt. Untimed runs of 1 and a few tokens first; the prefill is
-    a 1-token run, the mean step (an ``output_len`` run minus it) /
-    (``output_len`` - 1)."""
+    the fastest of three 1-token runs (cheap beside the whole run; one run
+    slowed by a busy machine would make the difference below negative), the
+    mean step (an ``output_len`` run minus it) / (``output_len`` - 1)."""
     generate(1)
     generate(min(output_len, WARMUP_MAX_OUTPUT_LEN))
-    prefill_s = timed(lambda: generate(1), device)
+    prefill_s = min(timed(lambda: generate(1), device) for _ in range(PREFILL_RUNS))
     total_s = timed(lambda: generate(output_len), device)
     return Timing(prefill_s, decode_mean_s=(total_s - prefill_s) / (output_len - 1))
 
