@@ -139,6 +139,57 @@ def test_skinny_kernel_under_a_cuda_graph():
         torch.testing.assert_close(y, skinny_linear(x, wq, ws), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("m", [1, 4])
+def test_bf16_weights_take_the_kernel_only_where_their_table_has_a_config(m, tmp_path, monkeypatch):
+    """A plain bf16 weight runs ``F.linear`` (bit for bit) while its tuned
+    table has no config for these rows, and the skinny kernel once it has:
+    the product within bf16's rounding, and at ``GATED_ROWS`` the MLP's
+    gate_up with SiLU-and-mul in the kernel's epilogue."""
+    import dataclasses
+    import json
+
+    import torch.nn.functional as F
+
+    from radixserve.layers.activation import SiluAndMul
+    from radixserve.layers.linear import MergedColumnParallelLinear, linear
+    from radixserve.layers.triton_ops import num_sms, skinny_gemm
+
+    def clear():
+        for cached in (skinny_gemm.load_table, skinny_gemm.table_entry, skinny_gemm.get_config):
+            cached.cache_clear()
+
+    torch.manual_seed(0)
+    n, k = 1536, 2048
+    layer = MergedColumnParallelLinear(k, [n // 2] * 2).to("cuda", torch.bfloat16)
+    layer.weight.data.normal_(0, 0.02)
+    w = layer.weight
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    path = tmp_path / skinny_gemm.table_file_name(n, k, torch.bfloat16, x.device)
+    monkeypatch.setattr(skinny_gemm, "TABLE_DIR", tmp_path)
+    clear()
+    try:
+        path.write_text(json.dumps({str(m): {"kernel": "linear", "us": 2.0, "linear_us": 1.0}}))
+        assert not takes_skinny(x, w)
+        torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=0, atol=0)
+        cfg = dataclasses.asdict(skinny_gemm.default_config(m, n, k, num_sms(x.device)))
+        path.write_text(json.dumps({str(m): {"kernel": "skinny", **cfg, "us": 1.0, "linear_us": 2.0}}))
+        clear()
+        assert takes_skinny(x, w)
+        y = linear(x, w)
+        torch.testing.assert_close(y, skinny_gemm.skinny_linear(x, w), rtol=0, atol=0)
+        reference = x.float() @ w.float().T
+        assert ((y.float() - reference).norm() / reference.norm()) < 0.004
+        gated = layer.forward_gated(x, SiluAndMul())
+        unfused = SiluAndMul()(F.linear(x, w))
+        if m in GATED_ROWS:
+            torch.testing.assert_close(gated, skinny_gemm.skinny_linear(x, w, gated=True), rtol=0, atol=0)
+            torch.testing.assert_close(gated, unfused, rtol=0.02, atol=2e-3)
+        else:
+            torch.testing.assert_close(gated, SiluAndMul()(y), rtol=0, atol=0)
+    finally:
+        clear()
+
+
 def test_engine_fp8_tracks_fake_quantized_hf(checkpoint):  # noqa: F811
     folder, _ = checkpoint
     prompt_rows = [0]  # the prefill's rows are quantized, the decode rows after them are not

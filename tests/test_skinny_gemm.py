@@ -199,7 +199,7 @@ def test_a_tuned_table_gives_the_config_for_the_fewest_rows_at_least_m(tmp_path,
     (tmp_path / name).write_text(json.dumps(table))
     get = lambda m, n=4096, dtype=torch.float8_e4m3fn, device=cuda: skinny_gemm.get_config(  # noqa: E731
         m, n, 1024, dtype, device, tmp_path)
-    scaled = lambda m, n=4096, device=cuda: skinny_gemm.prefers_scaled_mm(  # noqa: E731
+    scaled = lambda m, n=4096, device=cuda: not skinny_gemm.takes_kernel(  # noqa: E731
         m, n, 1024, torch.float8_e4m3fn, device, tmp_path)
     try:
         assert get(1) == skinny_gemm.SkinnyConfig(**table["1"])
@@ -214,6 +214,20 @@ def test_a_tuned_table_gives_the_config_for_the_fewest_rows_at_least_m(tmp_path,
         assert get(1, dtype=torch.bfloat16) == skinny_gemm.default_config(1, 4096, 1024, 100)
         assert get(1, device=torch.device("cpu")) == skinny_gemm.default_config(1, 4096, 1024, 1)
         assert not scaled(8, device=torch.device("cpu"))
+        # bf16 weights take the kernel only at the rows where their own table has a config
+        bf16 = {"1": dict(kernel="skinny", block_m=1, block_n=8, block_k=1024, split_k=2, us=7.0, linear_us=9.0),
+                "4": dict(kernel="linear", us=12.0, linear_us=11.0)}
+        (tmp_path / skinny_gemm.table_file_name(4096, 1024, torch.bfloat16, cuda)).write_text(json.dumps(bf16))
+        for cached in (skinny_gemm.load_table, skinny_gemm.table_entry, skinny_gemm.get_config):
+            cached.cache_clear()  # the lookups above cached "no bf16 table"
+        takes = lambda m, n=4096, device=cuda: skinny_gemm.takes_kernel(  # noqa: E731
+            m, n, 1024, torch.bfloat16, device, tmp_path)
+        assert [takes(m) for m in (1, 2, 4, 5)] == [True, False, False, False]
+        assert not takes(1, n=2048) and not takes(1, device=torch.device("cpu"))
+        assert get(1, dtype=torch.bfloat16) == skinny_gemm.SkinnyConfig(1, 8, 1024, 2)
+        # the packaged tables' directory is read at lookup time, so a test may point it elsewhere
+        monkeypatch.setattr(skinny_gemm, "TABLE_DIR", tmp_path)
+        assert skinny_gemm.takes_kernel(1, 4096, 1024, torch.bfloat16, cuda)
     finally:
         skinny_gemm.table_entry.cache_clear()
         skinny_gemm.get_config.cache_clear()
@@ -232,11 +246,14 @@ def test_the_tune_writes_scaled_mm_where_it_was_faster(tmp_path, monkeypatch):
     from radixserve.layers.triton_ops import skinny_gemm
 
     monkeypatch.setattr(skinny_gemm, "device_name", lambda device: "Fake_GPU")
-    monkeypatch.setattr(fp8_gemm, "table_file_name", lambda n, k, dtype, device: f"N={n},K={k},Fake_GPU.json")
+    monkeypatch.setattr(fp8_gemm, "table_file_name",
+                        lambda n, k, dtype, device: f"N={n},K={k},{dtype},Fake_GPU.json".replace("torch.", ""))
+    load = lambda dtype: skinny_gemm.load_table(str(tmp_path / f"N=4096,K=1024,{dtype},Fake_GPU.json".replace(  # noqa: E731
+        "torch.", "")))
     cfg = dict(block_m=1, block_n=8, block_k=2048, split_k=1, num_warps=4, num_stages=4, row_loop=False)
     row = lambda m, best, scaled: {"out": 4096, "in": 1024, "tokens": m, "best_us": best,  # noqa: E731
                                     "config": dict(cfg, block_m=m), "scaled_mm_us": scaled}
-    path = tmp_path / "N=4096,K=1024,Fake_GPU.json"
+    path = tmp_path / "N=4096,K=1024,float8_e4m3fn,Fake_GPU.json"
     path.write_text(json.dumps({"16": dict(cfg, block_m=16), "2": dict(cfg, block_m=2)}))
     fp8_gemm.write_table(str(tmp_path), [row(1, 11.1, 15.6), row(2, 16.3, 15.5), row(4, 18.1, 18.1)],
                          torch.float8_e4m3fn)
@@ -256,3 +273,12 @@ def test_the_tune_writes_scaled_mm_where_it_was_faster(tmp_path, monkeypatch):
     assert read[1] == skinny_gemm.SkinnyConfig(**cfg)
     assert read[2] == skinny_gemm.SCALED_MM
     assert read[16] == skinny_gemm.SkinnyConfig(**dict(cfg, block_m=16))
+    # bf16: F.linear unless the tiles beat it by the margin (cuBLAS keeps a near tie)
+    linear = lambda m, best, vendor: {"out": 4096, "in": 1024, "tokens": m, "best_us": best,  # noqa: E731
+                                      "config": dict(cfg, block_m=m), "linear_us": vendor}
+    assert fp8_gemm.as_table_entry(linear(1, 9.0, 10.0))["kernel"] == "skinny"
+    assert fp8_gemm.as_table_entry(linear(1, 9.8, 10.0)) == {"kernel": "linear", "us": 9.8, "linear_us": 10.0}
+    gated = dict(linear(2, 9.0, 10.0), skinny_gated_us=11.0, linear_then_silu_us=11.2)
+    assert fp8_gemm.as_table_entry(gated) == {"kernel": "linear", "us": 11.0, "linear_us": 11.2}
+    fp8_gemm.write_table(str(tmp_path), [linear(1, 9.0, 10.0), linear(2, 9.9, 10.0)], torch.bfloat16)
+    assert load(torch.bfloat16) == {1: skinny_gemm.SkinnyConfig(**cfg), 2: skinny_gemm.LINEAR}

@@ -2,6 +2,7 @@
 model's shapes.
 
     python -m radixserve.bench.fp8_gemm [--hidden 4096 --intermediate 14336 --q-heads 32 --kv-heads 8 --head-dim 128]
+                                        [--experts E] [--vocab V] [--projections qkv_proj o_proj ...]
                                         [--tokens 1 4 16 64 256 1024 4096 8192] [--sweep-s 20]
                                         [--sweep-weights fp8 bf16] [--write-tables DIR]
 
@@ -14,18 +15,22 @@ quantization kernel; and, up to 64 rows, the skinny kernel
 and for ``gate_up_proj`` the skinny kernel followed by SiLU-and-mul against
 the kernel with SiLU-and-mul in its epilogue (``gated``). A
 first line has the square 8192³ matmul in bf16 and fp8 (the machine's
-ceilings, measured in the same run). Defaults are llama-3.1-8b's shapes.
+ceilings, measured in the same run). Defaults are llama-3.1-8b's shapes;
+``--experts`` adds a MoE router (``router``, hidden to experts) and
+``--vocab`` the LM head (``lm_head``, hidden to vocabulary).
 
 Each time is the best of ``--repeats`` CUDA-event timings of a CUDA graph of
 ``--inner`` back-to-back calls, as decode steps run, cycling through copies
 of the weight (``--rotate-mb`` in all) so that none is read from L2.
 ``--sweep-s`` also searches the skinny kernel's tiles for each case up to 64
 rows (on the CUDA cores and on the tensor cores) and prints the best beside
-the default choice; ``--write-tables DIR`` writes the fp8 bests as the
-kernel's tuned tables for this GPU (``layers/triton_ops/configs/skinny``),
-each entry naming ``scaled_mm`` instead where quantization +
-``_scaled_mm`` was faster in the same run (the engine then takes it).
-GPU only (fp8 tensor cores).
+the default choice; ``--write-tables DIR`` writes the bests of each swept
+weight dtype as the kernel's tuned tables for this GPU
+(``layers/triton_ops/configs/skinny``), each entry naming the vendor's GEMM
+instead where it won in the same run (the engine then takes it): for fp8,
+quantization + ``_scaled_mm`` where it was faster; for bf16, ``F.linear``
+unless the best tiles beat it by :data:`LINEAR_MARGIN`. GPU only (fp8
+tensor cores).
 """
 
 from __future__ import annotations
@@ -47,8 +52,13 @@ from radixserve.layers.quantization import (
 from radixserve.layers.triton_ops import num_sms
 from radixserve.layers.triton_ops.activation import silu_and_mul
 from radixserve.layers.triton_ops.skinny_gemm import (
-    MAX_ROWS, SCALED_MM, SkinnyConfig, default_config, get_config, skinny_linear, split_for, table_file_name,
+    LINEAR, MAX_ROWS, SCALED_MM, SkinnyConfig, default_config, get_config, skinny_linear, split_for, table_file_name,
+    vendor_kernel,
 )
+
+# A bf16 table names the kernel only where its best tiles took at most this share of F.linear's time: cuBLAS
+# stays where the two are within timing noise (fp8 keeps the kernel on a tie: _scaled_mm adds a quantization)
+LINEAR_MARGIN = 0.97
 
 
 def cuda_time(calls: list, repeats: int) -> float:
@@ -74,11 +84,20 @@ def cuda_time(calls: list, repeats: int) -> float:
     return best
 
 
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "router", "lm_head")
+
+
 def projections(a: argparse.Namespace) -> dict[str, tuple[int, int]]:
-    """Name -> (in, out) of one decoder layer's four GEMMs."""
+    """Name -> (in, out) of one decoder layer's four GEMMs, then the router
+    and the LM head where ``--experts`` and ``--vocab`` give them."""
     qkv = (a.q_heads + 2 * a.kv_heads) * a.head_dim
-    return {"qkv_proj": (a.hidden, qkv), "o_proj": (a.q_heads * a.head_dim, a.hidden),
-            "gate_up_proj": (a.hidden, 2 * a.intermediate), "down_proj": (a.intermediate, a.hidden)}
+    shapes = {"qkv_proj": (a.hidden, qkv), "o_proj": (a.q_heads * a.head_dim, a.hidden),
+              "gate_up_proj": (a.hidden, 2 * a.intermediate), "down_proj": (a.intermediate, a.hidden)}
+    if a.experts:
+        shapes["router"] = (a.hidden, a.experts)
+    if a.vocab:
+        shapes["lm_head"] = (a.hidden, a.vocab)
+    return shapes
 
 
 def ceilings(repeats: int) -> dict:
@@ -113,15 +132,16 @@ CUDA_CORE_TILES = ((8, 1024), (16, 1024), (4, 2048), (8, 2048), (16, 512), (8, 5
 
 
 def sweep(name: str, m: int, x, weights, scale, repeats: int, inner: int, budget_s: float,
-          scaled_mm_s: float | None = None) -> dict:
+          vendor_s: float | None = None) -> dict:
     """The fastest skinny config for this case, within ``budget_s``: the
     default and the config the tuned table already has, then the tiles (N,
     K) on the CUDA cores a row at a time (``row_loop``, up to 8 rows), on the
     tensor cores, and on the CUDA cores as one 3-D product, K split to 4, 2
     or 8 programs an SM at 4 warps and 4 stages, then the best of those at
-    other warps and stages. ``scaled_mm_s``: quantization + ``_scaled_mm``'s
-    time in the same run, which the row records beside the best (the tuned
-    table's choice)."""
+    other warps and stages. ``vendor_s``: the vendor's GEMM's time in the
+    same run (quantization + ``_scaled_mm`` for fp8 weights, ``F.linear``
+    for others), which the row records beside the best (the tuned table's
+    choice)."""
     sms = num_sms(x.device)
     n, k = weights[0].shape
     rows = 1 << (m - 1).bit_length()
@@ -152,27 +172,29 @@ def sweep(name: str, m: int, x, weights, scale, repeats: int, inner: int, budget
            "in": k, "out": n, "tokens": m, "best_us": tried[best] * 1e6, "config": dataclasses.asdict(best),
            "best_weight_tbs": n * k * weights[0].element_size() / tried[best] / 1e12,
            "tried": len(tried), "default_us": tried[default] * 1e6}
-    if scaled_mm_s is not None:
-        row["scaled_mm_us"] = scaled_mm_s * 1e6
+    if vendor_s is not None:
+        row[f"{vendor_kernel(weights[0].dtype)}_us"] = vendor_s * 1e6
     return row
 
 
 def as_table_entry(row: dict) -> dict:
     """A sweep row as its tuned table's entry: the best config with its
-    time, or, where quantization + ``_scaled_mm`` was faster, that kernel
-    (``skinny_gemm.SCALED_MM``) with both times. For ``gate_up`` at
-    ``GATED_ROWS`` the times compared are the two paths the MLP runs there:
-    the kernel with SiLU-and-mul in its epilogue (``skinny_gated_us``)
-    against ``_scaled_mm`` followed by the activation
-    (``scaled_mm_then_silu_us``)."""
-    skinny, scaled = row["best_us"], row.get("scaled_mm_us")
+    time, or, where the vendor's GEMM won, that kernel (``scaled_mm`` for an
+    fp8 weight, faster than the tiles; ``linear`` for a bf16 one, unless the
+    tiles took at most :data:`LINEAR_MARGIN` of its time) with both times.
+    For ``gate_up`` at ``GATED_ROWS`` the times compared are the two paths
+    the MLP runs there: the kernel with SiLU-and-mul in its epilogue
+    (``skinny_gated_us``) against the vendor's GEMM followed by the
+    activation (``scaled_mm_then_silu_us``, ``linear_then_silu_us``)."""
+    vendor = next((kernel for kernel in (SCALED_MM, LINEAR) if f"{kernel}_us" in row), None)
+    skinny, other = row["best_us"], row.get(f"{vendor}_us")
     if "skinny_gated_us" in row:
-        skinny, scaled = row["skinny_gated_us"], row["scaled_mm_then_silu_us"]
+        skinny, other = row["skinny_gated_us"], row[f"{vendor}_then_silu_us"]
     times = {"us": round(skinny, 2)}
-    if scaled is not None:
-        times["scaled_mm_us"] = round(scaled, 2)
-        if scaled < skinny:
-            return {"kernel": SCALED_MM, **times}
+    if other is not None:
+        times[f"{vendor}_us"] = round(other, 2)
+        if other < skinny or (vendor == LINEAR and skinny > LINEAR_MARGIN * other):
+            return {"kernel": vendor, **times}
     return {"kernel": "skinny", **row["config"], **times}
 
 
@@ -194,8 +216,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name, default in (("hidden", 4096), ("intermediate", 14336), ("q-heads", 32), ("kv-heads", 8), ("head-dim", 128)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 32, 64, 256, 1024, 4096, 8192])
-    parser.add_argument("--projections", nargs="+", choices=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
-                        help="time only these of the layer's GEMMs")
+    parser.add_argument("--experts", type=int, default=0, help="add a MoE router of this many experts")
+    parser.add_argument("--vocab", type=int, default=0, help="add an LM head of this vocabulary")
+    parser.add_argument("--projections", nargs="+", choices=PROJECTIONS, help="time only these GEMMs")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--inner", type=int, default=20)
     parser.add_argument("--rotate-mb", type=int, default=256, help="weights cycled per timing, at least this many MB")
@@ -203,7 +226,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="per (projection, weight dtype, tokens <= 64): search the skinny kernel's tiles this long")
     parser.add_argument("--sweep-weights", nargs="+", choices=("fp8", "bf16"), default=["fp8"])
     parser.add_argument("--write-tables", metavar="DIR",
-                        help="write the sweep's best configs as the kernel's tuned tables (fp8 weights) into DIR")
+                        help="write the sweep's best configs as the kernel's tuned tables into DIR")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fp8_gemm needs a CUDA device")
@@ -214,7 +237,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name, (k, n) in projections(args).items():
         if args.projections and name not in args.projections:
             continue
-        swept = []
+        swept = {"fp8": [], "bf16": []}
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         wq, ws = quantize_fp8_rows(w)
         ws = ws.reshape(1, -1).contiguous()
@@ -246,22 +269,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append(row)
             print(json.dumps(row), flush=True)
             if m <= MAX_ROWS and args.sweep_s > 0:
-                for label, weights, scale in (("fp8", fp8s, ws.view(-1)), ("bf16", bf16s, None)):
-                    if label in args.sweep_weights:
-                        rows.append(sweep(name, m, x, weights, scale, args.repeats, args.inner, args.sweep_s,
-                                          times["fp8_scaled_mm"] if label == "fp8" else None))
-                        if label == "fp8" and name == "gate_up_proj" and m in GATED_ROWS:  # what the MLP runs
-                            best = SkinnyConfig(**rows[-1]["config"])
-                            rows[-1]["skinny_gated_us"] = 1e6 * time_of(
-                                lambda w_: skinny_linear(x, w_, scale, config=best, gated=True), weights)
-                            rows[-1]["scaled_mm_then_silu_us"] = 1e6 * time_of(
-                                lambda w_: silu_and_mul(scaled_mm_linear(x, w_, ws)), weights)
-                        print(json.dumps(rows[-1]), flush=True)
-                        if label == "fp8":
-                            swept.append(rows[-1])
-        if args.write_tables and swept:
-            print(json.dumps({"bench": "skinny_table", "path": write_table(args.write_tables, swept, FP8_DTYPE)}),
-                  flush=True)
+                vendors = {"fp8": (fp8s, ws.view(-1), times["fp8_scaled_mm"], lambda x_, w_: scaled_mm_linear(x_, w_, ws)),
+                           "bf16": (bf16s, None, times["bf16"], F.linear)}
+                for label in args.sweep_weights:
+                    weights, scale, vendor_s, vendor = vendors[label]
+                    rows.append(sweep(name, m, x, weights, scale, args.repeats, args.inner, args.sweep_s, vendor_s))
+                    if name == "gate_up_proj" and m in GATED_ROWS:  # what the MLP runs
+                        best = SkinnyConfig(**rows[-1]["config"])
+                        rows[-1]["skinny_gated_us"] = 1e6 * time_of(
+                            lambda w_: skinny_linear(x, w_, scale, config=best, gated=True), weights)
+                        rows[-1][f"{vendor_kernel(weights[0].dtype)}_then_silu_us"] = 1e6 * time_of(
+                            lambda w_: silu_and_mul(vendor(x, w_)), weights)
+                    print(json.dumps(rows[-1]), flush=True)
+                    swept[label].append(rows[-1])
+        for label, dtype in (("fp8", FP8_DTYPE), ("bf16", torch.bfloat16)):
+            if args.write_tables and swept[label]:
+                print(json.dumps({"bench": "skinny_table", "weight": label,
+                                  "path": write_table(args.write_tables, swept[label], dtype)}), flush=True)
     return rows
 
 

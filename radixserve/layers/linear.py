@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.distributed import TPGroup, divide, head_layout
-from radixserve.layers.quantization import fp8_gated_linear, fp8_linear, quantize_fp8_rows
+from radixserve.layers.quantization import fp8_linear, gated_linear, quantize_fp8_rows, takes_skinny
 
 logger = logging.getLogger(__name__)
 
@@ -117,13 +117,20 @@ def swap_in_prepacked_weight(module: nn.Module) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for a plain, a CPU-prepacked or an fp8 weight
-    (with its per-channel ``weight_scale``, ``layers/quantization.py``)."""
+    (with its per-channel ``weight_scale``, ``layers/quantization.py``). A
+    plain weight at a few rows takes the skinny kernel where its tuned table
+    on this GPU says it beat ``F.linear`` (``triton_ops/skinny_gemm.py``)."""
     if weight_scale is not None:
         return fp8_linear(x, weight, weight_scale, bias)
     if weight.is_mkldnn:
         if x.numel() >= dense_gemm_min_rows() * x.shape[-1]:  # a prefill chunk: the plain GEMM on the matrix back
             return F.linear(x, weight.to_dense(), bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) == 1 and weight.stride(-1) == 1 and takes_skinny(x2, weight):
+        from radixserve.layers.triton_ops.skinny_gemm import skinny_linear
+
+        return skinny_linear(x2, weight, None, bias).reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
@@ -289,14 +296,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def forward_gated(self, x: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
         """``act_fn(self(x))`` for a ``[gate; up]`` pair whose ``act_fn`` is
-        SiLU-and-mul: at a few rows of an fp8 weight (and no LoRA) one skinny
-        GEMM launch that applies it in its epilogue, with the same roundings;
-        with LoRA's triton kernels, the deltas' expand and the activation in
-        one launch after the GEMM."""
+        SiLU-and-mul: at a few rows where the product takes the skinny kernel
+        (and no LoRA) one launch that applies it in its epilogue, with the
+        same roundings; with LoRA's triton kernels, the deltas' expand and the
+        activation in one launch after the GEMM."""
         if len(self.output_sizes) != 2:
             return act_fn(self(x))
-        if self.lora is None and self.weight_scale is not None:
-            y = fp8_gated_linear(x, self.weight, self.weight_scale, self.bias)
+        if self.lora is None and not self.weight.is_mkldnn:
+            y = gated_linear(x, self.weight, self.weight_scale, self.bias)
             if y is not None:
                 return y
         if self.lora is not None:

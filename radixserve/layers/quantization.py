@@ -15,7 +15,8 @@ SGLang and vLLM, on a bf16 / fp16 / fp32 checkpoint): W8A8 in float8 e4m3.
   unquantized: a weight-bound GEMM reads half the bytes of bf16 and does no
   more work than a bf16 one. Where the weight's tuned table on this GPU
   says quantization plus ``_scaled_mm`` was faster at those rows
-  (``skinny_gemm.prefers_scaled_mm``), that path runs instead.
+  (``skinny_gemm.takes_kernel``), that path runs instead. (bf16 and fp16
+  weights take the same kernel at the rows their own tables give it.)
   Above that it is ``torch._scaled_mm``, which applies the per-token and
   per-channel scales to its float32 accumulator (cuBLASLt / CUTLASS on a GPU
   with fp8 tensor cores, compute capability 8.9 or higher; a reference kernel
@@ -86,30 +87,34 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 def takes_skinny(x2: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`fp8_linear` runs the skinny kernel for rows ``x2``
-    ``[M, K]``: on CUDA, up to :data:`SKINNY_MAX_ROWS` rows, unless the
-    weight's tuned table prefers ``_scaled_mm`` at those rows."""
+    """Whether rows ``x2`` ``[M, K]`` times ``weight`` run the skinny kernel:
+    on CUDA, up to :data:`SKINNY_MAX_ROWS` rows, where
+    ``skinny_gemm.takes_kernel`` says so for the weight's dtype (fp8 unless
+    its tuned table prefers ``_scaled_mm`` at those rows; bf16 and fp16 only
+    where their table has a config)."""
     m = x2.shape[0]
     if not (0 < m <= SKINNY_MAX_ROWS and use_triton(x2, weight)):
         return False
-    from radixserve.layers.triton_ops.skinny_gemm import prefers_scaled_mm
+    from radixserve.layers.triton_ops.skinny_gemm import takes_kernel
 
-    return not prefers_scaled_mm(m, weight.shape[0], weight.shape[1], weight.dtype, x2.device)
+    return takes_kernel(m, weight.shape[0], weight.shape[1], weight.dtype, x2.device)
 
 
-def fp8_gated_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                     bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``silu(gate) * up`` of ``fp8_linear(x, ...)`` for a fused ``[gate; up]``
-    weight, in one skinny-kernel launch (the activation in its epilogue)
-    where :func:`fp8_linear` would take that kernel and the rows are among
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``silu(gate) * up`` of ``x @ W.T + bias`` for a fused ``[gate; up]``
+    weight (fp8 with its ``weight_scale``, or plain), in one skinny-kernel
+    launch (the activation in its epilogue) where the plain product would
+    take that kernel (:func:`takes_skinny`) and the rows are among
     :data:`GATED_ROWS`; None elsewhere, where the caller applies the
-    activation to :func:`fp8_linear`'s output."""
+    activation to the plain product."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] not in GATED_ROWS or not takes_skinny(x2, weight):
         return None
     from radixserve.layers.triton_ops.skinny_gemm import skinny_linear
 
-    y = skinny_linear(x2, weight, weight_scale.view(-1), bias, gated=True)
+    scale = None if weight_scale is None else weight_scale.view(-1)
+    y = skinny_linear(x2, weight, scale, bias, gated=True)
     return y.reshape(*x.shape[:-1], weight.shape[0] // 2)
 
 

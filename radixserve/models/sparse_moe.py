@@ -15,13 +15,13 @@ import re
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from radixserve.distributed import TPGroup
 from radixserve.distributed.expert_parallel import MoEParallel
 from radixserve.distributed.pipeline import PPStage
+from radixserve.layers.linear import linear
 from radixserve.layers.moe.layer import ExpertLoad, FusedMoE
 from radixserve.models.llama import LlamaForCausalLM, LlamaMLP
 
@@ -36,14 +36,16 @@ _STACKED_EXPERTS = {".mlp.experts.gate_up_proj": (".mlp.experts.w13_weight", "w1
 
 class Router(nn.Module):
     """The router's ``[E, H]`` linear, replicated on every rank, in the model's
-    dtype (as HF computes the logits), never quantized or prepacked."""
+    dtype (as HF computes the logits), never quantized or prepacked. At a few
+    rows on a GPU it takes the skinny kernel where that weight's tuned table
+    says so (``layers/linear.py``'s ``linear``)."""
 
     def __init__(self, hidden_size: int, num_experts: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class SparseMoeBlock(nn.Module):

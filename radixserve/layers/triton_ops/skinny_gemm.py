@@ -42,9 +42,14 @@ that kernel's tail instead of after it.
 The tiles come from a tuned table of the weight's shape on this GPU
 (``configs/skinny``, written by ``python -m radixserve.bench.fp8_gemm
 --sweep-s S --write-tables DIR``), else from :func:`default_config`. The
-table also says at which rows quantization plus ``torch._scaled_mm`` beat
-the best tiles when it was tuned (:func:`prefers_scaled_mm`): the fp8 layers
-(``layers/quantization.py``) then take that path instead.
+table also says at which rows the vendor's GEMM beat the best tiles when it
+was tuned, and :func:`takes_kernel` decides from it. fp8 weights
+(``layers/quantization.py``) take this kernel up to ``SKINNY_MAX_ROWS`` rows
+unless their table names quantization plus ``torch._scaled_mm`` there. bf16
+and fp16 weights keep ``F.linear`` (cuBLAS), which reads large weights at
+close to the bandwidth, except at the rows where their table has a config:
+small projections such as a MoE model's attention and router, where
+cuBLAS's one-row kernels leave the HBM half idle.
 """
 
 from __future__ import annotations
@@ -89,7 +94,14 @@ class SkinnyConfig:
         return cls(**{f.name: entry[f.name] for f in dataclasses.fields(cls) if f.name in entry})
 
 
-SCALED_MM = "scaled_mm"  # a table entry's kernel where quantization + torch._scaled_mm was faster
+SCALED_MM = "scaled_mm"  # an fp8 table's entry where quantization + torch._scaled_mm was faster
+LINEAR = "linear"  # a bf16 / fp16 table's entry where F.linear (cuBLAS) was faster
+
+
+def vendor_kernel(dtype: torch.dtype) -> str:
+    """The path a weight of ``dtype`` takes where this kernel does not: the
+    name its tables' entries give it."""
+    return SCALED_MM if dtype == torch.float8_e4m3fn else LINEAR
 
 
 @triton.jit
@@ -243,32 +255,32 @@ def table_file_name(n: int, k: int, dtype: torch.dtype, device: torch.device) ->
 
 @functools.cache
 def load_table(path: str) -> dict[int, SkinnyConfig | str] | None:
-    """A tuned table (rows -> config, or :data:`SCALED_MM` where quantization
-    plus ``torch._scaled_mm`` won), read once; None where there is no such file."""
+    """A tuned table (rows -> config, or :data:`SCALED_MM` / :data:`LINEAR`
+    where the vendor's GEMM won), read once; None where there is no such file."""
     if not os.path.exists(path):
         return None
     with open(path) as f:
-        return {int(rows): SCALED_MM if entry.get("kernel") == SCALED_MM else SkinnyConfig.from_json(entry)
-                for rows, entry in json.load(f).items()}
+        return {int(rows): entry["kernel"] if entry.get("kernel") in (SCALED_MM, LINEAR)
+                else SkinnyConfig.from_json(entry) for rows, entry in json.load(f).items()}
 
 
 @functools.cache
 def table_entry(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
-                table_dir: str | Path = TABLE_DIR) -> SkinnyConfig | str | None:
+                table_dir: str | Path | None = None) -> SkinnyConfig | str | None:
     """The tuned table's entry for ``m`` rows of this weight on this GPU: the
     entry for the fewest rows at least ``m`` (a config for more rows also
     computes fewer); None without one (no table, more rows than it has, or
     off CUDA). Cached: the engine asks once per layer and step."""
     if device.type != "cuda":
         return None
-    table = load_table(str(Path(table_dir) / table_file_name(n, k, dtype, device)))
+    table = load_table(str(Path(table_dir or TABLE_DIR) / table_file_name(n, k, dtype, device)))
     fits = [rows for rows in table or () if rows >= m]
     return table[min(fits)] if fits else None
 
 
 @functools.cache
 def get_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
-               table_dir: str | Path = TABLE_DIR) -> SkinnyConfig:
+               table_dir: str | Path | None = None) -> SkinnyConfig:
     """The config for ``m`` rows of this weight: the tuned table's
     (:func:`table_entry`), else :func:`default_config` (also where the table
     prefers ``_scaled_mm``: a caller that runs this kernel anyway gets the
@@ -279,11 +291,16 @@ def get_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
     return default_config(m, n, k, num_sms(device) if device.type == "cuda" else 1)
 
 
-def prefers_scaled_mm(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
-                      table_dir: str | Path = TABLE_DIR) -> bool:
-    """Whether the tuned table says quantization plus ``torch._scaled_mm``
-    beat this kernel's best tiles at ``m`` rows of this weight."""
-    return table_entry(m, n, k, dtype, device, table_dir) == SCALED_MM
+def takes_kernel(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
+                 table_dir: str | Path | None = None) -> bool:
+    """Whether ``m`` rows times this weight (``dtype``, on CUDA) run this
+    kernel rather than the vendor's GEMM: an fp8 weight unless its tuned
+    table says quantization plus ``torch._scaled_mm`` won at those rows, any
+    other only where its table has a config for them."""
+    entry = table_entry(m, n, k, dtype, device, table_dir)
+    if dtype == torch.float8_e4m3fn:
+        return entry != SCALED_MM
+    return isinstance(entry, SkinnyConfig)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
