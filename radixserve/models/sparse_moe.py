@@ -21,8 +21,7 @@ from transformers import PretrainedConfig
 from radixserve.distributed import TPGroup
 from radixserve.distributed.expert_parallel import MoEParallel
 from radixserve.distributed.pipeline import PPStage
-from radixserve.layers.linear import linear
-from radixserve.layers.moe.layer import ExpertLoad, FusedMoE
+from radixserve.layers.moe.layer import ExpertLoad, FusedMoE, Router
 from radixserve.models.llama import LlamaForCausalLM, LlamaMLP
 
 # One expert's tensor in a checkpoint: Qwen's ``mlp.experts.N.gate_proj.weight``,
@@ -32,20 +31,6 @@ _EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1"
 # Every expert stacked, as HF (transformers 5) holds them in memory: ``mlp.experts.gate_up_proj``.
 _STACKED_EXPERTS = {".mlp.experts.gate_up_proj": (".mlp.experts.w13_weight", "w13"),
                     ".mlp.experts.down_proj": (".mlp.experts.w2_weight", "w2")}
-
-
-class Router(nn.Module):
-    """The router's ``[E, H]`` linear, replicated on every rank, in the model's
-    dtype (as HF computes the logits), never quantized or prepacked. At a few
-    rows on a GPU it takes the skinny kernel where that weight's tuned table
-    says so (``layers/linear.py``'s ``linear``)."""
-
-    def __init__(self, hidden_size: int, num_experts: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
 
 
 class SparseMoeBlock(nn.Module):
@@ -64,7 +49,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Router(hidden, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
+        out = self.experts(x, self.gate)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

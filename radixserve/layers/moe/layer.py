@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 from radixserve.distributed.expert_parallel import MoEParallel
-from radixserve.layers.linear import copy_checked
+from radixserve.layers.linear import copy_checked, linear
 from radixserve.layers.moe.dispatch import make_dispatcher
 from radixserve.layers.moe.native import moe_forward_native
 from radixserve.layers.moe.topk import select_experts
+from radixserve.layers.triton_ops import use_triton
 
 _PER_EXPERT_PARTS = ("gate", "up", "down")
 
@@ -54,10 +55,38 @@ class ExpertLoad:
         return self.counts.tolist(), steps
 
 
+class Router(nn.Module):
+    """The router's ``[E, H]`` linear, replicated on every rank, in the model's
+    dtype (as HF computes the logits), never quantized or prepacked: its
+    logits (``forward``) and the routing of a batch (:meth:`select`)."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        # fused_router_topk's count of finished programs, zero between launches
+        self.register_buffer("ticket", torch.zeros(1, dtype=torch.int32), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+    def select(self, x: torch.Tensor, top_k: int, renormalize: bool,
+               counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``topk.select_experts`` of this router's logits for ``x`` ``[T, H]``:
+        on CUDA at up to ``MAX_FUSED_ROUTER_TOKENS`` rows the logits and the
+        routing in one launch (``triton_ops/topk.py``), else the GEMM then
+        the routing."""
+        if use_triton(x) and x.dtype == self.weight.dtype:
+            from radixserve.layers.moe.triton_ops.topk import MAX_EXPERTS, MAX_FUSED_ROUTER_TOKENS, fused_router_topk
+
+            if 0 < x.shape[0] <= MAX_FUSED_ROUTER_TOKENS and self.weight.shape[0] <= MAX_EXPERTS:
+                return fused_router_topk(x, self.weight, top_k, renormalize, self.ticket, counts)
+        return select_experts(self(x), top_k, renormalize, counts)
+
+
 class FusedMoE(nn.Module):
     """The experts of one MoE layer on this rank (module docstring).
 
-    ``forward(hidden [T, H], router_logits [T, E])`` routes (``topk.py``),
+    ``forward(hidden [T, H], router)`` routes (:meth:`Router.select`),
     dispatches (``dispatch.py``), runs the experts (the fused Triton kernel on
     CUDA, the torch path elsewhere) and combines: its output is the layer's,
     complete and the same on every rank."""
@@ -143,9 +172,9 @@ class FusedMoE(nn.Module):
                 copy_checked(self.w13_weight.data[local, offset : offset + size], loaded.narrow(0, start, size))
 
     # -- forward -------------------------------------------------------------
-    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, router: Router) -> torch.Tensor:
         counts = None if self.load is None else self.load.layer_counts(self.moe_index)
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, counts)
+        topk_weights, topk_ids = router.select(hidden, self.top_k, self.renormalize, counts)
         work = self.dispatcher.dispatch(hidden, topk_weights, topk_ids)
         out = self.experts(work.hidden, work.topk_weights, work.topk_ids)
         return self.dispatcher.combine(out, work)
