@@ -127,7 +127,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return F.linear(x, weight.to_dense(), bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) == 1 and weight.stride(-1) == 1 and takes_skinny(x2, weight):
+    if takes_skinny(x2, weight):
         from radixserve.layers.triton_ops.skinny_gemm import skinny_linear
 
         return skinny_linear(x2, weight, None, bias).reshape(*x.shape[:-1], weight.shape[0])

@@ -88,12 +88,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 def takes_skinny(x2: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether rows ``x2`` ``[M, K]`` times ``weight`` run the skinny kernel:
-    on CUDA, up to :data:`SKINNY_MAX_ROWS` rows, where
-    ``skinny_gemm.takes_kernel`` says so for the weight's dtype (fp8 unless
-    its tuned table prefers ``_scaled_mm`` at those rows; bf16 and fp16 only
-    where their table has a config)."""
+    on CUDA, up to :data:`SKINNY_MAX_ROWS` rows, both with unit stride along
+    K, where ``skinny_gemm.takes_kernel`` says so for the weight's dtype (fp8
+    unless its tuned table prefers ``_scaled_mm`` at those rows; bf16 and
+    fp16 only where their table has a config)."""
     m = x2.shape[0]
-    if not (0 < m <= SKINNY_MAX_ROWS and use_triton(x2, weight)):
+    if not (0 < m <= SKINNY_MAX_ROWS and use_triton(x2, weight) and x2.stride(-1) == 1 and weight.stride(-1) == 1):
         return False
     from radixserve.layers.triton_ops.skinny_gemm import takes_kernel
 
