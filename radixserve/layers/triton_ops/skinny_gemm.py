@@ -48,7 +48,7 @@ was tuned, and :func:`takes_kernel` decides from it. fp8 weights
 unless their table names quantization plus ``torch._scaled_mm`` there. bf16
 and fp16 weights keep ``F.linear`` (cuBLAS), which reads large weights at
 close to the bandwidth, except at the rows where their table has a config:
-small projections such as a MoE model's attention and router, where
+small projections such as a MoE model's attention, where
 cuBLAS's one-row kernels leave the HBM half idle.
 """
 
@@ -67,7 +67,7 @@ import triton.language as tl
 
 from radixserve.layers.triton_ops import DTYPE_NAMES, device_name, interpreting, num_sms, pdl
 from radixserve.layers.triton_ops.gdc import pdl_trigger, pdl_wait, prefetch_l2
-from radixserve.layers.triton_ops.tile import tile_product
+from radixserve.layers.triton_ops.tile import rows_product, tile_product
 
 MAX_ROWS = 64  # beyond this the GEMM is no longer bound by the weight read
 FMA_MAX_ROWS = 1  # the default config's CUDA-core rows
@@ -138,9 +138,9 @@ def _skinny_gemm_kernel(X, W, Scale, Bias, Y, Part, M, N, K, stride_xm, stride_w
         if GATED:  # both tiles' loads in flight before either product waits for its own
             w_up = tl.load(w_ptrs + up, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if ROW_LOOP:
-            acc = _rows_product(acc, w, x_row0, stride_xm, k_ok, M, rm, BLOCK_M)
+            acc = rows_product(acc, w, x_row0, stride_xm, k_ok, M, rm, BLOCK_M)
             if GATED:
-                acc_up = _rows_product(acc_up, w_up, x_row0, stride_xm, k_ok, M, rm, BLOCK_M)
+                acc_up = rows_product(acc_up, w_up, x_row0, stride_xm, k_ok, M, rm, BLOCK_M)
         else:
             x = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
             acc = tile_product(acc, w, x, FMA, DOT_F32)
@@ -160,22 +160,6 @@ def _skinny_gemm_kernel(X, W, Scale, Bias, Y, Part, M, N, K, stride_xm, stride_w
             tl.store(part + N, acc_up, mask=n_ok[:, None] & m_ok[None, :])
     else:
         _epilogue(acc, acc_up, Scale, Bias, Y, rn, rm, n_ok, m_ok, N, stride_ym, HAS_SCALE, HAS_BIAS, GATED)
-
-
-@triton.jit
-def _rows_product(acc, w, x_row0, stride_xm, k_ok, M, rm, BLOCK_M: tl.constexpr):
-    """``acc`` ``[BLOCK_N, BLOCK_M]`` plus the weight tile ``w`` ``[BLOCK_N,
-    BLOCK_K]`` times each row of x (``x_row0``: row 0's pointers over this
-    K tile) on the CUDA cores, a row at a time: the tile is converted to
-    float32 once, and each row's products are summed along K as one row's
-    are."""
-    wf = w.to(tl.float32)
-    for m in tl.static_range(BLOCK_M):
-        row_ok = k_ok.to(tl.int32) * 0 + m < M  # [BLOCK_K]: this row is one of x's
-        xm = tl.load(x_row0 + m * stride_xm, mask=k_ok & row_ok, other=0.0)
-        part = tl.sum(wf * xm.to(tl.float32)[None, :], axis=1)
-        acc += tl.where(rm[None, :] == m, part[:, None], 0.0)
-    return acc
 
 
 @triton.jit

@@ -1,5 +1,7 @@
-"""A tile product the GEMM kernels share (the skinny GEMM, the fused MoE's
-grouped GEMMs): ``acc + a @ b`` on the CUDA cores or the tensor cores."""
+"""Tile products the GEMM kernels share: ``acc + a @ b`` on the CUDA cores
+or the tensor cores (the skinny GEMM, the fused MoE's grouped GEMMs), and a
+weight tile times a few rows, a row at a time (the skinny GEMM's row loop,
+the MoE router's GEMM)."""
 
 from __future__ import annotations
 
@@ -27,3 +29,19 @@ def tile_product(acc, a, b, FMA: tl.constexpr, DOT_F32: tl.constexpr):
     if DOT_F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a.to(b.dtype), b, acc)
+
+
+@triton.jit
+def rows_product(acc, w, x_row0, stride_xm, k_ok, M, rm, BLOCK_M: tl.constexpr):
+    """``acc`` ``[BLOCK_N, BLOCK_M]`` plus the weight tile ``w`` ``[BLOCK_N,
+    BLOCK_K]`` times each row of x (``x_row0``: row 0's pointers over this
+    K tile) on the CUDA cores, a row at a time: the tile is converted to
+    float32 once, and each row's products are summed along K as one row's
+    are."""
+    wf = w.to(tl.float32)
+    for m in tl.static_range(BLOCK_M):
+        row_ok = k_ok.to(tl.int32) * 0 + m < M  # [BLOCK_K]: this row is one of x's
+        xm = tl.load(x_row0 + m * stride_xm, mask=k_ok & row_ok, other=0.0)
+        part = tl.sum(wf * xm.to(tl.float32)[None, :], axis=1)
+        acc += tl.where(rm[None, :] == m, part[:, None], 0.0)
+    return acc

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.triton_ops.tile import rows_product
+
 MAX_EXPERTS = 1024  # the most experts a row may have (one row in one Triton block)
 MAX_FUSED_ROUTER_TOKENS = 8  # fused_router_topk takes up to this many token rows
 
@@ -85,17 +87,14 @@ def _router_topk_kernel(X, W, Logits, Ticket, Weights, Ids, Counts, tokens, num_
     e_ok = experts < num_experts
     t = tl.arange(0, BLOCK_T)
     t_ok = t < tokens
-    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_E, BLOCK_T], dtype=tl.float32)  # logits transposed: experts, then token rows
     for h0 in range(0, hidden, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         h_ok = h < hidden
         w = tl.load(W + experts[:, None] * stride_w + h[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0)
-        w = w.to(tl.float32)
-        for r in tl.static_range(BLOCK_T):  # the weight tile stays in registers for every row
-            x = tl.load(X + r * stride_x + h, mask=h_ok & (h * 0 + r < tokens), other=0.0).to(tl.float32)
-            acc = tl.where(t[:, None] == r, acc + tl.sum(w * x[None, :], axis=1)[None, :], acc)
-    logits = Logits + t[:, None] * num_experts + experts[None, :]
-    tl.store(logits, acc.to(Logits.dtype.element_ty), mask=t_ok[:, None] & e_ok[None, :])
+        acc = rows_product(acc, w, X + h, stride_x, h_ok, tokens, t, BLOCK_T)  # the tile read once for every row
+    logits = Logits + t[None, :] * num_experts + experts[:, None]
+    tl.store(logits, acc.to(Logits.dtype.element_ty), mask=e_ok[:, None] & t_ok[None, :])
     # release: the logits above are visible to whichever program sees the last ticket (acquire)
     done = tl.atomic_add(Ticket, 1, sem="acq_rel")
     if done == tl.num_programs(0) - 1:
@@ -107,13 +106,17 @@ def _router_topk_kernel(X, W, Logits, Ticket, Weights, Ids, Counts, tokens, num_
         _topk_rows(x, valid, Weights, Ids, Counts, t, t_ok, BLOCK_T, TOP_K, K_PAD, E_PAD, RENORMALIZE, COUNT)
 
 
+def _check_top_k(top_k: int, num_experts: int) -> None:
+    if not 0 < top_k <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"top_k {top_k} of {num_experts} experts: need 0 < top_k <= experts <= {MAX_EXPERTS}")
+
+
 def fused_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool,
                        counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(topk_weights float32 [T, k], topk_ids int32 [T, k])`` from ``router_logits [T, E]``,
     as ``topk.select_experts`` computes them; ``counts`` (int64 [E]) gains one per choice."""
     tokens, num_experts = router_logits.shape
-    if not 0 < top_k <= num_experts <= MAX_EXPERTS:
-        raise ValueError(f"top_k {top_k} of {num_experts} experts: need 0 < top_k <= experts <= {MAX_EXPERTS}")
+    _check_top_k(top_k, num_experts)
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=router_logits.device)
     if tokens:
@@ -142,8 +145,7 @@ def fused_router_topk(hidden: torch.Tensor, router_weight: torch.Tensor, top_k: 
     replay it)."""
     tokens, hidden_size = hidden.shape
     num_experts = router_weight.shape[0]
-    if not 0 < top_k <= num_experts <= MAX_EXPERTS:
-        raise ValueError(f"top_k {top_k} of {num_experts} experts: need 0 < top_k <= experts <= {MAX_EXPERTS}")
+    _check_top_k(top_k, num_experts)
     if tokens > MAX_FUSED_ROUTER_TOKENS or router_weight.shape[1] != hidden_size:
         raise ValueError(f"fused_router_topk takes up to {MAX_FUSED_ROUTER_TOKENS} rows of the router's "
                          f"{router_weight.shape[1]} columns, got {tuple(hidden.shape)}")
