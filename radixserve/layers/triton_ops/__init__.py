@@ -46,6 +46,15 @@ def num_sms(device: torch.device | str) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def canonical_device(device) -> torch.device:
+    """``cuda`` -> ``cuda:<current>``, so that device comparisons (and
+    per-device buffers' keys) hold."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 # how the kernels' tuned tables name a dtype in their file names
 DTYPE_NAMES = {torch.float8_e4m3fn: "fp8", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
