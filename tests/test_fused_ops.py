@@ -166,7 +166,7 @@ def test_layers_dispatch_to_the_kernels(monkeypatch):
     for module_name, name in (("norm", "rms_norm"), ("activation", "silu_and_mul"), ("rotary", "rotary_embedding")):
         module = importlib.import_module(f"radixserve.layers.triton_ops.{module_name}")
         kernel = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
+        monkeypatch.setattr(module, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
     x = randn(5, 128)
     make_norm(128, torch.float32)(x, x)
     SiluAndMul()(x)

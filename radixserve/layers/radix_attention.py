@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from radixserve.model_executor.forward_batch_info import ForwardBatch
+    from radixserve.model_executor.forward_batch_info import ForwardBatch, KVStore
 
 
 class RadixAttention(nn.Module):
@@ -37,8 +37,14 @@ class RadixAttention(nn.Module):
         v: torch.Tensor,
         forward_batch: "ForwardBatch",
         save_kv_cache: bool = True,
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
-        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, save_kv_cache)
+        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, save_kv_cache, kv_stored)
+
+    def kv_store(self, forward_batch: "ForwardBatch") -> "KVStore | None":
+        """Where this layer's new K/V may be stored before :meth:`forward`
+        (then called with ``kv_stored=True``), if the backend offers it."""
+        return forward_batch.attn_backend.kv_store(self, forward_batch)
 
     def extra_repr(self) -> str:
         return f"layer_id={self.layer_id}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"

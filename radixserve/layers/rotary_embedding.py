@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from radixserve.layers import cpu_kernels
+from radixserve.model_executor.forward_batch_info import KVStore
 from radixserve.layers.triton_ops import use_triton
+from radixserve.mem_cache.memory_pool import to_kv_dtype
 
 _SCALED_TYPES = ("linear", "dynamic", "llama3")
 
@@ -38,30 +40,40 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None,
+        kv_store: KVStore | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q`` ``[T, H*D]`` and ``k`` ``[T, Hkv*D]`` for ``positions`` ``[T]``."""
-        if use_triton(q, k):
+        """Rotate ``q`` ``[T, H*D]`` and ``k`` ``[T, Hkv*D]`` for ``positions`` ``[T]``.
+        ``kv_store`` (from the attention backend): also store the rotated
+        ``k`` and ``v`` in the KV pool, which the rotary kernel does as it
+        rotates (no store launch of the backend's)."""
+        if use_triton(q, k, v):
             from radixserve.layers.triton_ops.rotary import rotary_embedding
 
-            return rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim)
+            return rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim, v=v, kv_store=kv_store)
         if cpu_kernels.elementwise_takes(q, k, self.cos_sin_cache):
-            return cpu_kernels.rotary(positions, q, k, self.cos_sin_cache, self.head_dim)
-        return self.forward_native(positions, q, k)
+            q, k = cpu_kernels.rotary(positions, q, k, self.cos_sin_cache, self.head_dim)
+        else:
+            q, k = self.forward_native(positions, q, k)
+        if kv_store is not None:
+            _store(kv_store, k, v)
+        return q, k
 
     def forward_with_head_norms(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module,
+        v: torch.Tensor | None = None, kv_store: KVStore | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Qwen3's order: each head of ``q`` and ``k`` RMS-normed (``q_norm``,
-        ``k_norm``: :class:`RMSNorm` over ``head_dim``), then rotated. On CUDA
-        the norms run inside the rotary kernel: one launch for the three."""
-        if use_triton(q, k, q_norm.weight, k_norm.weight) and q_norm.variance_epsilon == k_norm.variance_epsilon:
+        ``k_norm``: :class:`RMSNorm` over ``head_dim``), then rotated (and
+        stored, as :meth:`forward`). On CUDA the norms run inside the rotary
+        kernel: one launch for the three (four with the store)."""
+        if use_triton(q, k, v, q_norm.weight, k_norm.weight) and q_norm.variance_epsilon == k_norm.variance_epsilon:
             from radixserve.layers.triton_ops.rotary import rotary_embedding
 
             return rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim,
-                                    (q_norm.weight, k_norm.weight), q_norm.variance_epsilon)
+                                    (q_norm.weight, k_norm.weight), q_norm.variance_epsilon, v, kv_store)
         heads = lambda x: x.reshape(x.shape[0], -1, self.head_dim)  # noqa: E731
-        return self.forward(positions, q_norm(heads(q)).flatten(1), k_norm(heads(k)).flatten(1))
+        return self.forward(positions, q_norm(heads(q)).flatten(1), k_norm(heads(k)).flatten(1), v, kv_store)
 
     def forward_native(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -74,6 +86,14 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.view(shape[0], -1, self.head_dim).chunk(2, dim=-1)
         # The same products and sums as HF's q*cos + rotate_half(q)*sin.
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).view(shape)
+
+
+def _store(kv_store: KVStore, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The rotated ``k`` and ``v`` into the pool at ``kv_store``'s slots, as a
+    backend's store does (off the Triton path: never on the fast path)."""
+    k_buf, v_buf, loc = kv_store
+    k_buf[loc] = to_kv_dtype(k.reshape(k.shape[0], *k_buf.shape[1:]), k_buf.dtype)
+    v_buf[loc] = to_kv_dtype(v.reshape(v.shape[0], *v_buf.shape[1:]), v_buf.dtype)
 
 
 def default_inv_freq(head_dim: int, base: float) -> torch.Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
@@ -35,14 +35,27 @@ class ForwardMode(enum.IntEnum):
         return self == ForwardMode.DECODE
 
 
+class KVStore(NamedTuple):
+    """Where a layer's new K/V go in the pool, for a kernel before attention
+    that stores them itself (the rotary kernel, which has K in registers):
+    slots ``loc`` of ``k_buffer`` / ``v_buffer`` (``[slots, kv_heads, dim]``,
+    each slot's heads contiguous), cast to the pool's dtype."""
+
+    k_buffer: torch.Tensor
+    v_buffer: torch.Tensor
+    loc: torch.Tensor
+
+
 class AttentionBackendProtocol(Protocol):
     """What a forward calls on its attention backend (``layers/attention/base.py``'s
     ``AttentionBackend`` is one), declared here because the layers import this module."""
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None: ...
 
+    def kv_store(self, layer: torch.nn.Module, forward_batch: ForwardBatch) -> KVStore | None: ...
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.nn.Module,
-                forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor: ...
+                forward_batch: ForwardBatch, save_kv_cache: bool = True, kv_stored: bool = False) -> torch.Tensor: ...
 
 
 @dataclass

@@ -24,6 +24,7 @@ from radixserve.distributed import TPGroup
 from radixserve.distributed.expert_parallel import MoEParallel
 from radixserve.distributed.pipeline import PPHidden, PPMissingLayer, PPStage
 from radixserve.layers.activation import SiluAndMul
+from radixserve.model_executor.forward_batch_info import KVStore
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import (
     MergedColumnParallelLinear,
@@ -93,13 +94,16 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb  # one module shared by all layers
         self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
 
-    def qkv(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Projected q, k (normed per head, rotated) and v: what attention takes."""
+    def qkv(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+            kv_store: KVStore | None = None) -> tuple[torch.Tensor, ...]:
+        """Projected q, k (normed per head, rotated) and v: what attention
+        takes. ``kv_store`` (``attn.kv_store``): k and v also go into the KV
+        pool there, from the rotary kernel."""
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
-            q, k = self.rotary_emb.forward_with_head_norms(positions, q, k, self.q_norm, self.k_norm)
+            q, k = self.rotary_emb.forward_with_head_norms(positions, q, k, self.q_norm, self.k_norm, v, kv_store)
         else:
-            q, k = self.rotary_emb(positions, q, k)
+            q, k = self.rotary_emb(positions, q, k, v, kv_store)
         return q, k, v
 
 
@@ -126,20 +130,24 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp output, residual)``; their sum is this layer's output
         (the next norm adds them, see :class:`RMSNorm`)."""
-        q, k, v, residual = self.before_attention(positions, hidden_states, residual)
-        return self.after_attention(self.self_attn.attn(q, k, v, forward_batch), residual)
+        attn = self.self_attn.attn
+        kv_store = attn.kv_store(forward_batch)  # the rotary kernel stores K/V where the backend lets it
+        q, k, v, residual = self.before_attention(positions, hidden_states, residual, kv_store)
+        return self.after_attention(attn(q, k, v, forward_batch, kv_stored=kv_store is not None), residual)
 
     # The layer in two pieces around its attention, which alone reads the
-    # batch's layout: piecewise CUDA graphs capture the pieces for a token count.
+    # batch's layout: piecewise CUDA graphs capture the pieces for a token count
+    # (without ``kv_store``: the slots are the batch's, so attention stores K/V).
     def before_attention(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+        kv_store: KVStore | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(q, k, v, residual)`` from the previous layer's ``(mlp output, residual)``."""
         if residual is None:
             residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        return *self.self_attn.qkv(positions, hidden_states), residual
+        return *self.self_attn.qkv(positions, hidden_states, kv_store), residual
 
     def after_attention(self, attn_output: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp output, residual)`` from the attention's output."""

@@ -13,7 +13,9 @@
   ``num_decoding``, one token each) go through the decode kernel instead,
   after their K/V is stored: the extend kernel would spend a whole query
   block on each one's single token and read its K/V once per query head.
-- New K/V go into the pool with one fused store kernel (``triton_ops.kv_store``).
+- New K/V go into the pool with one fused store kernel (``triton_ops.kv_store``),
+  or, where the model asks :meth:`TritonAttnBackend.kv_store` first, from
+  the rotary kernel as it rotates K (``forward(..., kv_stored=True)``).
 
 Kernels only see slot indices, so any page size works. q/k/v may be bf16,
 fp16 or fp32 (fp32 dots run in full precision, for debugging).
@@ -30,7 +32,8 @@ from radixserve.layers.attention.base import AttentionBackend
 from radixserve.layers.attention.triton_ops import decode_attention as decode_ops
 from radixserve.layers.attention.triton_ops.extend_attention import extend_attention_fwd
 from radixserve.layers.attention.triton_ops.kv_store import can_store_kv, store_kv
-from radixserve.layers.triton_ops import num_sms
+from radixserve.layers.triton_ops import canonical_device, num_sms
+from radixserve.model_executor.forward_batch_info import KVStore
 
 if TYPE_CHECKING:
     from radixserve.layers.radix_attention import RadixAttention
@@ -141,13 +144,24 @@ class TritonAttnBackend(AttentionBackend):
         return md
 
     # -- forward --------------------------------------------------------------
-    def forward_decode(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache=True):
+    def kv_store(self, layer: "RadixAttention", forward_batch: "ForwardBatch") -> KVStore | None:
+        """The pool's layer on CUDA where each slot's heads are contiguous
+        (the store kernel's layout): the rotary kernel then stores K and V
+        as it rotates K, and the store kernel's launch goes."""
+        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        if not (k_buf.is_cuda and can_store_kv(k_buf, v_buf, k_buf, v_buf)):
+            return None
+        return KVStore(k_buf, v_buf, forward_batch.out_cache_loc)
+
+    def forward_decode(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache=True,
+                       kv_stored=False):
         fb = forward_batch
         if not save_kv_cache:
             # The pool lacks the new tokens: read them from k/v like an extend of one token.
             return self._extend(q, k, v, layer, fb, _decode_as_extend(fb))
         bs, d, dv = fb.batch_size, layer.head_dim, v.shape[-1] // layer.num_kv_heads
-        self._store(k.view(bs, layer.num_kv_heads, d), v.view(bs, layer.num_kv_heads, dv), layer, fb)
+        if not kv_stored:
+            self._store(k.view(bs, layer.num_kv_heads, d), v.view(bs, layer.num_kv_heads, dv), layer, fb)
         out = q.new_empty(bs, layer.num_heads, dv)
         self._decode(q.view(bs, layer.num_heads, d), out, layer, fb, fb.attn_metadata, slice(None))
         return out.view(bs, layer.num_heads * dv)
@@ -165,9 +179,10 @@ class TritonAttnBackend(AttentionBackend):
             md.num_kv_splits, md.max_splits, mid_o, mid_lse, layer.scaling, shared,
         )
 
-    def forward_extend(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache=True):
+    def forward_extend(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache=True,
+                       kv_stored=False):
         fb, md = forward_batch, forward_batch.attn_metadata
-        if save_kv_cache:
+        if save_kv_cache and not kv_stored:
             d, dv = layer.head_dim, v.shape[-1] // layer.num_kv_heads
             self._store(k.view(-1, layer.num_kv_heads, d), v.view(-1, layer.num_kv_heads, dv), layer, fb)
         if md.riders is None or not save_kv_cache:  # without the riders' K/V in the pool, they extend too
@@ -205,7 +220,7 @@ class TritonAttnBackend(AttentionBackend):
 
     # -- persistent buffers -------------------------------------------------------
     def _splits(self, bs: int, device: torch.device) -> torch.Tensor:
-        buf, device = self._splits_buf, _canonical(device)
+        buf, device = self._splits_buf, canonical_device(device)
         if buf is None or buf.shape[0] < bs or buf.device != device:
             buf = self._splits_buf = torch.ones(bs, dtype=torch.int32, device=device)
         return buf
@@ -214,7 +229,7 @@ class TritonAttnBackend(AttentionBackend):
         """Views ``[bs, num_heads, splits, v_head_dim]`` and ``[bs, num_heads, splits]``
         of the flat scratch buffers (grown, eagerly, only if a batch outgrows
         what was allocated)."""
-        device = _canonical(device)
+        device = canonical_device(device)
         lse_numel = bs * num_heads * splits
         if self._mid_lse is None or self._mid_lse.numel() < lse_numel or self._mid_lse.device != device:
             self._mid_lse = torch.empty(lse_numel, dtype=torch.float32, device=device)
@@ -226,7 +241,7 @@ class TritonAttnBackend(AttentionBackend):
     def _prefix_scratch(self, bs: int, num_heads: int, v_head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """``[bs, num_heads, PREFIX_SPLITS, v_head_dim]`` and ``[bs, num_heads,
         PREFIX_SPLITS]`` for the shared prefixes' partials (grown like ``_scratch``)."""
-        device, splits = _canonical(device), decode_ops.PREFIX_SPLITS
+        device, splits = canonical_device(device), decode_ops.PREFIX_SPLITS
         lse_numel = bs * num_heads * splits
         if self._prefix_lse is None or self._prefix_lse.numel() < lse_numel or self._prefix_lse.device != device:
             self._prefix_lse = torch.empty(lse_numel, dtype=torch.float32, device=device)
@@ -237,16 +252,8 @@ class TritonAttnBackend(AttentionBackend):
         return o, self._prefix_lse[:lse_numel].view(bs, num_heads, splits)
 
     def _sm_count(self, device: torch.device) -> int:
-        device = _canonical(device)
+        device = canonical_device(device)
         return num_sms(device) if device.type == "cuda" else DEFAULT_NUM_SMS
-
-
-def _canonical(device) -> torch.device:
-    """``cuda`` -> ``cuda:<current>``, so that device comparisons hold."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _all_extend(fb: "ForwardBatch") -> ExtendMetadata:
