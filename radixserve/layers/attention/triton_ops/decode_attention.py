@@ -101,16 +101,19 @@ def _attend_span(
             K_buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
             mask=n_mask[None, :] & d_mask[:, None], other=0.0,
         )
+        # V's load is issued with K's, before the dot waits for K: a span of
+        # one block (short contexts, small batches) then waits for memory
+        # once, not twice.
+        v = tl.load(
+            V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
+            mask=n_mask[:, None] & dv_mask[None, :], other=0.0,
+        )
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
-            mask=n_mask[:, None] & dv_mask[None, :], other=0.0,
-        )
         if KV_FP8:
             # The dot needs V transposed through shared memory. Scaled by a
             # runtime value, the tile is converted where it is loaded and
@@ -146,12 +149,15 @@ def _decode_split_kernel(
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # The request's numbers in one round trip to memory, before the branch
+    # that needs only the first (each a valid address for every program).
     num_splits = tl.load(Num_kv_splits + b)
+    seq_len = tl.load(Seq_lens + b).to(tl.int32)
+    row_ptr = Req_to_token + tl.load(Req_pool_indices + b).to(tl.int64) * stride_r2t
+    first = 0
+    if HAS_START:  # prefix-grouped decode: only the request's own suffix
+        first = tl.load(Starts + b).to(tl.int32)
     if split < num_splits:
-        seq_len = tl.load(Seq_lens + b).to(tl.int32)
-        first = 0
-        if HAS_START:  # prefix-grouped decode: only the request's own suffix
-            first = tl.load(Starts + b).to(tl.int32)
         chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
         start = first + split * chunk
         end = tl.minimum(start + chunk, seq_len)
@@ -168,7 +174,6 @@ def _decode_split_kernel(
             Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
             mask=h_mask[:, None] & d_mask[None, :], other=0.0,
         ).to(DOT_DTYPE)
-        row_ptr = Req_to_token + tl.load(Req_pool_indices + b).to(tl.int64) * stride_r2t
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
@@ -245,9 +250,11 @@ def _decode_merge_kernel(
         lse_max = tl.maximum(lse_max, tl.max(plse, 0))
     lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)
     w = tl.where(valid, tl.exp2(lse - lse_max), 0.0)
+    # Masked by the split count, not by the lse: issued with the lse's load.
+    # An empty split stored zeros, which its weight 0 leaves out.
     o = tl.load(
         Mid_o + b * stride_mo_b + h * stride_mo_h + offs_s[:, None] * stride_mo_s + offs_dv[None, :],
-        mask=valid[:, None] & dv_mask[None, :], other=0.0,
+        mask=(offs_s < num_splits)[:, None] & dv_mask[None, :], other=0.0,
     )
     total = tl.sum(w, 0)
     acc = tl.sum(o * w[:, None], 0)
