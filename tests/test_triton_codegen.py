@@ -147,3 +147,64 @@ def test_extend_kernel_over_an_fp8_prefix(kv_cache_dtype):
     bfloat16, is left to the GPU tests."""
     errors = run_interpreted(_EXTEND_SCRIPT, [[[70, 0, 129], [30, 50, 7]], kv_cache_dtype])
     assert max(errors) < 2e-3, errors  # float16 outputs
+
+
+_MERGE_LAST_SCRIPT = _POOLS + """
+from radixserve.layers.attention.triton_ops import decode_attention as dec
+dec.num_sms = lambda device: 132  # an H200's; the interpreter has no device to ask
+lens = json.loads(sys.argv[1])
+k, v = pools("auto", torch.float16, sum(lens) + 1)
+q = torch.randn(len(lens), heads, dim).to(torch.float16)
+req_to_token, seq_lens = scattered(lens, max(lens)), torch.tensor(lens)
+max_splits = dec.splits_grid(len(lens), kv_heads, 132)
+splits = dec.num_kv_splits_(torch.empty(len(lens), dtype=torch.int32), seq_lens, max_splits)
+tickets = torch.zeros(dec.MERGE_LAST_MAX_BATCH * kv_heads, dtype=torch.int32)
+outs = []
+for t in (None, tickets, tickets):  # the merge kernel, then the split kernel merging twice (counters reset)
+    out = torch.full_like(q, float("nan"))
+    dec.decode_attention_fwd(q, k, v, out, req_to_token, torch.arange(len(lens)), seq_lens, splits, max_splits,
+                             torch.full((len(lens), heads, max_splits, dim), float("nan")),
+                             torch.full((len(lens), heads, max_splits), float("nan")), dim ** -0.5, tickets=t)
+    outs.append(out)
+rows = [req_to_token[i, :n].long() for i, n in enumerate(lens)]
+print(json.dumps({
+    "splits": splits.tolist(),
+    "errors": [error(outs[1][i:i + 1], q[i:i + 1], k[r], v[r]) for i, r in enumerate(rows)],
+    "vs merge kernel": float((outs[1].float() - outs[0].float()).abs().max()),
+    "replay equal": bool(torch.equal(outs[1], outs[2])),
+    "tickets left": int(tickets.count_nonzero()),
+}))
+"""
+
+
+def test_small_decodes_merge_in_the_split_kernel():
+    """At a few requests the split that stores a request's last partial for
+    a KV head merges them (a ticket counter) instead of the merge kernel:
+    the same outputs to float16 rounding, requests of one split (written
+    directly) and of many, the scratch's unused slots never read (NaNs), and
+    the counters back at zero, so a second launch (a graph replay) does it
+    again."""
+    got = run_interpreted(_MERGE_LAST_SCRIPT, [1, 70, 700, 9, 4000])
+    assert got["splits"][0] == 1 and max(got["splits"]) > 8, got  # one split, and many
+    assert max(got["errors"]) < 2e-3, got  # float16 outputs
+    assert got["vs merge kernel"] < 2e-3, got
+    assert got["replay equal"] and got["tickets left"] == 0, got
+
+
+def test_the_split_kernels_merge_is_released_and_acquired_on_hopper():
+    """The ticket that elects a request's merging split is an acquire-release
+    atomic at GPU scope, and that split reads the others' partials from L2
+    (``ld.global.cg``); a large batch's kernel has neither."""
+    import torch
+
+    from radixserve.bench import kernel_sass
+
+    try:
+        ptx = {merge: kernel_sass.compile_kernel("decode", torch.bfloat16, merge_last=merge).asm["ptx"]
+               for merge in (False, True)}
+    except Exception as exc:  # noqa: BLE001 - no NVIDIA backend or ptxas here
+        pytest.skip(f"this Triton cannot compile for sm_90 here: {exc}")
+    atoms = {merge: [line for line in text.splitlines() if "atom." in line] for merge, text in ptx.items()}
+    assert atoms[False] == [] and "ld.global.cg" not in ptx[False]
+    assert len(atoms[True]) == 1 and "atom.global.gpu.acq_rel.add" in atoms[True][0], atoms[True]
+    assert "ld.global.cg" in ptx[True]
