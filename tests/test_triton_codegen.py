@@ -191,6 +191,7 @@ def test_small_decodes_merge_in_the_split_kernel():
     assert got["replay equal"] and got["tickets left"] == 0, got
 
 
+@needs_cuda_toolchain
 def test_the_split_kernels_merge_is_released_and_acquired_on_hopper():
     """The ticket that elects a request's merging split is an acquire-release
     atomic at GPU scope, and that split reads the others' partials from L2
@@ -199,11 +200,8 @@ def test_the_split_kernels_merge_is_released_and_acquired_on_hopper():
 
     from radixserve.bench import kernel_sass
 
-    try:
-        ptx = {merge: kernel_sass.compile_kernel("decode", torch.bfloat16, merge_last=merge).asm["ptx"]
-               for merge in (False, True)}
-    except Exception as exc:  # noqa: BLE001 - no NVIDIA backend or ptxas here
-        pytest.skip(f"this Triton cannot compile for sm_90 here: {exc}")
+    ptx = {merge: kernel_sass.compile_kernel("decode", torch.bfloat16, merge_last=merge).asm["ptx"]
+           for merge in (False, True)}
     atoms = {merge: [line for line in text.splitlines() if "atom." in line] for merge, text in ptx.items()}
     assert atoms[False] == [] and "ld.global.cg" not in ptx[False]
     assert len(atoms[True]) == 1 and "atom.global.gpu.acq_rel.add" in atoms[True][0], atoms[True]

@@ -58,6 +58,7 @@ MAX_KV_SPLITS = 64  # splits per request at most
 # last split of each request and KV head, by a ticket): a launch fewer, where
 # the launch costs more than the merge's sum.
 MERGE_LAST_MAX_BATCH = 16
+MERGE_UNROLL = tl.constexpr(8)  # partials the merging split loads at once (a context may have MAX_KV_SPLITS)
 MIN_TOKENS_PER_SPLIT = 64  # a shorter chunk is not worth its own program
 # Stage-1 launch: BLOCK_N context tokens per step inside a program. Chosen on
 # an H200 by benchmarks/decode_attention_sweep.py (27 configs; W1's qwen3-0.6b
@@ -255,11 +256,14 @@ def _merge_splits(Mid_o, Mid_lse, Out, b, heads, h_mask, offs_dv, dv_mask, num_s
     total = tl.sum(tl.where(lse > float("-inf"), tl.exp2(lse - lse_max[:, None]), 0.0), 1)
     acc = tl.zeros([heads.shape[0], offs_dv.shape[0]], tl.float32)
     mid = Mid_o + b * stride_mo_b + heads[:, None] * stride_mo_h + offs_dv[None, :]
-    for s in range(num_splits):
-        lse_s = tl.load(Mid_lse + b * stride_ml_b + heads * stride_ml_h + s, mask=h_mask, other=float("-inf"),
+    for s0 in range(0, num_splits, MERGE_UNROLL):  # MERGE_UNROLL splits' loads in flight at once
+        for j in tl.static_range(MERGE_UNROLL):
+            s_ok = h_mask & (heads * 0 + s0 + j < num_splits)  # a vector: the interpreter takes no scalar mask
+            lse_s = tl.load(Mid_lse + b * stride_ml_b + heads * stride_ml_h + s0 + j, mask=s_ok,
+                            other=float("-inf"), cache_modifier=".cg")
+            o = tl.load(mid + (s0 + j) * stride_mo_s, mask=s_ok[:, None] & dv_mask[None, :], other=0.0,
                         cache_modifier=".cg")
-        o = tl.load(mid + s * stride_mo_s, mask=h_mask[:, None] & dv_mask[None, :], other=0.0, cache_modifier=".cg")
-        acc += o * tl.where(lse_s > float("-inf"), tl.exp2(lse_s - lse_max), 0.0)[:, None]
+            acc += o * tl.where(lse_s > float("-inf"), tl.exp2(lse_s - lse_max), 0.0)[:, None]
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :], out.to(Out.dtype.element_ty),
              mask=h_mask[:, None] & dv_mask[None, :])
