@@ -114,6 +114,7 @@ def rotary_embedding(
         q_heads, k_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
         qw, kw = (q, k) if norm_weights is None else norm_weights  # stand-ins the kernel ignores without a norm
         store = {}
+        # without a store, stand-ins the kernel ignores
         k_buf, v_buf, loc, v = (k_out, k_out, positions, k) if kv_store is None else (*kv_store, v.reshape(tokens, -1))
         if kv_store is not None:
             store = dict(STORE=True, V_ROW=v.shape[1], BLOCK_V=triton.next_power_of_2(v.shape[1]),
