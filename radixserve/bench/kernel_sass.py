@@ -43,12 +43,11 @@ def cuobjdump_path() -> str:
 
 
 def compile_kernel(kernel: str, kv_dtype: torch.dtype, q_dtype: torch.dtype = torch.bfloat16, arch: int = 90,
-                   heads: int = 32, kv_heads: int = 8, head_dim: int = 128, merge_last: bool = False):
+                   heads: int = 32, kv_heads: int = 8, head_dim: int = 128):
     """The decode kernel's stage 1 (``_decode_split_kernel``), the extend
     kernel (``_extend_kernel``) or prefix-grouped decode's prefix kernel
     (``_prefix_split_kernel``) compiled for ``sm_<arch>`` with the launch
-    config and constexprs their launchers use for a bf16 model and a large
-    batch (``merge_last``: stage 1 as a small batch's, merging its splits)."""
+    config and constexprs their launchers use for a bf16 model and a large batch."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -61,15 +60,14 @@ def compile_kernel(kernel: str, kv_dtype: torch.dtype, q_dtype: torch.dtype = to
         fn, cfg = dec._decode_split_kernel, dict(dec.STAGE1_CONFIG)
         pointers = {"Q": q_t, "K_buf": kv_t, "V_buf": kv_t, "Req_to_token": "i32", "Req_pool_indices": "i64",
                     "Seq_lens": "i64", "Starts": "i64", "Num_kv_splits": "i32", "Mid_o": "fp32", "Mid_lse": "fp32",
-                    "Out": q_t, "Mid_po": "fp32", "Mid_plse": "fp32", "Tickets": "i32"}
+                    "Out": q_t, "Mid_po": "fp32", "Mid_plse": "fp32"}
         strides = ["stride_qb", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_r2t",
                    "stride_mo_b", "stride_mo_h", "stride_mo_s", "stride_ml_b", "stride_ml_h", "stride_ob", "stride_oh",
                    "stride_po_b", "stride_po_h", "stride_po_s", "stride_pl_b", "stride_pl_h"]
         const = dict(GROUP=heads // kv_heads, BLOCK_H=max(16, triton.next_power_of_2(heads // kv_heads)),
                      BLOCK_N=cfg.pop("BLOCK_N"), **shape, DOT_DTYPE=dec.dot_dtype(q_dtype, kv_dtype), **fp8,
                      HAS_START=False, WRITE_OUT=False, PREFIX_SPLITS=dec.PREFIX_SPLITS,
-                     MIN_PREFIX_SPLIT=dec.MIN_PREFIX_SPLIT, MERGE_LAST=merge_last,
-                     SPLITS_POW2=dec.MAX_KV_SPLITS if merge_last else 1, USE_PDL=False)
+                     MIN_PREFIX_SPLIT=dec.MIN_PREFIX_SPLIT, USE_PDL=False)
         unaligned = {"stride_ml_h", "stride_pl_h"}  # the lse buffers' head strides are split counts
     elif kernel == "prefix":  # prefix-grouped decode's shared-prefix kernel
         fn, cfg = dec._prefix_split_kernel, dict(dec.PREFIX_CONFIG)

@@ -84,8 +84,6 @@ class TritonAttnBackend(AttentionBackend):
         self._mid_lse: torch.Tensor | None = None
         self._prefix_o: torch.Tensor | None = None  # the same for the shared prefixes' partials
         self._prefix_lse: torch.Tensor | None = None
-        self._tickets: torch.Tensor | None = None  # small decodes' merge counters (_merge_tickets)
-        self._retired_tickets: list[torch.Tensor] = []
         if model_runner is not None:
             heads, device = model_runner.head_layout, model_runner.device  # this TP rank's heads
             if device.type == "cuda":
@@ -96,7 +94,6 @@ class TritonAttnBackend(AttentionBackend):
             self._splits(rows, device)
             split_rows = decode_ops.scratch_splits(rows, self.num_kv_heads, self._sm_count(device))
             self._scratch(split_rows, 1, heads.num_heads, model_runner.model_config.head_dim, device)
-            self._merge_tickets(device, self.num_kv_heads)
 
     # -- metadata (once per forward, before the layers) ---------------------
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
@@ -180,7 +177,6 @@ class TritonAttnBackend(AttentionBackend):
         decode_ops.decode_attention_fwd(
             q, k_buf, v_buf, out, fb.req_to_token_pool.req_to_token, fb.req_pool_indices[rows], fb.seq_lens[rows],
             md.num_kv_splits, md.max_splits, mid_o, mid_lse, layer.scaling, shared,
-            self._merge_tickets(q.device, layer.num_kv_heads),
         )
 
     def forward_extend(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache=True,
@@ -254,23 +250,6 @@ class TritonAttnBackend(AttentionBackend):
             self._prefix_o = torch.empty(lse_numel * v_head_dim, dtype=torch.float32, device=device)
         o = self._prefix_o[: lse_numel * v_head_dim].view(bs, num_heads, splits, v_head_dim)
         return o, self._prefix_lse[:lse_numel].view(bs, num_heads, splits)
-
-    def _merge_tickets(self, device, kv_heads: int) -> torch.Tensor | None:
-        """The split kernel's merge counters (zeros, and zero again after
-        every launch), for ``MERGE_LAST_MAX_BATCH`` requests of ``kv_heads``
-        KV heads. A captured graph holds their address, so a set outgrown
-        (kernel tests without a runner) is kept, not freed. None where no
-        set fits yet and a graph is being captured: that decode then merges
-        with the merge kernel."""
-        device, need = canonical_device(device), decode_ops.MERGE_LAST_MAX_BATCH * kv_heads
-        tickets = self._tickets
-        if tickets is None or tickets.device != device or tickets.numel() < need:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return None
-            if tickets is not None:
-                self._retired_tickets.append(tickets)
-            tickets = self._tickets = torch.zeros(need, dtype=torch.int32, device=device)
-        return tickets
 
     def _sm_count(self, device: torch.device) -> int:
         device = canonical_device(device)

@@ -25,17 +25,10 @@ same converted tile (``row_loop``) or one ``[N, K, rows]`` product, for
 which the compiler moves the weight tile through shared memory.
 
 Programs tile N. Where N's tiles are too few to keep every SM streaming, K is
-split too: each split writes a float32 partial ``[split, M, N]``, then takes
-a ticket of its N tile (an acquire-release atomic add on a per-device
-counter). The split that takes the last one sums the tile's partials in
-split order (the result does not depend on which split came last), applies
-the scale and the bias, casts, and sets the counter back to zero for the next
-launch (a CUDA graph's replay): no second launch for the sum, which at one
-row cost a launch and its gap per layer. Launches that share the counters
-run one after another on one stream, as a forward's do; where the counters
-are too few (or not yet allocated, under a capture) a second launch sums the
-partials instead, in the same order. With one split the first launch stores
-the output itself.
+split too: each split writes a float32 partial ``[split, M, N]`` and a second
+launch sums the partials in order (the result does not depend on timing),
+applies the scale and the bias and casts. With one split the first launch
+does that itself.
 
 For a fused ``[gate; up]`` weight (``gated``), the kernel can also apply
 SiLU-and-mul in its epilogue: each program takes a tile of gate rows and the
@@ -72,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.layers.triton_ops import DTYPE_NAMES, canonical_device, device_name, interpreting, num_sms, pdl
+from radixserve.layers.triton_ops import DTYPE_NAMES, device_name, interpreting, num_sms, pdl
 from radixserve.layers.triton_ops.gdc import pdl_trigger, pdl_wait, prefetch_l2
 from radixserve.layers.triton_ops.tile import rows_product, tile_product
 
@@ -112,11 +105,11 @@ def vendor_kernel(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _skinny_gemm_kernel(X, W, Scale, Bias, Y, Part, Ticket, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
+def _skinny_gemm_kernel(X, W, Scale, Bias, Y, Part, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
                         HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, DOT_F32: tl.constexpr,
                         FMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         LINE: tl.constexpr = 128, GATED: tl.constexpr = False, ROW_LOOP: tl.constexpr = False,
-                        FIXUP: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                        USE_PDL: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -165,14 +158,6 @@ def _skinny_gemm_kernel(X, W, Scale, Bias, Y, Part, Ticket, M, N, K, stride_xm, 
         tl.store(part, acc, mask=n_ok[:, None] & m_ok[None, :])
         if GATED:
             tl.store(part + N, acc_up, mask=n_ok[:, None] & m_ok[None, :])
-        if FIXUP:
-            tl.debug_barrier()  # every warp's partial stored before the ticket releases them
-            split = tl.num_programs(1)
-            if tl.atomic_add(Ticket + pid_n, 1, sem="acq_rel") == split - 1:  # the tile's last split
-                tl.store(Ticket + pid_n, 0)  # the next launch (a graph's replay) starts from 0
-                acc, acc_up = _sum_partials(Part, rn, rm, n_ok, m_ok, M, N, split, GATED)
-                _epilogue(acc, acc_up, Scale, Bias, Y, rn, rm, n_ok, m_ok, N, stride_ym, HAS_SCALE, HAS_BIAS,
-                          GATED)
     else:
         _epilogue(acc, acc_up, Scale, Bias, Y, rn, rm, n_ok, m_ok, N, stride_ym, HAS_SCALE, HAS_BIAS, GATED)
 
@@ -203,24 +188,6 @@ def _epilogue(acc, acc_up, Scale, Bias, Y, rn, rm, n_ok, m_ok, N, stride_ym,
 
 
 @triton.jit
-def _sum_partials(Part, rn, rm, n_ok, m_ok, M, N, split, GATED: tl.constexpr):
-    """The sums over the K splits, in split order, of one tile of the
-    partials (and of the up rows' with GATED), read from L2."""
-    mask = n_ok[:, None] & m_ok[None, :]
-    width = N
-    if GATED:  # a partial's row: the gate columns, then the up columns
-        width = 2 * N
-    part = Part + rm[None, :] * width + rn[:, None]
-    acc = tl.zeros(mask.shape, dtype=tl.float32)
-    acc_up = tl.zeros(mask.shape, dtype=tl.float32)
-    for s in range(split):
-        acc += tl.load(part + s * M * width, mask=mask, other=0.0, cache_modifier=".cg")
-        if GATED:
-            acc_up += tl.load(part + s * M * width + N, mask=mask, other=0.0, cache_modifier=".cg")
-    return acc, acc_up
-
-
-@triton.jit
 def _split_sum_kernel(Scale, Bias, Y, Part, M, N, stride_ym, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                       SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr = False,
                       USE_PDL: tl.constexpr = False):
@@ -228,24 +195,19 @@ def _split_sum_kernel(Scale, Bias, Y, Part, M, N, stride_ym, HAS_SCALE: tl.const
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     n_ok, m_ok = rn < N, rm < M
-    acc, acc_up = _sum_partials(Part, rn, rm, n_ok, m_ok, M, N, SPLIT, GATED)
+    mask = n_ok[:, None] & m_ok[None, :]
+    width = N
+    if GATED:  # a partial's row: the gate columns, then the up columns
+        width = 2 * N
+    part = Part + rm[None, :] * width + rn[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part + s * M * width, mask=mask, other=0.0)
+        if GATED:
+            acc_up += tl.load(part + s * M * width + N, mask=mask, other=0.0)
     pdl_trigger(USE_PDL)
     _epilogue(acc, acc_up, Scale, Bias, Y, rn, rm, n_ok, m_ok, N, stride_ym, HAS_SCALE, HAS_BIAS, GATED)
-
-
-MAX_TICKETS = 1 << 16  # N tiles of a split launch that sum their own partials; a launch of more takes two
-_tickets: dict[torch.device, torch.Tensor] = {}
-
-
-def split_tickets(device: torch.device) -> torch.Tensor | None:
-    """The device's ticket counters (:data:`MAX_TICKETS` int32 zeros, kept
-    for the process: a captured graph holds their address); None where they
-    are not yet allocated and a CUDA graph is being captured (an allocation
-    there would come from the graph's pool)."""
-    tickets = _tickets.get(device)
-    if tickets is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        tickets = _tickets[device] = torch.zeros(MAX_TICKETS, dtype=torch.int32, device=device)
-    return tickets
 
 
 def split_for(n: int, k: int, block_n: int, block_k: int, programs: int) -> int:
@@ -363,19 +325,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     flags = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, GATED=gated, **pdl(x.device, m))
     scale_arg = scale if scale is not None else y  # an unused pointer where a flag is off
     bias_arg = bias if bias is not None else y
-    n_tiles = triton.cdiv(n_out, block_n)
-    tickets = split_tickets(canonical_device(x.device)) if split > 1 and n_tiles <= MAX_TICKETS else None
-    _skinny_gemm_kernel[(n_tiles, split)](
-        x, weight, scale_arg, bias_arg, y, part, y if tickets is None else tickets, m, n_out, k, x.stride(0),
-        weight.stride(0), y.stride(0), k_per_split, PARTIAL=split > 1, FIXUP=tickets is not None,
-        FMA=fma, ROW_LOOP=fma and (cfg.row_loop or cfg.block_m == 1),
+    _skinny_gemm_kernel[(triton.cdiv(n_out, block_n), split)](
+        x, weight, scale_arg, bias_arg, y, part, m, n_out, k, x.stride(0), weight.stride(0), y.stride(0),
+        k_per_split, PARTIAL=split > 1, FMA=fma, ROW_LOOP=fma and (cfg.row_loop or cfg.block_m == 1),
         DOT_F32=x.dtype == torch.float32 or (interpreting() and x.dtype == torch.bfloat16),
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
         LINE=min(cfg.block_k, 128 // weight.element_size()),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
-    if split > 1 and tickets is None:
+    if split > 1:
         _split_sum_kernel[(triton.cdiv(n_out, 128),)](scale_arg, bias_arg, y, part, m, n_out, y.stride(0),
                                                       SPLIT=split, BLOCK_M=cfg.block_m, BLOCK_N=128, num_warps=4,
                                                       **flags)
     return y
-

@@ -10,11 +10,7 @@ log-sum-exp to scratch buffers.
 Stage 2, grid ``(batch, head)``: merges a request's partial outputs, each
 weighted by ``exp(lse_split - lse_total)``. Where the grid has one split a
 request (batches of ``4 * SMs / kv_heads`` requests or more), stage 1
-writes the output itself (``WRITE_OUT``) and stage 2 does not run. Nor does
-it at small batches given ticket counters (``MERGE_LAST``): each split
-stores its partial, then takes a ticket of its (request, KV head); the one
-that takes the last merges that head group's partials as stage 2 would
-(and a request of one split writes its output directly).
+writes the output itself (``WRITE_OUT``) and stage 2 does not run.
 
 Split layout of one request of ``seq_len`` tokens and ``n`` splits::
 
@@ -54,11 +50,6 @@ from radixserve.layers.triton_ops.gdc import pdl_trigger, pdl_wait
 from radixserve.mem_cache.memory_pool import FP8_DTYPES
 
 MAX_KV_SPLITS = 64  # splits per request at most
-# Up to this many requests a decode merges its splits in the split kernel (the
-# last split of each request and KV head, by a ticket): a launch fewer, where
-# the launch costs more than the merge's sum.
-MERGE_LAST_MAX_BATCH = 16
-MERGE_UNROLL = tl.constexpr(8)  # partials the merging split loads at once (a context may have MAX_KV_SPLITS)
 MIN_TOKENS_PER_SPLIT = 64  # a shorter chunk is not worth its own program
 # Stage-1 launch: BLOCK_N context tokens per step inside a program. Chosen on
 # an H200 by benchmarks/decode_attention_sweep.py (27 configs; W1's qwen3-0.6b
@@ -110,19 +101,16 @@ def _attend_span(
             K_buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
             mask=n_mask[None, :] & d_mask[:, None], other=0.0,
         )
-        # V's load is issued with K's, before the dot waits for K: a span of
-        # one block (short contexts, small batches) then waits for memory
-        # once, not twice.
-        v = tl.load(
-            V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
-            mask=n_mask[:, None] & dv_mask[None, :], other=0.0,
-        )
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
+            mask=n_mask[:, None] & dv_mask[None, :], other=0.0,
+        )
         if KV_FP8:
             # The dot needs V transposed through shared memory. Scaled by a
             # runtime value, the tile is converted where it is loaded and
@@ -138,7 +126,6 @@ def _attend_span(
 def _decode_split_kernel(
     Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Starts, Num_kv_splits, Mid_o, Mid_lse,
     Out, Mid_po, Mid_plse,  # WRITE_OUT: the output; with HAS_START, the shared prefixes' partials merged into it
-    Tickets,  # MERGE_LAST: [batch * kv_heads] int32 counters, zero between launches
     qk_scale,  # softmax scale * log2(e)
     v_scale,  # fp8 pools: V's scale (see KV_FP8)
     stride_qb, stride_qh,
@@ -153,7 +140,7 @@ def _decode_split_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, KV_FP8: tl.constexpr, HAS_START: tl.constexpr,
     WRITE_OUT: tl.constexpr, PREFIX_SPLITS: tl.constexpr, MIN_PREFIX_SPLIT: tl.constexpr,
-    MERGE_LAST: tl.constexpr = False, SPLITS_POW2: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
     b = tl.program_id(0)
@@ -221,52 +208,9 @@ def _decode_split_kernel(
             tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
                      out.to(Out.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
         else:
-            alone = False
-            if MERGE_LAST:
-                alone = num_splits == 1  # the request's only split: no partials to merge
-            if alone:
-                tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
-                         out.to(Out.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
-            else:
-                mid = Mid_o + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_dv[None, :]
-                tl.store(mid, out, mask=h_mask[:, None] & dv_mask[None, :])
-                tl.store(Mid_lse + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=h_mask)
-                if MERGE_LAST:
-                    tl.debug_barrier()  # every warp's partial stored before the ticket releases them
-                    ticket = Tickets + b * tl.num_programs(1) + kv_head
-                    if tl.atomic_add(ticket, 1, sem="acq_rel") == num_splits - 1:  # the request's last split
-                        tl.store(ticket, 0)  # the next launch (a graph's replay) starts from 0
-                        _merge_splits(Mid_o, Mid_lse, Out, b, heads, h_mask, offs_dv, dv_mask, num_splits,
-                                      stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
-                                      stride_ob, stride_oh, SPLITS_POW2)
-
-
-@triton.jit
-def _merge_splits(Mid_o, Mid_lse, Out, b, heads, h_mask, offs_dv, dv_mask, num_splits,
-                  stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_ob, stride_oh,
-                  SPLITS_POW2: tl.constexpr):
-    """The merge kernel's sum for one request and the query heads ``heads``
-    of one KV head, by the program that stored the last partial (``.cg``:
-    the other splits' partials are read from L2, where they were released)."""
-    offs_s = tl.arange(0, SPLITS_POW2)
-    lse = tl.load(Mid_lse + b * stride_ml_b + heads[:, None] * stride_ml_h + offs_s[None, :],
-                  mask=h_mask[:, None] & (offs_s < num_splits)[None, :], other=float("-inf"), cache_modifier=".cg")
-    lse_max = tl.max(lse, 1)
-    lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)
-    total = tl.sum(tl.where(lse > float("-inf"), tl.exp2(lse - lse_max[:, None]), 0.0), 1)
-    acc = tl.zeros([heads.shape[0], offs_dv.shape[0]], tl.float32)
-    mid = Mid_o + b * stride_mo_b + heads[:, None] * stride_mo_h + offs_dv[None, :]
-    for s0 in range(0, num_splits, MERGE_UNROLL):  # MERGE_UNROLL splits' loads in flight at once
-        for j in tl.static_range(MERGE_UNROLL):
-            s_ok = h_mask & (heads * 0 + s0 + j < num_splits)  # a vector: the interpreter takes no scalar mask
-            lse_s = tl.load(Mid_lse + b * stride_ml_b + heads * stride_ml_h + s0 + j, mask=s_ok,
-                            other=float("-inf"), cache_modifier=".cg")
-            o = tl.load(mid + (s0 + j) * stride_mo_s, mask=s_ok[:, None] & dv_mask[None, :], other=0.0,
-                        cache_modifier=".cg")
-            acc += o * tl.where(lse_s > float("-inf"), tl.exp2(lse_s - lse_max), 0.0)[:, None]
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :], out.to(Out.dtype.element_ty),
-             mask=h_mask[:, None] & dv_mask[None, :])
+            mid = Mid_o + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_dv[None, :]
+            tl.store(mid, out, mask=h_mask[:, None] & dv_mask[None, :])
+            tl.store(Mid_lse + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=h_mask)
 
 
 @triton.jit(do_not_specialize_on_alignment=MERGE_PER_REQUEST_ARGS)
@@ -460,17 +404,12 @@ def decode_attention_fwd(
     mid_lse: torch.Tensor,  # [bs, num_heads, >= max_splits] float32 scratch
     sm_scale: float,
     shared: SharedPrefixes | None = None,
-    tickets: torch.Tensor | None = None,  # [>= bs * kv_heads] int32 zeros, kept between launches
 ) -> torch.Tensor:
     """Attention of one new query token per request over its whole paged
     context; writes and returns ``out``. The new token's K/V must already be
     in the pool. With ``shared``, each group's prefix is read once for all
     its members and each request reads only its own suffix; the merge
-    combines both exactly (the log-sum-exps of all partials). With
-    ``tickets`` (and no ``shared``), batches of up to ``MERGE_LAST_MAX_BATCH``
-    requests merge without the merge kernel: the split that stores a
-    request's last partial for a KV head (a ticket, reset for the next
-    launch) merges them, and a request of one split writes its output."""
+    combines both exactly (the log-sum-exps of all partials)."""
     bs, num_heads, head_dim = q.shape
     kv_heads, v_head_dim = k_buffer.shape[1], v_buffer.shape[2]
     group = num_heads // kv_heads
@@ -500,13 +439,10 @@ def decode_attention_fwd(
     starts = seq_lens if shared is None else shared.prefix_lens  # read only when HAS_START
     po, pl = (mid_o, mid_lse) if shared is None else (shared.mid_o, shared.mid_lse)
     fused = max_splits == 1  # one split a request: the split kernel writes the output
-    merge_last = not fused and shared is None and tickets is not None and bs <= MERGE_LAST_MAX_BATCH
-    if merge_last and tickets.numel() < bs * kv_heads:
-        raise ValueError(f"decode tickets hold {tickets.numel()} counters, the batch needs {bs * kv_heads}")
     prefix_args = dict(PREFIX_SPLITS=PREFIX_SPLITS, MIN_PREFIX_SPLIT=MIN_PREFIX_SPLIT)
     _launch_split((bs, kv_heads, max_splits),
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, starts, num_kv_splits, mid_o, mid_lse,
-        out, po, pl, tickets if merge_last else num_kv_splits,
+        out, po, pl,
         sm_scale * LOG2E, 1.0,
         q.stride(0), q.stride(1), *kv_strides, req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
@@ -514,10 +450,9 @@ def decode_attention_fwd(
         out.stride(0), out.stride(1),
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HAS_START=shared is not None,
-        WRITE_OUT=fused, MERGE_LAST=merge_last, SPLITS_POW2=triton.next_power_of_2(max_splits) if merge_last else 1,
-        **prefix_args, **dims, **dtypes, **config, **pdl(q.device, bs),
+        WRITE_OUT=fused, **prefix_args, **dims, **dtypes, **config, **pdl(q.device, bs),
     )
-    if fused or merge_last:
+    if fused:
         return out
     _launch_merge((bs, num_heads),
         mid_o, mid_lse, out, num_kv_splits, starts, po, pl,
