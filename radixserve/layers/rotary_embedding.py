@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from radixserve.layers import cpu_kernels
-from radixserve.model_executor.forward_batch_info import KVStore
 from radixserve.layers.triton_ops import use_triton
 from radixserve.mem_cache.memory_pool import to_kv_dtype
+from radixserve.model_executor.forward_batch_info import KVStore
 
 _SCALED_TYPES = ("linear", "dynamic", "llama3")
 

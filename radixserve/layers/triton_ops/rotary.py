@@ -12,19 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.model_executor.forward_batch_info import KVStore
+from radixserve.layers.attention.triton_ops.kv_store import pool_limit, to_pool
 from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.gdc import pdl_trigger, pdl_wait
-from radixserve.mem_cache.memory_pool import FP8_DTYPES
-
-
-@triton.jit
-def _to_pool(x, Buf, LIMIT: tl.constexpr):
-    """``x`` in the pool's dtype; an fp8 pool's values saturate at LIMIT (its
-    largest finite value; 0 for other dtypes), as the store kernel does."""
-    if LIMIT > 0:
-        x = tl.clamp(x.to(tl.float32), -LIMIT, LIMIT)
-    return x.to(Buf.dtype.element_ty)
+from radixserve.model_executor.forward_batch_info import KVStore
 
 
 @triton.jit
@@ -56,8 +47,8 @@ def _rotate_heads(X, Out, cos, sin, heads, W, eps, Buf,
     tl.store(Out + offs, y1, mask=mask)
     tl.store(Out + offs + HEAD_DIM // 2, y2, mask=mask)
     if STORE:
-        tl.store(Buf + offs, _to_pool(y1, Buf, LIMIT), mask=mask)
-        tl.store(Buf + offs + HEAD_DIM // 2, _to_pool(y2, Buf, LIMIT), mask=mask)
+        tl.store(Buf + offs, to_pool(y1, Buf, LIMIT), mask=mask)
+        tl.store(Buf + offs + HEAD_DIM // 2, to_pool(y2, Buf, LIMIT), mask=mask)
 
 
 @triton.jit
@@ -88,7 +79,7 @@ def _rope_kernel(
     if STORE:
         offs_v = tl.arange(0, BLOCK_V)
         v = tl.load(V + t * stride_vt + offs_v, mask=offs_v < V_ROW)
-        tl.store(VBuf + slot * stride_vb + offs_v, _to_pool(v, VBuf, LIMIT), mask=offs_v < V_ROW)
+        tl.store(VBuf + slot * stride_vb + offs_v, to_pool(v, VBuf, LIMIT), mask=offs_v < V_ROW)
 
 
 def rotary_embedding(
@@ -118,7 +109,7 @@ def rotary_embedding(
         k_buf, v_buf, loc, v = (k_out, k_out, positions, k) if kv_store is None else (*kv_store, v.reshape(tokens, -1))
         if kv_store is not None:
             store = dict(STORE=True, V_ROW=v.shape[1], BLOCK_V=triton.next_power_of_2(v.shape[1]),
-                         LIMIT=torch.finfo(k_buf.dtype).max if k_buf.dtype in FP8_DTYPES else 0.0)
+                         LIMIT=pool_limit(k_buf.dtype))
         _rope_kernel[(tokens,)](
             q, k, q_out, k_out, cos_sin_cache, positions, qw, kw, v, k_buf, v_buf, loc,
             q.stride(0), k.stride(0), cos_sin_cache.stride(0), v.stride(0), k_buf.stride(0), v_buf.stride(0),

@@ -16,6 +16,21 @@ from radixserve.mem_cache.memory_pool import FP8_DTYPES
 
 
 @triton.jit
+def to_pool(x, Buf, LIMIT: tl.constexpr):
+    """``x`` in the pool's dtype (``Buf``'s); an fp8 pool's values saturate
+    at LIMIT (:func:`pool_limit`), others are cast as they are."""
+    if LIMIT > 0:
+        x = tl.clamp(x.to(tl.float32), -LIMIT, LIMIT)
+    return x.to(Buf.dtype.element_ty)
+
+
+def pool_limit(dtype: torch.dtype) -> float:
+    """The kernels' LIMIT for a pool of ``dtype``: the largest finite value
+    of an fp8 dtype, 0 (no clamp) for the others."""
+    return torch.finfo(dtype).max if dtype in FP8_DTYPES else 0.0
+
+
+@triton.jit
 def _store_kv_kernel(
     K, V, K_buf, V_buf, Loc,
     stride_kt, stride_vt, stride_kbt, stride_vbt,
@@ -31,11 +46,8 @@ def _store_kv_kernel(
     k = tl.load(K + t.to(tl.int64) * stride_kt + offs_k, mask=offs_k < K_ROW)
     offs_v = tl.arange(0, BLOCK_V)
     v = tl.load(V + t.to(tl.int64) * stride_vt + offs_v, mask=offs_v < V_ROW)
-    if LIMIT > 0:
-        k = tl.clamp(k.to(tl.float32), -LIMIT, LIMIT)
-        v = tl.clamp(v.to(tl.float32), -LIMIT, LIMIT)
-    tl.store(K_buf + slot * stride_kbt + offs_k, k.to(K_buf.dtype.element_ty), mask=offs_k < K_ROW)
-    tl.store(V_buf + slot * stride_vbt + offs_v, v.to(V_buf.dtype.element_ty), mask=offs_v < V_ROW)
+    tl.store(K_buf + slot * stride_kbt + offs_k, to_pool(k, K_buf, LIMIT), mask=offs_k < K_ROW)
+    tl.store(V_buf + slot * stride_vbt + offs_v, to_pool(v, V_buf, LIMIT), mask=offs_v < V_ROW)
 
 
 _launch_store = CachedLaunch(_store_kv_kernel)
@@ -58,6 +70,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor, v_buffer:
         k, v, k_buffer, v_buffer, loc,
         k.stride(0), v.stride(0), k_buffer.stride(0), v_buffer.stride(0),
         K_ROW=k_row, BLOCK_K=triton.next_power_of_2(k_row), V_ROW=v_row, BLOCK_V=triton.next_power_of_2(v_row),
-        LIMIT=torch.finfo(k_buffer.dtype).max if k_buffer.dtype in FP8_DTYPES else 0.0,
+        LIMIT=pool_limit(k_buffer.dtype),
         num_warps=4, **pdl(k.device, n),
     )
