@@ -24,7 +24,6 @@ from radixserve.distributed import TPGroup
 from radixserve.distributed.expert_parallel import MoEParallel
 from radixserve.distributed.pipeline import PPHidden, PPMissingLayer, PPStage
 from radixserve.layers.activation import SiluAndMul
-from radixserve.model_executor.forward_batch_info import KVStore
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import (
     MergedColumnParallelLinear,
@@ -36,7 +35,7 @@ from radixserve.layers.logits_processor import LogitsProcessor, LogitsProcessorO
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_params_from_config
 from radixserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from radixserve.model_executor.forward_batch_info import ForwardBatch
+from radixserve.model_executor.forward_batch_info import ForwardBatch, KVStore
 
 logger = logging.getLogger(__name__)
 

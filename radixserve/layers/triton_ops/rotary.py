@@ -104,10 +104,10 @@ def rotary_embedding(
         q, k = q.reshape(tokens, -1), k.reshape(tokens, -1)  # views for [T, H*D] and [T, H, D] rows
         q_heads, k_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
         qw, kw = (q, k) if norm_weights is None else norm_weights  # stand-ins the kernel ignores without a norm
-        store = {}
-        # without a store, stand-ins the kernel ignores
-        k_buf, v_buf, loc, v = (k_out, k_out, positions, k) if kv_store is None else (*kv_store, v.reshape(tokens, -1))
-        if kv_store is not None:
+        if kv_store is None:
+            k_buf, v_buf, loc, v, store = k_out, k_out, positions, k, {}  # stand-ins the kernel ignores
+        else:
+            (k_buf, v_buf, loc), v = kv_store, v.reshape(tokens, -1)
             store = dict(STORE=True, V_ROW=v.shape[1], BLOCK_V=triton.next_power_of_2(v.shape[1]),
                          LIMIT=pool_limit(k_buf.dtype))
         _rope_kernel[(tokens,)](
