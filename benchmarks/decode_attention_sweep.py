@@ -5,8 +5,10 @@
 For each case (head shapes of W1's qwen3-0.6b and W2's llama-3.1-8b, page
 size 1, a bf16 pool or an fp8 one (``--kv-cache-dtype``), slots scattered over the pool), times one layer's
 ``decode_attention_fwd`` under CUDA-graph replay for every stage-1 config
-(BLOCK_N x num_warps x num_stages) and, for the first case, split policy (programs per SM aimed
-at, minimum tokens per split), and reports GB/s of K/V read. Each config's
+(BLOCK_N x num_warps x num_stages) and, for the first case or for every case given
+``--policies``, split policy (programs per SM aimed at, minimum tokens per split, splits per
+request at most), and reports GB/s of K/V read. The long-context cases (not run by
+default) are one request of 16,384 tokens and four of 8-16K. Each config's
 output is checked against the default config's.
 """
 
@@ -27,6 +29,8 @@ CASES = [  # name, heads, kv heads, head dim, batch, context range
     ("w1-qwen3-0.6b-bs64", 16, 8, 128, 64, (200, 1500)),
     ("w2-llama-8b-bs256", 32, 8, 128, 256, (576, 576)),
     ("w5-llama-8b-bs448", 32, 8, 128, 448, (1024, 1280)),  # W5's running batch near its knee
+    ("long-llama-8b-bs1", 32, 8, 128, 1, (16384, 16384)),  # one long request: W2 at 16,384 tokens in
+    ("long-llama-8b-bs4", 32, 8, 128, 4, (8192, 16384)),  # a few long ones: the end of a long-context run
 ]
 
 
@@ -61,7 +65,7 @@ def run_case(name, heads, kv_heads, dim, bs, ctx_range, configs, policies, gen, 
     out = torch.empty_like(q)
     kv_bytes = total * kv_heads * dim * 2 * k_buf.element_size()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    default_cfg, ref = dict(dec.STAGE1_CONFIG), None
+    default_cfg, default_small, ref = dict(dec.STAGE1_CONFIG), dec.SMALL_BLOCK_N, None
     # The ceiling for this access pattern: a plain gather of the same K/V rows.
     flat = slots.cuda().long()
     k_raw, v_raw = copy_view(k_buf), copy_view(v_buf)
@@ -70,13 +74,14 @@ def run_case(name, heads, kv_heads, dim, bs, ctx_range, configs, policies, gen, 
     print(json.dumps({**tag, "gather_us": round(gather_ms * 1e3, 2),
                       "gather_GBps": round(2 * kv_bytes / gather_ms / 1e6, 1)}), flush=True)  # read + write
     results = []
-    for (per_sm, min_tokens), cfg in itertools.product(policies, configs):
-        max_splits = max(1, min(dec.MAX_KV_SPLITS, triton.cdiv(per_sm * sms, bs * kv_heads)))
+    for (per_sm, min_tokens, cap), cfg in itertools.product(policies, configs):
+        max_splits = max(1, min(cap, triton.cdiv(per_sm * sms, bs * kv_heads)))
         wanted = torch.div(seq_lens + (min_tokens - 1), min_tokens, rounding_mode="floor")
         splits = wanted.clamp(1, max_splits).to(torch.int32)
         mid_o = torch.empty(bs, heads, max_splits, dim, device="cuda", dtype=torch.float32)
         mid_lse = torch.empty(bs, heads, max_splits, device="cuda", dtype=torch.float32)
         dec.STAGE1_CONFIG.update(cfg)
+        dec.SMALL_BLOCK_N = cfg["BLOCK_N"]  # the swept block, also where the batch is small
 
         def fn():
             dec.decode_attention_fwd(q, k_buf, v_buf, out, req_to_token, rows, seq_lens, splits, max_splits,
@@ -90,12 +95,15 @@ def run_case(name, heads, kv_heads, dim, bs, ctx_range, configs, policies, gen, 
             err = float((out.float() - ref.float()).abs().max())
             ms = graph_ms(fn)
         except Exception as e:  # a config the compiler refuses (shared memory)
-            results.append({**tag, **cfg, "per_sm": per_sm, "min_tokens": min_tokens, "error": repr(e)[:200]})
+            results.append({**tag, **cfg, "per_sm": per_sm, "min_tokens": min_tokens, "max_splits": cap,
+                            "error": repr(e)[:200]})
             continue
         finally:
             dec.STAGE1_CONFIG.clear()
             dec.STAGE1_CONFIG.update(default_cfg)
-        results.append({**tag, **cfg, "per_sm": per_sm, "min_tokens": min_tokens, "grid_splits": max_splits,
+            dec.SMALL_BLOCK_N = default_small
+        results.append({**tag, **cfg, "per_sm": per_sm, "min_tokens": min_tokens, "max_splits": cap,
+                        "grid_splits": max_splits,
                         "us": round(ms * 1e3, 2), "GBps": round(kv_bytes / ms / 1e6, 1), "max_abs_diff": err})
         print(json.dumps(results[-1]), flush=True)
     return results
@@ -108,13 +116,19 @@ def main() -> None:
     parser.add_argument("--block-n", nargs="+", type=int, default=[32, 64, 128], help="BLOCK_N values to sweep")
     parser.add_argument("--num-warps", nargs="+", type=int, default=[2, 4, 8], help="num_warps values to sweep")
     parser.add_argument("--num-stages", nargs="+", type=int, default=[1, 2, 3, 4], help="num_stages values to sweep")
-    parser.add_argument("--cases", nargs="+", default=[c[0] for c in CASES], choices=[c[0] for c in CASES])
+    parser.add_argument("--cases", nargs="+", default=[c[0] for c in CASES[:4]], choices=[c[0] for c in CASES])
+    parser.add_argument("--policies", nargs="+", metavar="PER_SM:MIN_TOKENS:MAX_SPLITS",
+                        help="split policies for every case (programs per SM aimed at, minimum tokens a split, "
+                             "splits a request at most); by default four, for the first case only")
     args = parser.parse_args()
     configs = [
         {"BLOCK_N": bn, "num_warps": nw, "num_stages": ns}
         for bn, nw, ns in itertools.product(args.block_n, args.num_warps, args.num_stages)
     ]
-    policies = [(4, 64), (8, 64), (16, 128), (32, 256)]  # the first is the current one
+    current_policy = (4, dec.MIN_TOKENS_PER_SPLIT, dec.MAX_KV_SPLITS)
+    policies = [current_policy, (8, 64, 64), (16, 128, 64), (32, 256, 64)]
+    if args.policies:
+        policies = [tuple(int(x) for x in p.split(":")) for p in args.policies]
     if args.quick:
         configs, policies = configs[:4], policies[:2]
     gen = torch.Generator().manual_seed(0)
@@ -124,10 +138,13 @@ def main() -> None:
     best = {}
     current = dict(dec.STAGE1_CONFIG)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16)
-    for case in (c for c in CASES if c[0] in args.cases):  # split policies only for the first case
-        rows = [r for r in run_case(*case, configs, policies if case is CASES[0] else policies[:1], gen, kv_dtype) if "us" in r]
-        default = next((r for r in rows if all(r[k] == v for k, v in current.items())
-                        and (r["per_sm"], r["min_tokens"]) == (4, 64)), None)
+    for case in (c for c in CASES if c[0] in args.cases):  # by default split policies for the first case only
+        case_policies = policies if args.policies or case is CASES[0] else policies[:1]
+        rows = [r for r in run_case(*case, configs, case_policies, gen, kv_dtype) if "us" in r]
+        small = case[4] * case[2] < torch.cuda.get_device_properties(0).multi_processor_count
+        current_case = {**current, "BLOCK_N": min(current["BLOCK_N"], dec.SMALL_BLOCK_N)} if small else current
+        default = next((r for r in rows if all(r[k] == v for k, v in current_case.items())
+                        and (r["per_sm"], r["min_tokens"], r["max_splits"]) == current_policy), None)
         best[case[0]] = {"default": default, "best": min(rows, key=lambda r: r["us"])}
     print(json.dumps({"summary": best}), flush=True)
 
