@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from radixserve.bench import source_fingerprint
 from radixserve.bench.generations import load_hf_model
 from radixserve.server_args import ServerArgs
 
@@ -109,6 +110,7 @@ def _record(
         "request_s": round(len(reqs) / wall, 3),
         # Other processes on a small CPU skew the figures: the load at the end says how much.
         "load_avg_1m": round(os.getloadavg()[0], 2),
+        "source": source_fingerprint(),  # which tree ran (an A/B's two sides differ here)
         **extra,
     }
 

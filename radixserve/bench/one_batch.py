@@ -59,7 +59,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from radixserve.bench import sync
+from radixserve.bench import source_fingerprint, sync
 from radixserve.bench.generations import WARMUP_MAX_OUTPUT_LEN, load_hf_model, run_engine_case, run_hf_case
 from radixserve.bench.rooflines import (
     H200_BF16_FLOPS,
@@ -284,7 +284,8 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
 
 
 def environment(device: torch.device) -> dict:
-    """Where the figures come from: device and software versions."""
+    """Where the figures come from: device, software versions and this
+    radixserve's sources (``source_fingerprint``)."""
     def version(pkg: str) -> str | None:
         try:
             return importlib.metadata.version(pkg)
@@ -293,7 +294,7 @@ def environment(device: torch.device) -> dict:
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     return {"device_name": name, "torch": torch.__version__, "transformers": version("transformers"),
-            "triton": version("triton"), "date": time.strftime("%Y-%m-%d")}
+            "triton": version("triton"), "date": time.strftime("%Y-%m-%d"), "source": source_fingerprint()}
 
 
 class Report:
