@@ -136,15 +136,18 @@ def smollm2_tp1():
         return {"structured": _structured(eng), "alone": alone["output_ids"]}
 
 
+@pytest.fixture(scope="class")  # a plain function: pytest deprecates class-scoped fixtures that are methods
+def smollm2_tp3():
+    """One tp-3 engine for the class below's tests (its rank 0 is this
+    process's: it is shut down after them, before other tests start engines
+    of their own)."""
+    with radixserve.Engine(**SMOLLM2, tp_size=3) as eng:
+        yield eng
+
+
 @pytest.mark.slow
 class TestSmolLM2AtTp3:
-    """One tp-3 engine for both tests (its rank 0 is this process's: it is
-    shut down after them, before other tests start engines of their own)."""
-
-    @pytest.fixture(scope="class")
-    def smollm2_tp3(self):
-        with radixserve.Engine(**SMOLLM2, tp_size=3) as eng:
-            yield eng
+    """SmolLM2 at tp 3, both tests on one engine (``smollm2_tp3``)."""
 
     def test_smollm2_at_tp3_matches_tp1_with_structured_output(self, smollm2_tp1, smollm2_tp3):
         """SmolLM2-135M has 9 query and 3 KV heads: tp 3 splits both. Chat
