@@ -97,7 +97,7 @@ def _captured(launch):
 
 def test_kernels_under_a_cuda_graph():
     """Captured once over a static table, replayed with batches of other adapters and sizes."""
-    from radixserve.lora.triton_ops import StaticKernelTable, build_table, lora_delta
+    from radixserve.lora.triton_ops import StaticKernelTable, lora_delta
 
     rows, k, parts, out, R, slots = 64, 512, [(0, 256), (256, 128)], 384, 16, 4
     x, y, A, B, scaling, bounds, _, ranks = make_case(rows, k, parts, out, R, slots, 0.0, seed=0, device="cuda",

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 
 import gguf
 import numpy as np
@@ -22,10 +24,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from safetensors.numpy import load_file
-from safetensors.torch import save_file
 from transformers import AutoTokenizer, LlamaConfig
 
-from radixserve.model_loader import gguf_loader, loader
+from radixserve.model_loader import gguf_loader
 from radixserve.model_loader import default_model_path, iter_safetensors, load_gguf, resolve_model
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 64, 4, 2, 16, 256, 2
@@ -338,7 +339,7 @@ def test_gguf_unsupported_architecture(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match=r"'gpt2' is not supported; supported: llama, qwen2, qwen3"):
         load_gguf(str(path), str(tmp_path / "cache"))
-    assert not os.listdir(tmp_path / "cache" / "gguf")  # no half-made entry left behind
+    assert not _conversions(tmp_path / "cache" / "gguf")  # no half-made entry left behind
 
 
 # --- the conversion cache ------------------------------------------------------
@@ -367,14 +368,75 @@ def test_second_load_is_a_cache_hit(tmp_path, cache_dir, monkeypatch):
         resolve_model(folder, load_format="gguf")
 
 
-def test_changed_gguf_is_converted_again(tmp_path, cache_dir):
+def _conversions(root) -> list[str]:
+    """Folders in the cache, finished or not (what is not the lock or the records)."""
+    return sorted(name for name in os.listdir(root) if name not in (".lock", ".sources"))
+
+
+def _must_not(what):
+    def fail(*args):
+        raise AssertionError(f"{what} not expected")
+    return fail
+
+
+def test_copies_of_one_gguf_share_one_conversion(tmp_path, cache_dir, monkeypatch):
+    """Every virtual environment holds its own copy of a packaged model: a copy
+    at another path (and a touched file) is not converted again."""
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, "qwen2")
     first = load_gguf(str(path))
+    monkeypatch.setattr(gguf_loader, "convert_gguf", _must_not("a conversion"))
+    (tmp_path / "venv2").mkdir()
+    copy = tmp_path / "venv2" / "m.gguf"
+    shutil.copy(path, copy)
+    renamed = tmp_path / "renamed.gguf"
+    shutil.copy(path, renamed)
     stat = os.stat(path)
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert load_gguf(str(copy)) == load_gguf(str(renamed)) == load_gguf(str(path)) == first
+    assert _conversions(cache_dir / "gguf") == [os.path.basename(first)]
+
+
+def test_a_known_file_is_not_hashed_again(tmp_path, cache_dir, monkeypatch):
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, "qwen2")
+    first = load_gguf(str(path))
+    monkeypatch.setattr(gguf_loader, "content_key", _must_not("hashing"))
+    assert load_gguf(str(path)) == first
+
+
+def test_changed_gguf_is_converted_again_and_the_old_conversion_goes(tmp_path, cache_dir):
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, "qwen2")
+    first = load_gguf(str(path))
+    write_tiny_gguf(path, "llama")
     second = load_gguf(str(path))
-    assert second != first and gguf_loader.is_converted(second)
+    assert second != first and gguf_loader.is_converted(second) and not os.path.exists(first)
+    assert json.load(open(os.path.join(second, "config.json")))["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_prune_keeps_what_existing_files_need(tmp_path, cache_dir):
+    """Seeing a new file removes conversions of deleted files, the path-keyed
+    folders of the old layout and killed conversions; it keeps every conversion
+    an existing file maps to and a conversion still being written."""
+    kept, gone = tmp_path / "kept.gguf", tmp_path / "gone.gguf"
+    write_tiny_gguf(kept, "qwen2")
+    write_tiny_gguf(gone, "llama")
+    kept_dir, gone_dir = load_gguf(str(kept)), load_gguf(str(gone))
+    root = cache_dir / "gguf"
+    legacy = root / "m-0123456789abcdef"
+    legacy.mkdir()
+    (legacy / gguf_loader.MARKER_FILE).write_text(json.dumps({"source": str(gone), "size": 1, "mtime_ns": 1}))
+    writing, killed = root / ".tmp-m-abc-1", root / ".tmp-m-abc-2"
+    writing.mkdir()
+    killed.mkdir()
+    old = time.time() - gguf_loader.STALE_CONVERSION_S - 60
+    os.utime(killed, (old, old))
+    os.remove(gone)
+    assert sorted(gguf_loader.prune(str(root))) == sorted([gone_dir, str(legacy)])
+    assert sorted(os.listdir(root)) == sorted([".lock", ".sources", ".tmp-m-abc-1", os.path.basename(kept_dir)])
+    assert len(os.listdir(root / ".sources")) == 1
+    assert load_gguf(str(kept)) == kept_dir  # still a hit
 
 
 def test_failed_conversion_leaves_no_cache_entry(tmp_path, cache_dir, monkeypatch):
@@ -389,7 +451,7 @@ def test_failed_conversion_leaves_no_cache_entry(tmp_path, cache_dir, monkeypatc
     monkeypatch.setattr(gguf_loader, "convert_gguf", crash_midway)
     with pytest.raises(RuntimeError, match="disk full"):
         load_gguf(str(path))
-    assert os.listdir(cache_dir / "gguf") == []
+    assert _conversions(cache_dir / "gguf") == []
     monkeypatch.setattr(gguf_loader, "convert_gguf", real_convert)
     assert gguf_loader.is_converted(load_gguf(str(path)))
 

@@ -33,7 +33,6 @@ print(json.dumps({"errors": [check(*case, device="cpu") for case in CASES],
 def check(tokens, experts, top_k, renormalize, stride, device):
     """The largest |difference| of the weights, after checking the ids are
     the same and that each choice was counted once in the expert histogram."""
-    from radixserve.layers.moe import topk
     from radixserve.layers.moe.triton_ops.topk import fused_topk_softmax
 
     gen = torch.Generator().manual_seed(tokens * 1000 + experts)

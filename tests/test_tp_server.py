@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 import radixserve
-from server_harness import ServerProcess, alive, wait_for
+from server_harness import ServerProcess, alive
 from test_faults import (IN_FLIGHT_POOL, _assert_answered, _in_flight_then, _wait_exit,
                          check_a_killed_rank_ends_everything, killed_rank_args)
 

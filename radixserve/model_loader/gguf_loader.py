@@ -9,12 +9,18 @@ stacked ``ffn_*_exps`` tensors become transformers' ``mlp.experts.gate_up_proj``
 and ``down_proj``), the tokenizer files
 and ``generation_config.json``; afterwards the engine loads it like any HF
 checkpoint. The folder lives under ``$RADIXSERVE_CACHE_DIR`` (default
-``~/.cache/radixserve``), keyed by the file's absolute path, size and mtime,
-and appears by an atomic rename, so a crash never leaves a half-written one.
+``~/.cache/radixserve``), named by a hash of the file's content, so copies of
+one file (every virtual environment's copy of a packaged model) share one
+conversion; it appears by an atomic rename, so a crash never leaves a
+half-written one. A small record per file (its path, size and mtime) remembers
+the hash, so a file is hashed once, not at every load. A conversion no
+existing file maps to any more (its files deleted or changed) is removed the
+next time a new file is seen: the cache holds what its files still need.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -52,6 +58,12 @@ logger = logging.getLogger(__name__)
 # Bump when the converted output changes, so old cache entries are not reused.
 CONVERTER_VERSION = 1
 MARKER_FILE = "radixserve_gguf.json"
+SOURCES_DIR = ".sources"  # one record per file seen: its path, size, mtime and content key
+LOCK_FILE = ".lock"
+HASH_CHUNK_BYTES = 8 << 20
+# An unfinished conversion untouched this long was left by a killed process
+# (a converter writes a shard at least every few minutes).
+STALE_CONVERSION_S = 24 * 3600
 # Float32 bytes of weights per safetensors file written: a model larger than
 # this is written in shards, one at a time (Qwen3-30B-A3B is ~120 GB in float32).
 SHARD_BYTES = 4 << 30
@@ -408,15 +420,112 @@ def _convert_tokenizer(gguf_path: str, out_dir: str, max_length: int) -> None:
 def _source_identity(gguf_path: str) -> dict[str, Any]:
     path = os.path.abspath(gguf_path)
     stat = os.stat(path)
-    return {"source": path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "converter_version": CONVERTER_VERSION}
+    return {"source": path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def content_key(gguf_path: str) -> str:
+    """16 hex digits naming a conversion: the file's bytes and CONVERTER_VERSION."""
+    digest = hashlib.sha256(f"radixserve-gguf-v{CONVERTER_VERSION}\n".encode())
+    with open(gguf_path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
 
 
 def converted_dir(gguf_path: str, root: str | None = None) -> str:
-    """The cache folder for ``gguf_path`` (it need not exist yet)."""
+    """The cache folder for ``gguf_path`` (it need not exist yet).
+
+    A file not seen before (a new path, size or mtime) is hashed and recorded,
+    then conversions no existing file maps to are removed (``prune``)."""
+    cache = os.path.join(root or cache_root(), "gguf")
+    os.makedirs(os.path.join(cache, SOURCES_DIR), exist_ok=True)
     identity = _source_identity(gguf_path)
+    record = _record_path(cache, identity)
+    with _cache_lock(cache, fcntl.LOCK_SH):  # no prune runs between the record and the lookup
+        known = _read_json(record)
+        seen = known is not None and {k: known.get(k) for k in identity} == identity and "key" in known
+        key = known["key"] if seen else content_key(gguf_path)
+        if not seen:
+            _write_json_atomically(record, {**identity, "key": key})
+        folder = _folder_for_key(cache, key) or f"{os.path.splitext(os.path.basename(gguf_path))[0]}-{key}"
+    if not seen:
+        prune(cache)
+    return os.path.join(cache, folder)
+
+
+def prune(cache: str) -> list[str]:
+    """Remove what no existing file needs: records whose file is gone or changed,
+    then finished conversions that no record names (the path-keyed folders of
+    converter layouts before this one among them). Returns the folders removed."""
+    removed = []
+    with _cache_lock(cache, fcntl.LOCK_EX):
+        live = set()
+        sources = os.path.join(cache, SOURCES_DIR)
+        for name in os.listdir(sources):
+            if name.startswith("."):
+                continue  # a record being written
+            path = os.path.join(sources, name)
+            known = _read_json(path)
+            try:
+                current = _source_identity(known["source"]) if known else None
+            except OSError:
+                current = None
+            if current is None or any(known.get(k) != v for k, v in current.items()) or "key" not in known:
+                os.remove(path)
+            else:
+                live.add(known["key"])
+        for name in os.listdir(cache):
+            folder = os.path.join(cache, name)
+            if name.startswith(".tmp-") and os.path.isdir(folder) and _age_s(folder) > STALE_CONVERSION_S:
+                shutil.rmtree(folder, ignore_errors=True)  # a conversion whose process was killed
+                continue
+            if name.startswith(".") or not is_converted(folder) or name.rsplit("-", 1)[-1] in live:
+                continue  # records, the lock, unfinished conversions, and what is in use
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    if removed:
+        logger.info("removed %d GGUF conversions no existing file needs: %s", len(removed), removed)
+    return removed
+
+
+def _age_s(path: str) -> float:
+    return time.time() - os.stat(path).st_mtime
+
+
+def _record_path(cache: str, identity: dict[str, Any]) -> str:
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    stem = os.path.splitext(os.path.basename(gguf_path))[0]
-    return os.path.join(root or cache_root(), "gguf", f"{stem}-{digest}")
+    return os.path.join(cache, SOURCES_DIR, f"{digest}.json")
+
+
+def _folder_for_key(cache: str, key: str) -> str | None:
+    """An existing conversion of the same bytes, whatever file name it was made from."""
+    return next((name for name in sorted(os.listdir(cache))
+                 if not name.startswith(".") and name.endswith(f"-{key}") and is_converted(os.path.join(cache, name))),
+                None)
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write_json_atomically(path: str, data: dict[str, Any]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _cache_lock(cache: str, mode: int) -> Iterator[None]:
+    """Records and lookups share the cache; a prune has it alone."""
+    with open(os.path.join(cache, LOCK_FILE), "a") as f:
+        _flock(f, mode)
+        yield
 
 
 def is_converted(folder: str) -> bool:
@@ -433,7 +542,6 @@ def load_gguf(gguf_path: str, root: str | None = None) -> str:
     final = converted_dir(gguf_path, root)
     if is_converted(final):
         return final
-    os.makedirs(os.path.dirname(final), exist_ok=True)
     with open(gguf_path, "rb") as source:
         _lock_if_possible(source)  # released when the file closes
         if not is_converted(final):
@@ -442,8 +550,12 @@ def load_gguf(gguf_path: str, root: str | None = None) -> str:
 
 
 def _lock_if_possible(file) -> None:
+    _flock(file, fcntl.LOCK_EX)
+
+
+def _flock(file, mode: int) -> None:
     try:
-        fcntl.flock(file, fcntl.LOCK_EX)
+        fcntl.flock(file, mode)
     except OSError:  # a file system without locks: concurrent conversions still end well (_publish)
         pass
 
@@ -456,7 +568,7 @@ def _convert_into(gguf_path: str, final: str) -> None:
         logger.info("converting %s into %s", gguf_path, final)
         convert_gguf(gguf_path, tmp)
         with open(os.path.join(tmp, MARKER_FILE), "w") as f:
-            json.dump(_source_identity(gguf_path), f, indent=2)
+            json.dump({**_source_identity(gguf_path), "converter_version": CONVERTER_VERSION}, f, indent=2)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is readable like any model folder
         _publish(tmp, final)
         logger.info("converted %s in %.1f s", gguf_path, time.perf_counter() - start)
