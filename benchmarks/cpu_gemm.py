@@ -5,7 +5,13 @@ decode rows), 2 torch threads, float32. Which one wins from a thousand rows
 on depends on the CPU (``dense_gemm_min_rows``). Each row: the best of
 REPEATS calls, GFLOP/s, and what unpacking the weight costs. Prints JSON lines.
 
+``--decode-step ROWS`` times instead one decode step's GEMMs of the whole
+model (30 layers' four projections, then the LM head), prepacked, at ROWS
+rows: over 30 layers' own weights (about 420 MB: read from memory, as in a
+step), and over one layer's weights 30 times (from the caches).
+
     python benchmarks/cpu_gemm.py [--rows 64 512 1024 2048] [--threads 2]
+    python benchmarks/cpu_gemm.py --decode-step 64 [--threads 2]
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from radixserve.layers.linear import dense_gemm_min_rows
 
 REPEATS = 7
 HIDDEN, INTER, QKV, VOCAB = 576, 1536, 960, 49152  # SmolLM2-135M: 9 query heads, 3 KV heads of 64
+LAYERS = 30
 SHAPES = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER),
           "lm_head": (VOCAB, HIDDEN)}
 
@@ -35,12 +42,45 @@ def best_s(fn) -> float:
     return best
 
 
+def onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def decode_step(rows: int) -> None:
+    """One step's GEMMs in the model's order, each on the previous one's output
+    where the shapes allow (as activations flow), weights cold and warm."""
+    layer_names = [name for name in SHAPES if name != "lm_head"]
+    layers = [{name: torch.ops.mkldnn._reorder_linear_weight(torch.randn(*SHAPES[name]) * 0.02)
+               for name in layer_names} for _ in range(LAYERS)]
+    head = torch.ops.mkldnn._reorder_linear_weight(torch.randn(*SHAPES["lm_head"]) * 0.02)
+    hidden, attn = torch.randn(rows, HIDDEN), torch.randn(rows, HIDDEN)
+
+    def step(weights) -> None:
+        h = hidden
+        for w in weights:
+            onednn(h, w["qkv"])
+            h = onednn(attn, w["o"])
+            up = onednn(h, w["gate_up"])
+            h = onednn(up[:, :INTER].contiguous(), w["down"])
+        onednn(h, head)
+
+    gflop = 2 * rows * (LAYERS * sum(n * k for n, k in (SHAPES[name] for name in layer_names))
+                        + VOCAB * HIDDEN) / 1e9
+    for case, weights in (("cold", layers), ("warm", [layers[0]] * LAYERS)):
+        ms = best_s(lambda: step(weights)) * 1e3
+        print(json.dumps({"decode_step": case, "rows": rows, "layers": LAYERS, "ms": round(ms, 2),
+                          "gflops": round(gflop / ms * 1e3, 1)}), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[64, 512, 1024, 2048])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--decode-step", type=int, metavar="ROWS")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.decode_step:
+        return decode_step(args.decode_step)
     square = torch.randn(2048, 2048)
     print(json.dumps({"cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": args.threads,
                       "dense_gemm_min_rows": dense_gemm_min_rows(),
