@@ -435,57 +435,74 @@ def content_key(gguf_path: str) -> str:
 def converted_dir(gguf_path: str, root: str | None = None) -> str:
     """The cache folder for ``gguf_path`` (it need not exist yet).
 
-    A file not seen before (a new path, size or mtime) is hashed and recorded,
-    then conversions no existing file maps to are removed (``prune``)."""
+    A file not seen before (a new path, size or mtime) is hashed and recorded
+    by one process at a time (the ranks of a tensor-parallel server hash it
+    once), then conversions no existing file maps to are removed (``prune``)."""
     cache = os.path.join(root or cache_root(), "gguf")
     os.makedirs(os.path.join(cache, SOURCES_DIR), exist_ok=True)
     identity = _source_identity(gguf_path)
     record = _record_path(cache, identity)
     with _cache_lock(cache, fcntl.LOCK_SH):  # no prune runs between the record and the lookup
-        known = _read_json(record)
-        seen = known is not None and {k: known.get(k) for k in identity} == identity and "key" in known
-        key = known["key"] if seen else content_key(gguf_path)
-        if not seen:
-            _write_json_atomically(record, {**identity, "key": key})
-        folder = _folder_for_key(cache, key) or f"{os.path.splitext(os.path.basename(gguf_path))[0]}-{key}"
-    if not seen:
-        prune(cache)
-    return os.path.join(cache, folder)
+        key = _known_key(record, identity)
+        folder = key and _folder_for_key(cache, key)
+    if key is None:
+        with _cache_lock(cache, fcntl.LOCK_EX):
+            key = _known_key(record, identity)
+            if key is None:
+                key = content_key(gguf_path)
+                _write_json_atomically(record, {**identity, "key": key})
+                _prune_locked(cache)
+            folder = _folder_for_key(cache, key)
+    return os.path.join(cache, folder or f"{os.path.splitext(os.path.basename(gguf_path))[0]}-{key}")
 
 
 def prune(cache: str) -> list[str]:
     """Remove what no existing file needs: records whose file is gone or changed,
     then finished conversions that no record names (the path-keyed folders of
-    converter layouts before this one among them). Returns the folders removed."""
-    removed = []
+    converter layouts before this one among them) and conversions left by a
+    killed process. Returns the finished folders removed."""
     with _cache_lock(cache, fcntl.LOCK_EX):
-        live = set()
-        sources = os.path.join(cache, SOURCES_DIR)
-        for name in os.listdir(sources):
-            if name.startswith("."):
-                continue  # a record being written
-            path = os.path.join(sources, name)
-            known = _read_json(path)
-            try:
-                current = _source_identity(known["source"]) if known else None
-            except OSError:
-                current = None
-            if current is None or any(known.get(k) != v for k, v in current.items()) or "key" not in known:
-                os.remove(path)
-            else:
-                live.add(known["key"])
-        for name in os.listdir(cache):
-            folder = os.path.join(cache, name)
-            if name.startswith(".tmp-") and os.path.isdir(folder) and _age_s(folder) > STALE_CONVERSION_S:
-                shutil.rmtree(folder, ignore_errors=True)  # a conversion whose process was killed
-                continue
-            if name.startswith(".") or not is_converted(folder) or name.rsplit("-", 1)[-1] in live:
-                continue  # records, the lock, unfinished conversions, and what is in use
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
+        return _prune_locked(cache)
+
+
+def _prune_locked(cache: str) -> list[str]:
+    live, removed = set(), []
+    sources = os.path.join(cache, SOURCES_DIR)
+    for name in os.listdir(sources):
+        if name.startswith("."):
+            continue  # a record being written
+        path = os.path.join(sources, name)
+        known = _read_json(path)
+        try:
+            current = _source_identity(known["source"]) if known else None
+        except (OSError, KeyError, TypeError):
+            current = None
+        key = _known_key(path, current) if current else None
+        if key is None:
+            os.remove(path)
+        else:
+            live.add(key)
+    for name in os.listdir(cache):
+        folder = os.path.join(cache, name)
+        if name.startswith(".tmp-") and os.path.isdir(folder) and _age_s(folder) > STALE_CONVERSION_S:
+            shutil.rmtree(folder, ignore_errors=True)  # a conversion whose process was killed
+            continue
+        if name.startswith(".") or not is_converted(folder) or name.rsplit("-", 1)[-1] in live:
+            continue  # records, the lock, unfinished conversions, and what is in use
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
     if removed:
         logger.info("removed %d GGUF conversions no existing file needs: %s", len(removed), removed)
     return removed
+
+
+def _known_key(record: str, identity: dict[str, Any]) -> str | None:
+    """The content key ``record`` holds, if it describes the file as it is now."""
+    known = _read_json(record)
+    if known is None or any(known.get(k) != v for k, v in identity.items()):
+        return None
+    key = known.get("key")
+    return key if isinstance(key, str) else None
 
 
 def _age_s(path: str) -> float:
