@@ -10,6 +10,7 @@ once per machine into the default cache.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -437,6 +438,44 @@ def test_prune_keeps_what_existing_files_need(tmp_path, cache_dir):
     assert sorted(os.listdir(root)) == sorted([".lock", ".sources", ".tmp-m-abc-1", os.path.basename(kept_dir)])
     assert len(os.listdir(root / ".sources")) == 1
     assert load_gguf(str(kept)) == kept_dir  # still a hit
+
+
+@contextlib.contextmanager
+def read_only(folder):
+    """``folder`` that this process cannot write: immutable for root (whom
+    permission bits do not stop), mode 0555 for anyone else."""
+    if os.geteuid() == 0:
+        if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+            pytest.skip("chattr +i is refused here, and root writes past permission bits")
+        undo = ["chattr", "-i", str(folder)]
+    else:
+        os.chmod(folder, 0o555)
+        undo = ["chmod", "755", str(folder)]
+    try:
+        yield
+    finally:
+        subprocess.run(undo, check=True)
+
+
+def test_a_read_only_cache_serves_what_it_holds(tmp_path, cache_dir):
+    """A cache shared read-only (built once, mounted into servers): a copy of a
+    converted file at a new path is found by its content, and nothing is written;
+    a file it does not hold fails with what to do."""
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, "qwen2")
+    folder = load_gguf(str(path))
+    (tmp_path / "elsewhere").mkdir()
+    copy = tmp_path / "elsewhere" / "m.gguf"
+    shutil.copy(path, copy)
+    other = tmp_path / "other.gguf"
+    write_tiny_gguf(other, "llama")
+    root = cache_dir / "gguf"
+    before = sorted(os.listdir(root)), sorted(os.listdir(root / ".sources"))
+    with read_only(root), read_only(root / ".sources"):
+        assert load_gguf(str(copy)) == folder
+        with pytest.raises(PermissionError, match="cannot be written: point RADIXSERVE_CACHE_DIR at a writable"):
+            load_gguf(str(other))
+    assert (sorted(os.listdir(root)), sorted(os.listdir(root / ".sources"))) == before
 
 
 def test_failed_conversion_leaves_no_cache_entry(tmp_path, cache_dir, monkeypatch):

@@ -16,6 +16,8 @@ half-written one. A small record per file (its path, size and mtime) remembers
 the hash, so a file is hashed once, not at every load. A conversion no
 existing file maps to any more (its files deleted or changed) is removed the
 next time a new file is seen: the cache holds what its files still need.
+A cache this process cannot write (a read-only mount shared by servers)
+still serves the conversions it holds, found by content; nothing is written.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from transformers import (
 )
 from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
-from radixserve.cache_dir import CACHE_ENV, cache_root  # noqa: F401  (CACHE_ENV: tests point it elsewhere)
+from radixserve.cache_dir import CACHE_ENV, cache_root
 from radixserve.model_loader.weight_utils import SAFETENSORS_INDEX
 
 logger = logging.getLogger(__name__)
@@ -439,9 +441,12 @@ def converted_dir(gguf_path: str, root: str | None = None) -> str:
     by one process at a time (the ranks of a tensor-parallel server hash it
     once), then conversions no existing file maps to are removed (``prune``)."""
     cache = os.path.join(root or cache_root(), "gguf")
-    os.makedirs(os.path.join(cache, SOURCES_DIR), exist_ok=True)
     identity = _source_identity(gguf_path)
     record = _record_path(cache, identity)
+    stem = os.path.splitext(os.path.basename(gguf_path))[0]
+    if not _writable(cache):  # a shared, read-only cache still serves what it holds
+        key = _known_key(record, identity) or content_key(gguf_path)
+        return os.path.join(cache, _folder_for_key(cache, key) or f"{stem}-{key}")
     with _cache_lock(cache, fcntl.LOCK_SH):  # no prune runs between the record and the lookup
         key = _known_key(record, identity)
         folder = key and _folder_for_key(cache, key)
@@ -453,7 +458,20 @@ def converted_dir(gguf_path: str, root: str | None = None) -> str:
                 _write_json_atomically(record, {**identity, "key": key})
                 _prune_locked(cache)
             folder = _folder_for_key(cache, key)
-    return os.path.join(cache, folder or f"{os.path.splitext(os.path.basename(gguf_path))[0]}-{key}")
+    return os.path.join(cache, folder or f"{stem}-{key}")
+
+
+def _writable(cache: str) -> bool:
+    """Whether this process can keep records and conversions in ``cache``
+    (creating it and its lock file if need be)."""
+    sources = os.path.join(cache, SOURCES_DIR)
+    try:
+        os.makedirs(sources, exist_ok=True)
+        with open(os.path.join(cache, LOCK_FILE), "a"):
+            pass
+    except OSError:
+        return False
+    return os.access(cache, os.W_OK) and os.access(sources, os.W_OK)  # a read-only mount, an immutable folder
 
 
 def prune(cache: str) -> list[str]:
@@ -516,6 +534,8 @@ def _record_path(cache: str, identity: dict[str, Any]) -> str:
 
 def _folder_for_key(cache: str, key: str) -> str | None:
     """An existing conversion of the same bytes, whatever file name it was made from."""
+    if not os.path.isdir(cache):
+        return None
     return next((name for name in sorted(os.listdir(cache))
                  if not name.startswith(".") and name.endswith(f"-{key}") and is_converted(os.path.join(cache, name))),
                 None)
@@ -559,6 +579,9 @@ def load_gguf(gguf_path: str, root: str | None = None) -> str:
     final = converted_dir(gguf_path, root)
     if is_converted(final):
         return final
+    if not _writable(os.path.dirname(final)):
+        raise PermissionError(f"{gguf_path} is not converted yet and the GGUF cache {os.path.dirname(final)} cannot "
+                              f"be written: point {CACHE_ENV} at a writable folder")
     with open(gguf_path, "rb") as source:
         _lock_if_possible(source)  # released when the file closes
         if not is_converted(final):
