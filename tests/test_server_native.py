@@ -129,6 +129,8 @@ def test_token_ids_logprob_in_sglangs_shape(client):
     ({"input_ids": [1] * 9000}, "input_ids", "9000"),
     ({"text": "hi", "bogus": 1}, "bogus", "unknown field"),
     ({"text": 5}, "text", "string"),
+    ({"text": ""}, "text", "the prompt is empty"),  # SmolLM2's tokenizer adds no BOS
+    ({"text": ["a", ""]}, "text[1]", "the prompt is empty"),
 ])
 def test_errors_are_400_with_the_field(client, body, param, words):
     r = client.post("/generate", json=body)

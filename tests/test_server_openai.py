@@ -104,6 +104,9 @@ def test_completion_errors(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt=[1, 2, 999999], max_tokens=4)
     assert "vocabulary" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:  # SmolLM2's tokenizer adds no BOS: no tokens at all
+        client.completions.create(model=MODEL, prompt="", max_tokens=4)
+    assert "the prompt is empty" in err.value.message
     with pytest.raises(openai.BadRequestError) as err:  # base:adapter names a LoRA adapter: none is served
         client.completions.create(model=f"{MODEL}:an-adapter", prompt="hi", max_tokens=4)
     assert err.value.param == "model" and "an-adapter" in err.value.message

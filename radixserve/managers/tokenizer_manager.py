@@ -170,6 +170,8 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         return [self.tokenizer.encode(t) for t in texts]
 
     def _validate_ids(self, ids: list[int], where: str) -> None:
+        if not ids:  # text that encodes to no tokens ("" with a tokenizer that adds no BOS)
+            raise ValueError(f"{where}: the prompt is empty (it encodes to no tokens)")
         if len(ids) >= self.context_len:
             raise ValueError(
                 f"{where}: the prompt has {len(ids)} tokens but the context window is {self.context_len} tokens"
