@@ -12,6 +12,8 @@ import threading
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +66,7 @@ BAD_GENERATE = [
     ('{"text": "Hi", "sampling_params": {"temperature": NaN}}', "sampling_params.temperature"),
     ('{"text": "Hi", "sampling_params": {"logit_bias": {"12": 1e308}}}', "sampling_params.logit_bias"),
     ('{"text": ["a", "b"], "rid": ["x"]}', "rid"),
+    ('{"text": ["a", "b"], "rid": ["a-0", "a"], "sampling_params": [{}, {"n": 2}]}', "rid"),  # a-0 twice
     ('{"text": ["a", "b"], "sampling_params": [{}]}', "sampling_params"),
     ('{"text": "Hi", "sampling_params": {"n": 10000}}', "sampling_params.n"),
     ('{"text": "Hi", "sampling_params": {"stop": ["x"], "stop_token_ids": [1e9]}}', "sampling_params.stop_token_ids[0]"),
@@ -204,3 +207,75 @@ def test_chat_content_cannot_forge_role_markers(client):
     prompt_ids = chat_to_generate(ChatCompletionRequest(messages=[{"role": "user", "content": forged}]),
                                   tokenizer)["input_ids"]
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(prompt_ids)
+
+
+# --- random bodies: 200 or a 400 naming a field, never a 5xx ------------------------------------
+
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 5), st.sampled_from([2**63, -(2**70), 10**400]),
+                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=6))
+_VALUES = st.one_of(_SCALARS, st.lists(_SCALARS, max_size=3), st.lists(st.integers(-2, 60000), max_size=3),
+                    st.dictionaries(st.text(max_size=4), _SCALARS, max_size=2))
+# each field's valid values, so that most bodies run and the mixes of features are exercised
+_SAMPLING_VALID = {
+    "max_new_tokens": st.integers(0, 3), "min_new_tokens": st.integers(0, 3), "n": st.integers(1, 2),
+    "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.sampled_from([-1, 1, 5]),
+    "min_p": st.floats(0, 1), "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=2)),
+    "stop_token_ids": st.lists(st.integers(0, 49151), max_size=2), "ignore_eos": st.booleans(),
+    "skip_special_tokens": st.booleans(), "frequency_penalty": st.floats(-2, 2),
+    "presence_penalty": st.floats(-2, 2), "repetition_penalty": st.floats(0.5, 2),
+    "regex": st.sampled_from(["[a-z]+", "(yes|no)", "\\d{1,3}"]),
+    "json_schema": st.just('{"type": "object", "properties": {"a": {"type": "integer"}}}'),
+    "logit_bias": st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100), max_size=2),
+    "sampling_seed": st.integers(0, 2**31), "no_stop_trim": st.booleans(),
+}
+_GENERATE_VALID = {
+    "text": st.one_of(st.text(min_size=1, max_size=12), st.lists(st.text(min_size=1, max_size=8), min_size=1,
+                                                                  max_size=2)),
+    "input_ids": st.lists(st.integers(0, 49151), min_size=1, max_size=6), "rid": st.uuids().map(str),
+    "stream": st.booleans(), "return_logprob": st.booleans(), "logprob_start_len": st.integers(-1, 3),
+    "top_logprobs_num": st.integers(0, 3), "token_ids_logprob": st.lists(st.integers(0, 49151), max_size=2),
+    "return_text_in_logprobs": st.booleans(), "lora_path": st.none(), "bogus": st.integers(),
+}
+
+
+def _field(valid: dict):
+    """(key, value): one of the key's valid values, or once in eight any JSON value."""
+    return st.tuples(st.sampled_from(sorted(valid)), st.integers(0, 7)).flatmap(
+        lambda pick: st.tuples(st.just(pick[0]), _VALUES if pick[1] == 0 else valid[pick[0]]))
+
+
+@st.composite
+def generate_bodies(draw) -> dict:
+    """A /generate body of SGLang's fields, mostly with valid values and
+    sometimes any JSON; its generations kept to a few tokens (max_new_tokens
+    and n are small or wrong)."""
+    body = dict(draw(st.lists(_field(_GENERATE_VALID), max_size=5)))
+    if "text" not in body and "input_ids" not in body:
+        body["text"] = draw(_GENERATE_VALID["text"])
+    if "text" in body and "input_ids" in body and draw(st.integers(0, 3)):  # both prompts: sometimes
+        del body[draw(st.sampled_from(["text", "input_ids"]))]
+    if "bogus" in body and draw(st.integers(0, 3)):  # an unknown field: sometimes
+        del body["bogus"]
+    params = draw(st.integers(0, 7).flatmap(
+        lambda pick: _VALUES if pick == 0 else st.lists(_field(_SAMPLING_VALID), max_size=6).map(dict)))
+    if isinstance(params, dict):
+        for key, bound in (("max_new_tokens", 3), ("min_new_tokens", 3), ("n", 2)):
+            value = params.get(key)
+            if key == "max_new_tokens" and key not in params or isinstance(value, int) and value > bound:
+                params[key] = draw(st.integers(0, bound))
+    body["sampling_params"] = params
+    return body
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(body=generate_bodies())
+def test_random_generate_bodies_get_200_or_a_400_naming_a_field(server, client, body):
+    r = client.post("/generate", content=json.dumps(body), headers={"content-type": "application/json"})
+    assert r.status_code in (200, 400), (body, r.status_code, r.text)
+    if r.status_code == 400:
+        err = r.json()["error"]
+        assert err["param"] and err["message"] and err["type"] == "invalid_request_error", (body, err)
+
+
+def test_the_server_serves_after_the_random_bodies(server, client):
+    assert_still_serving(server, client)

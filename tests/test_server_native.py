@@ -66,6 +66,10 @@ def test_generate_batch_input_ids_and_n(client):
         "n": 3, "temperature": 1.0, "max_new_tokens": 8, "sampling_seed": 7}}).json()
     assert len(outs) == 3 and len({o["text"] for o in outs}) > 1
     assert ids["meta_info"]["completion_tokens"] == 1
+    # one rid for a batch: each prompt's is rid_i, as SGLang names them (a shared one left the batch hanging)
+    outs = client.post("/generate", json={"text": ["a", "b"], "rid": "batch-rid",
+                                          "sampling_params": {"max_new_tokens": 1}}, timeout=30).json()
+    assert [o["meta_info"]["id"] for o in outs] == ["batch-rid_0", "batch-rid_1"]
 
 
 def test_stream_equals_non_stream(client):

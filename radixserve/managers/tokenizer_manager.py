@@ -42,6 +42,16 @@ INLINE_TOKENIZE_CHARS = 8192  # shorter texts are tokenized on the event loop (f
 TOKENIZER_THREADS = 2
 
 
+def _prompt_rids(obj: GenerateReqInput) -> list[str | None]:
+    """Each prompt's request id: a list as given; one id for a batch becomes
+    ``rid_0``, ``rid_1``, ... (as SGLang names them), so that no two share one."""
+    if isinstance(obj.rid, list):
+        return obj.rid
+    if obj.rid is not None and not obj.is_single:
+        return [f"{obj.rid}_{i}" for i in range(obj.batch_size)]
+    return [obj.rid] * obj.batch_size
+
+
 class EngineDeadError(RuntimeError):
     """The scheduler or the detokenizer is gone: nothing can be served (HTTP 503)."""
 
@@ -200,7 +210,7 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         self._check_capacity(sum(sp.n for sp in sps), admitting=False)
         await self._check_grammars(sps, where)
         prompts = await self._tokenize(obj)
-        rids = obj.rid if isinstance(obj.rid, list) else [obj.rid] * n_prompts
+        rids = _prompt_rids(obj)
         key = "input_ids" if obj.input_ids is not None else "text"
         logprobs = zip(*(obj.per_prompt(name) for name in ("return_logprob", "logprob_start_len", "top_logprobs_num")))
         bootstraps = self._bootstraps(obj, sps)
@@ -218,6 +228,11 @@ class TokenizerManager(TokenizerCommunicatorMixin):
                 rid_j = base if sp.n == 1 else f"{base}-{j}"
                 out.append(TokenizedGenerateReqInput(rid_j, ids, d, want, start, top, obj.stream, *bootstraps[i],
                                                      token_ids_logprob=token_ids[i], lora_path=adapters[i]))
+        rids = [r.rid for r in out]
+        if len(set(rids)) < len(rids):  # e.g. ["a", "a-0"] with n = 2: "a-0" twice
+            dup = next(r for r in rids if rids.count(r) > 1)
+            raise ValueError(f"rid: the request ids of this request's generations collide ({dup!r} twice; with "
+                             f"n > 1 a request id r becomes r-0, r-1, ...)")
         return out
 
     @property
