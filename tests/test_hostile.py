@@ -261,7 +261,7 @@ def generate_bodies(draw) -> dict:
     if isinstance(params, dict):
         for key, bound in (("max_new_tokens", 3), ("min_new_tokens", 3), ("n", 2)):
             value = params.get(key)
-            if key == "max_new_tokens" and key not in params or isinstance(value, int) and value > bound:
+            if key == "max_new_tokens" and value is None or isinstance(value, int) and value > bound:  # None: no cap
                 params[key] = draw(st.integers(0, bound))
     body["sampling_params"] = params
     return body
