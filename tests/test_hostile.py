@@ -258,6 +258,8 @@ def generate_bodies(draw) -> dict:
         del body["bogus"]
     params = draw(st.integers(0, 7).flatmap(
         lambda pick: _VALUES if pick == 0 else st.lists(_field(_SAMPLING_VALID), max_size=6).map(dict)))
+    if params is None:  # the defaults: 128 new tokens
+        params = {}
     if isinstance(params, dict):
         for key, bound in (("max_new_tokens", 3), ("min_new_tokens", 3), ("n", 2)):
             value = params.get(key)
@@ -267,7 +269,7 @@ def generate_bodies(draw) -> dict:
     return body
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(body=generate_bodies())
 def test_random_generate_bodies_get_200_or_a_400_naming_a_field(server, client, body):
     r = client.post("/generate", content=json.dumps(body), headers={"content-type": "application/json"})
