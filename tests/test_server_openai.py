@@ -100,13 +100,16 @@ def test_chat_errors_name_the_field(client, kwargs, param):
 def test_completion_errors(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="hi " * 9000, max_tokens=4)
-    assert "context window" in err.value.message and "8192" in err.value.message
+    assert "context window" in err.value.message and "8192" in err.value.message and err.value.param == "prompt"
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt=[1, 2, 999999], max_tokens=4)
-    assert "vocabulary" in err.value.message
+    assert "vocabulary" in err.value.message and err.value.param == "prompt"
     with pytest.raises(openai.BadRequestError) as err:  # SmolLM2's tokenizer adds no BOS: no tokens at all
-        client.completions.create(model=MODEL, prompt="", max_tokens=4)
-    assert "the prompt is empty" in err.value.message
+        client.completions.create(model=MODEL, prompt=["Hi", ""], max_tokens=4)
+    assert "prompt[1]: the prompt is empty" in err.value.message and err.value.param == "prompt[1]"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 9000}])
+    assert "context window" in err.value.message and err.value.param == "messages"
     with pytest.raises(openai.BadRequestError) as err:  # base:adapter names a LoRA adapter: none is served
         client.completions.create(model=f"{MODEL}:an-adapter", prompt="hi", max_tokens=4)
     assert err.value.param == "model" and "an-adapter" in err.value.message

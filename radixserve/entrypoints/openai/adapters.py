@@ -505,18 +505,25 @@ def validation_error_to_openai(errors: list[dict]) -> dict:
 
 
 _GRAMMAR_ERROR = re.compile(r"sampling_params\.(json_schema|regex|ebnf|structural_tag):")
+_PROMPT_ERROR = re.compile(r"(?:text|input_ids)(\[\d+\])?:")
 
 
-def name_grammar_error(exc: ValueError, req: CompletionRequest | ChatCompletionRequest) -> ValueError:
-    """The engine's error about the grammar it was given (``sampling_params.json_schema: ...``)
-    renamed after the request's own field: ``response_format``, SGLang's
-    ``json_schema``, ``regex`` or ``ebnf``, or else ``tools`` (forced or strict calls)."""
-    if not _GRAMMAR_ERROR.match(str(exc)):
+def name_request_error(exc: ValueError, req: CompletionRequest | ChatCompletionRequest) -> ValueError:
+    """The engine's error renamed after the request's own field. A refused
+    grammar (``sampling_params.json_schema: ...``): ``response_format``, SGLang's
+    ``json_schema``, ``regex`` or ``ebnf``, or else ``tools`` (forced or strict
+    calls). A refused prompt (``text[1]: ...``, ``input_ids: ...``): ``prompt[1]``,
+    ``prompt``, or ``messages`` for a chat."""
+    message = str(exc)
+    if _PROMPT_ERROR.match(message):
+        field = "messages" if isinstance(req, ChatCompletionRequest) else r"prompt\1"
+        return ValueError(_PROMPT_ERROR.sub(f"{field}:", message, count=1))
+    if not _GRAMMAR_ERROR.match(message):
         return exc
     fmt = req.response_format
     own = req.grammar()
     field = "response_format" if fmt is not None and fmt.type != "text" else own[0] if own is not None else "tools"
-    return ValueError(_GRAMMAR_ERROR.sub(f"{field}:", str(exc), count=1))
+    return ValueError(_GRAMMAR_ERROR.sub(f"{field}:", message, count=1))
 
 
 def value_error_to_openai(exc: ValueError) -> dict:

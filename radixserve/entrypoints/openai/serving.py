@@ -105,7 +105,7 @@ def add_openai_routes(app: FastAPI, tm: TokenizerManager, tool_call_parser: str 
         if err is not None:
             return err
         obj = GenerateReqInput(**{**A.completion_to_generate(req), **_lora(adapter)})
-        gen = _naming_grammar(tm.generate_request(obj, request), req)
+        gen = _naming_fields(tm.generate_request(obj, request), req)
         created, rid, model = int(time.time()), A.new_request_id("cmpl"), _reply_model(tm, req.model)
         prompts = A.prompt_texts(req, tm.tokenizer) if req.echo else None
         if not req.stream:
@@ -123,7 +123,7 @@ def add_openai_routes(app: FastAPI, tm: TokenizerManager, tool_call_parser: str 
             return err
         kwargs = await tm.run_blocking(A.chat_to_generate, req, tm.tokenizer, tool_call_parser)
         obj = GenerateReqInput(**{**kwargs, **_lora(adapter)})
-        gen = _naming_grammar(tm.generate_request(obj, request), req)
+        gen = _naming_fields(tm.generate_request(obj, request), req)
         created, rid, model = int(time.time()), A.new_request_id("chatcmpl"), _reply_model(tm, req.model)
         parsing = chat_parsing(req, tool_call_parser, reasoning_parser)
         if not req.stream:
@@ -135,13 +135,13 @@ def add_openai_routes(app: FastAPI, tm: TokenizerManager, tool_call_parser: str 
                                  media_type="text/event-stream")
 
 
-async def _naming_grammar(gen: AsyncIterator[dict], req) -> AsyncIterator[dict]:
-    """``gen``, with a refused grammar named by the request's field (``A.name_grammar_error``)."""
+async def _naming_fields(gen: AsyncIterator[dict], req) -> AsyncIterator[dict]:
+    """``gen``, with a refused grammar or prompt named by the request's field (``A.name_request_error``)."""
     try:
         async for out in gen:
             yield out
     except ValueError as exc:
-        raise A.name_grammar_error(exc, req) from None
+        raise A.name_request_error(exc, req) from None
     finally:
         await gen.aclose()  # now, not when collected: a client that left aborts its request at once
 
