@@ -417,17 +417,23 @@ def test_changed_gguf_is_converted_again_and_the_old_conversion_goes(tmp_path, c
 
 
 def test_prune_keeps_what_existing_files_need(tmp_path, cache_dir):
-    """Seeing a new file removes conversions of deleted files, the path-keyed
-    folders of the old layout and killed conversions; it keeps every conversion
-    an existing file maps to and a conversion still being written."""
+    """Seeing a new file removes conversions of deleted files, path-keyed
+    folders of the old layout whose file changed, and killed conversions; it
+    keeps every conversion an existing file maps to, an old-layout folder whose
+    file is as converted, and a conversion still being written."""
     kept, gone = tmp_path / "kept.gguf", tmp_path / "gone.gguf"
     write_tiny_gguf(kept, "qwen2")
     write_tiny_gguf(gone, "llama")
     kept_dir, gone_dir = load_gguf(str(kept)), load_gguf(str(gone))
     root = cache_dir / "gguf"
-    legacy = root / "m-0123456789abcdef"
+    legacy = root / "m-0123456789abcdef"  # the path-keyed layout: its file changed since
     legacy.mkdir()
-    (legacy / gguf_loader.MARKER_FILE).write_text(json.dumps({"source": str(gone), "size": 1, "mtime_ns": 1}))
+    (legacy / gguf_loader.MARKER_FILE).write_text(json.dumps({"source": str(kept), "size": 1, "mtime_ns": 1}))
+    in_use = root / "m-fedcba9876543210"  # the same, its file as converted: an older radixserve may load it
+    in_use.mkdir()
+    stat = os.stat(kept)
+    (in_use / gguf_loader.MARKER_FILE).write_text(json.dumps({"source": str(kept), "size": stat.st_size,
+                                                                "mtime_ns": stat.st_mtime_ns}))
     writing, killed = root / ".tmp-m-abc-1", root / ".tmp-m-abc-2"
     writing.mkdir()
     killed.mkdir()
@@ -435,7 +441,8 @@ def test_prune_keeps_what_existing_files_need(tmp_path, cache_dir):
     os.utime(killed, (old, old))
     os.remove(gone)
     assert sorted(gguf_loader.prune(str(root))) == sorted([gone_dir, str(legacy)])
-    assert sorted(os.listdir(root)) == sorted([".lock", ".sources", ".tmp-m-abc-1", os.path.basename(kept_dir)])
+    assert sorted(os.listdir(root)) == sorted([".lock", ".sources", ".tmp-m-abc-1", os.path.basename(kept_dir),
+                                               in_use.name])
     assert len(os.listdir(root / ".sources")) == 1
     assert load_gguf(str(kept)) == kept_dir  # still a hit
 

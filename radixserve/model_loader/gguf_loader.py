@@ -476,9 +476,10 @@ def _writable(cache: str) -> bool:
 
 def prune(cache: str) -> list[str]:
     """Remove what no existing file needs: records whose file is gone or changed,
-    then finished conversions that no record names (the path-keyed folders of
-    converter layouts before this one among them) and conversions left by a
-    killed process. Returns the finished folders removed."""
+    then finished conversions that no record names and whose own file is gone
+    or changed (the path-keyed folders of the layout before this one among
+    them), and conversions left by a killed process. Returns the finished
+    folders removed."""
     with _cache_lock(cache, fcntl.LOCK_EX):
         return _prune_locked(cache)
 
@@ -507,6 +508,8 @@ def _prune_locked(cache: str) -> list[str]:
             continue
         if name.startswith(".") or not is_converted(folder) or name.rsplit("-", 1)[-1] in live:
             continue  # records, the lock, unfinished conversions, and what is in use
+        if _source_unchanged(folder):
+            continue  # its file is still there as converted: another radixserve (an older layout) may use it
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(folder)
     if removed:
@@ -521,6 +524,16 @@ def _known_key(record: str, identity: dict[str, Any]) -> str | None:
         return None
     key = known.get("key")
     return key if isinstance(key, str) else None
+
+
+def _source_unchanged(folder: str) -> bool:
+    """Whether the file ``folder`` was converted from is still there, unchanged (its marker says which)."""
+    made_from = _read_json(os.path.join(folder, MARKER_FILE)) or {}
+    try:
+        current = _source_identity(made_from["source"])
+    except (OSError, KeyError, TypeError):
+        return False
+    return all(made_from.get(k) == v for k, v in current.items())
 
 
 def _age_s(path: str) -> float:
