@@ -228,9 +228,9 @@ class TokenizerManager(TokenizerCommunicatorMixin):
                 rid_j = base if sp.n == 1 else f"{base}-{j}"
                 out.append(TokenizedGenerateReqInput(rid_j, ids, d, want, start, top, obj.stream, *bootstraps[i],
                                                      token_ids_logprob=token_ids[i], lora_path=adapters[i]))
-        rids = [r.rid for r in out]
-        if len(set(rids)) < len(rids):  # e.g. ["a", "a-0"] with n = 2: "a-0" twice
-            dup = next(r for r in rids if rids.count(r) > 1)
+        given = [r.rid for r in out]
+        if len(set(given)) < len(given):  # e.g. ["a-0", "a"] with n = 2 on the second: "a-0" twice
+            dup = next(r for r in given if given.count(r) > 1)
             raise ValueError(f"rid: the request ids of this request's generations collide ({dup!r} twice; with "
                              f"n > 1 a request id r becomes r-0, r-1, ...)")
         return out
