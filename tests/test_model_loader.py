@@ -27,7 +27,7 @@ from gguf.quants import dequantize, quantize
 from safetensors.numpy import load_file
 from transformers import AutoTokenizer, LlamaConfig
 
-from radixserve.model_loader import gguf_loader
+from radixserve.model_loader import gguf_cache, gguf_loader
 from radixserve.model_loader import default_model_path, iter_safetensors, load_gguf, resolve_model
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 64, 4, 2, 16, 256, 2
@@ -197,7 +197,7 @@ def llama3_rope_table() -> np.ndarray:
 def cache_dir(tmp_path, monkeypatch):
     """A private conversion cache for tests that watch cache behaviour."""
     root = tmp_path / "cache"
-    monkeypatch.setenv(gguf_loader.CACHE_ENV, str(root))
+    monkeypatch.setenv(gguf_cache.CACHE_ENV, str(root))
     return root
 
 
@@ -402,7 +402,7 @@ def test_a_known_file_is_not_hashed_again(tmp_path, cache_dir, monkeypatch):
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, "qwen2")
     first = load_gguf(str(path))
-    monkeypatch.setattr(gguf_loader, "content_key", _must_not("hashing"))
+    monkeypatch.setattr(gguf_cache, "content_key", _must_not("hashing"))
     assert load_gguf(str(path)) == first
 
 
@@ -412,7 +412,7 @@ def test_changed_gguf_is_converted_again_and_the_old_conversion_goes(tmp_path, c
     first = load_gguf(str(path))
     write_tiny_gguf(path, "llama")
     second = load_gguf(str(path))
-    assert second != first and gguf_loader.is_converted(second) and not os.path.exists(first)
+    assert second != first and gguf_cache.is_converted(second) and not os.path.exists(first)
     assert json.load(open(os.path.join(second, "config.json")))["architectures"] == ["LlamaForCausalLM"]
 
 
@@ -428,19 +428,19 @@ def test_prune_keeps_what_existing_files_need(tmp_path, cache_dir):
     root = cache_dir / "gguf"
     legacy = root / "m-0123456789abcdef"  # the path-keyed layout: its file changed since
     legacy.mkdir()
-    (legacy / gguf_loader.MARKER_FILE).write_text(json.dumps({"source": str(kept), "size": 1, "mtime_ns": 1}))
+    (legacy / gguf_cache.MARKER_FILE).write_text(json.dumps({"source": str(kept), "size": 1, "mtime_ns": 1}))
     in_use = root / "m-fedcba9876543210"  # the same, its file as converted: an older radixserve may load it
     in_use.mkdir()
     stat = os.stat(kept)
-    (in_use / gguf_loader.MARKER_FILE).write_text(json.dumps({"source": str(kept), "size": stat.st_size,
+    (in_use / gguf_cache.MARKER_FILE).write_text(json.dumps({"source": str(kept), "size": stat.st_size,
                                                                 "mtime_ns": stat.st_mtime_ns}))
     writing, killed = root / ".tmp-m-abc-1", root / ".tmp-m-abc-2"
     writing.mkdir()
     killed.mkdir()
-    old = time.time() - gguf_loader.STALE_CONVERSION_S - 60
+    old = time.time() - gguf_cache.STALE_CONVERSION_S - 60
     os.utime(killed, (old, old))
     os.remove(gone)
-    assert sorted(gguf_loader.prune(str(root))) == sorted([gone_dir, str(legacy)])
+    assert sorted(gguf_cache.prune(str(root))) == sorted([gone_dir, str(legacy)])
     assert sorted(os.listdir(root)) == sorted([".lock", ".sources", ".tmp-m-abc-1", os.path.basename(kept_dir),
                                                in_use.name])
     assert len(os.listdir(root / ".sources")) == 1
@@ -499,7 +499,7 @@ def test_failed_conversion_leaves_no_cache_entry(tmp_path, cache_dir, monkeypatc
         load_gguf(str(path))
     assert _conversions(cache_dir / "gguf") == []
     monkeypatch.setattr(gguf_loader, "convert_gguf", real_convert)
-    assert gguf_loader.is_converted(load_gguf(str(path)))
+    assert gguf_cache.is_converted(load_gguf(str(path)))
 
 
 # --- SmolLM2-135M-Instruct, the real file ---------------------------------------

@@ -25,7 +25,7 @@ from test_moe_models import CONFIGS, GREEDY, hf_greedy, prompts
 from transformers import AutoModelForCausalLM
 
 import radixserve
-from radixserve.model_loader import gguf_loader, load_gguf
+from radixserve.model_loader import gguf_cache, gguf_loader, load_gguf
 
 GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
 
@@ -185,7 +185,7 @@ def test_moe_gguf_greedy_tokens_match_hf(tiny_gguf, tmp_path, monkeypatch):
     """The Engine from the .gguf path (converted into a private cache), with
     chunked prefill and a mixed batch, gives HF's tokens on the file's values."""
     _, path, hf, _ = tiny_gguf
-    monkeypatch.setenv(gguf_loader.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(gguf_cache.CACHE_ENV, str(tmp_path / "cache"))
     batch = prompts([29, 3, 17], seed=7)
     with radixserve.Engine(model_path=str(path), device="cpu", check_invariants=True, disable_tqdm=True,
                            chunked_prefill_size=16, enable_mixed_chunk=True, max_total_tokens=1024,
@@ -210,7 +210,7 @@ def test_mixtral_gguf_with_one_tensor_per_expert(tmp_path, monkeypatch):
     converted = load_file(os.path.join(load_gguf(str(path), str(tmp_path / "cache")), "model.safetensors"))
     gate_up = hf.state_dict()["model.layers.2.mlp.experts.gate_up_proj"].numpy()
     np.testing.assert_array_equal(converted["model.layers.2.mlp.experts.7.up_proj.weight"], gate_up[7, 48:])
-    monkeypatch.setenv(gguf_loader.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(gguf_cache.CACHE_ENV, str(tmp_path / "cache"))
     batch = prompts([21, 4], seed=8)
     with radixserve.Engine(model_path=str(path), device="cpu", disable_tqdm=True, max_total_tokens=512,
                            max_running_requests=4) as eng:

@@ -182,12 +182,12 @@ def test_ranks_converting_one_gguf_take_turns(tmp_path, monkeypatch):
     converts it, the others wait and reuse its record and folder."""
     from test_model_loader import write_tiny_gguf
 
-    from radixserve.model_loader import gguf_loader
+    from radixserve.model_loader import gguf_cache, gguf_loader
 
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, "qwen2")
-    real_convert, real_lock, calls = gguf_loader.convert_gguf, gguf_loader._lock_if_possible, []
-    real_key, hashed = gguf_loader.content_key, []
+    real_convert, real_lock, calls = gguf_loader.convert_gguf, gguf_cache._lock_if_possible, []
+    real_key, hashed = gguf_cache.content_key, []
     all_missed = threading.Barrier(3, timeout=60)
 
     def counted_key(source):
@@ -203,11 +203,11 @@ def test_ranks_converting_one_gguf_take_turns(tmp_path, monkeypatch):
         real_lock(file)
 
     monkeypatch.setattr(gguf_loader, "convert_gguf", counted_convert)
-    monkeypatch.setattr(gguf_loader, "content_key", counted_key)
-    monkeypatch.setattr(gguf_loader, "_lock_if_possible", lock_once_all_missed)
+    monkeypatch.setattr(gguf_cache, "content_key", counted_key)
+    monkeypatch.setattr(gguf_cache, "_lock_if_possible", lock_once_all_missed)
     with ThreadPoolExecutor(3) as pool:
-        folders = list(pool.map(lambda _: gguf_loader.load_gguf(str(path), str(tmp_path / "cache")), range(3)))
-    assert len(set(folders)) == 1 and gguf_loader.is_converted(folders[0]) and len(calls) == 1 and len(hashed) == 1
+        folders = list(pool.map(lambda _: gguf_cache.load_gguf(str(path), str(tmp_path / "cache")), range(3)))
+    assert len(set(folders)) == 1 and gguf_cache.is_converted(folders[0]) and len(calls) == 1 and len(hashed) == 1
 
 
 def test_head_layout():

