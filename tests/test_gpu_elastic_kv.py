@@ -240,7 +240,7 @@ def test_two_pools_on_one_gpu_give_each_other_memory(monkeypatch):
     import os
 
     from radixserve.mem_cache.elastic_allocator import build_elastic_pool
-    from radixserve.server_args import ElasticKVConfig
+    from radixserve.feature_args import ElasticKVConfig
 
     monkeypatch.setattr("radixserve.mem_cache.elastic_registry.HEARTBEAT_S", 0.0)  # look at every call
     config = ElasticKVConfig(page_mb=2, min_reserve_pages=0, max_reserve_pages=0, group=f"gpu-test-{os.getpid()}",

@@ -43,7 +43,7 @@ def tokenizer():
 
 def sandbox(tokenizer, max_mb: int, timeout_s: float):
     from radixserve.sampling.grammar_sandbox import GrammarSandbox
-    from radixserve.server_args import CompileLimits
+    from radixserve.feature_args import CompileLimits
 
     return GrammarSandbox(tokenizer, len(tokenizer), CompileLimits(max_mb, timeout_s))
 

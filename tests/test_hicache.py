@@ -22,7 +22,8 @@ from radixserve.mem_cache.storage import HiCacheFile
 from radixserve.mem_cache.host_pool import HostKVPool, host_pool_tokens, runs
 from radixserve.mem_cache.invariants import check_memory_invariant
 from radixserve.sampling.sampling_params import SamplingParams
-from radixserve.server_args import HICACHE_WRITE_POLICIES, ServerArgs
+from radixserve.feature_args import HICACHE_WRITE_POLICIES
+from radixserve.server_args import ServerArgs
 from test_engine import GREEDY, hf_greedy, llama  # noqa: F401  (fixture)
 
 # -- the host pool ------------------------------------------------------------------

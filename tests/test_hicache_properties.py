@@ -17,7 +17,7 @@ from radixserve.mem_cache import MHATokenToKVPool
 from radixserve.mem_cache import hiradix_cache
 from radixserve.mem_cache.hiradix_cache import HiRadixCache
 from radixserve.mem_cache.host_pool import HostKVPool
-from radixserve.server_args import HICACHE_WRITE_POLICIES
+from radixserve.feature_args import HICACHE_WRITE_POLICIES
 
 LAYERS = 2
 THRESHOLD = hiradix_cache.LOAD_BACK_THRESHOLD

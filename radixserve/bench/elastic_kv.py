@@ -22,7 +22,7 @@ import torch
 
 from radixserve.bench import sync
 from radixserve.mem_cache.elastic_allocator import build_elastic_pool
-from radixserve.server_args import ElasticKVConfig
+from radixserve.feature_args import ElasticKVConfig
 
 
 DEFAULT_PAGES = 64  # pages mapped for the rates, where the memory holds them

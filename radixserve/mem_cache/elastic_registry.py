@@ -38,7 +38,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from radixserve.server_args import ELASTIC_KV_GROUP
+from radixserve.feature_args import ELASTIC_KV_GROUP
 
 MAGIC = b"RSEKV001"
 ROW = struct.Struct("<16sqqdqqqqqq")  # id, tenant, pid, heartbeat, mapped, used, cached, floor, want, want_seq

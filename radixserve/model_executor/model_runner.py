@@ -48,7 +48,7 @@ from radixserve.mem_cache.virtual_memory import available_ram
 from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner, default_batch_sizes
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ragged_arange
 from radixserve.model_executor.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner, supports_pieces
-from radixserve.server_args import ElasticKVConfig
+from radixserve.feature_args import ElasticKVConfig
 
 if TYPE_CHECKING:
     from radixserve.managers.schedule_batch import ModelWorkerBatch

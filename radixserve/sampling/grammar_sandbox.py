@@ -40,7 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import msgpack
 
 from radixserve.sampling.grammar import COMPILE_THREADS, compile_spec, first_line
-from radixserve.server_args import CompileLimits
+from radixserve.feature_args import CompileLimits
 
 logger = logging.getLogger(__name__)
 
