@@ -65,11 +65,19 @@ class PDPair:
 
 
 def abort_message(out: httpx.Response) -> str:
-    """The message of a request that ended with an abort (SGLang's finish_reason)."""
+    """The message of a request aborted on purpose (``/abort_request``): a
+    finished request whose finish_reason is an abort, as in SGLang."""
     assert out.status_code == 200, out.text
     reason = out.json()["meta_info"]["finish_reason"]
-    assert reason["type"] == "abort", reason
+    assert reason["type"] == "abort" and "status_code" not in reason, reason
     return reason["message"]
+
+
+def failure_message(out: httpx.Response) -> str:
+    """The message of a request the server failed (a KV transfer that could
+    not end): HTTP 500, as SGLang answers it."""
+    assert out.status_code == 500, out.text
+    return out.json()["error"]["message"]
 
 
 def replica_states(srv: ServerProcess) -> list[dict]:

@@ -88,7 +88,8 @@ def test_a_request_that_cannot_be_decoded_ends_alone(tokenizer, tmp_path):
     running = {"finish_reason": None}
     out = manager.handle(BatchTokenIDOut(["bad", "good"], [[10 ** 9], good], [dict(running), dict(running)]))
     assert out.rids == ["bad", "good"] and out.deltas[1] == "Hello"
-    assert out.meta[0]["finish_reason"]["type"] == "abort" and out.meta[0]["abort_upstream"]
+    reason = out.meta[0]["finish_reason"]
+    assert reason["type"] == "abort" and reason["status_code"] == 500 and out.meta[0]["abort_upstream"]
     # the scheduler's later outputs for it are dropped until its own finish arrives
     out = manager.handle(BatchTokenIDOut(["bad", "good"], [[1], []], [dict(running), {"finish_reason": {"type": "length"}}]))
     assert out.rids == ["good"]

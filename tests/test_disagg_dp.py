@@ -28,7 +28,7 @@ import pytest
 
 from disagg_harness import Worker, make_kv_args, start_workers
 from disagg_server_harness import (
-    DECODE_ARGS, GREEDY, PDPair, abort_message, assert_memory_ok, generate, new_room, prefill_args, replica_states,
+    DECODE_ARGS, GREEDY, PDPair, failure_message, assert_memory_ok, generate, new_room, prefill_args, replica_states,
     scheduler_pids,
 )
 from radixserve.disaggregation import KVPoll, KVTransferConfig, KVTransferError, get_kv_classes
@@ -237,7 +237,7 @@ def test_a_prefill_replica_killed_mid_transfer(servers, tp1_outputs):
         with kv_in_flight(pd, body, pool) as (decode, _):
             os.kill(scheduler_pids(pd.prefill)[1], signal.SIGKILL)
             killed = time.monotonic()
-        text = abort_message(decode.result(timeout=FAULT_DEADLINE_S))
+        text = failure_message(decode.result(timeout=FAULT_DEADLINE_S))
     assert time.monotonic() - killed < FAULT_DEADLINE_S
     assert f"KV transfer of bootstrap room {body['bootstrap_room']} failed" in text, text
     assert "prefill rank 0 of dp group 1" in text, text

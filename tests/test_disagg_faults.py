@@ -37,8 +37,8 @@ import httpx
 import pytest
 
 from disagg_server_harness import (
-    DECODE_ARGS, GREEDY, PAGE_SIZE, PDPair, abort_message, assert_memory_ok, generate, kv_used, model_args,
-    prefill_args,
+    DECODE_ARGS, GREEDY, PAGE_SIZE, PDPair, abort_message, assert_memory_ok, failure_message, generate, kv_used,
+    model_args, prefill_args,
 )
 from radixserve.managers.scheduler import OVERLAP_ON_CPU_ENV
 from server_harness import ServerProcess, free_port, start_all, wait_for
@@ -166,7 +166,7 @@ def kill_mid_transfer(doomed: PDPair, dying: ServerProcess) -> tuple[dict, str, 
             dying.kill()
             killed = time.monotonic()
         survivor = prefill if dying is doomed.decode else decode
-        text = abort_message(survivor.result(timeout=FAULT_DEADLINE_S))
+        text = failure_message(survivor.result(timeout=FAULT_DEADLINE_S))
     return body, text, time.monotonic() - killed
 
 
@@ -213,7 +213,7 @@ def test_decode_client_hangs_up_while_the_kv_is_waited_for(pair):
         client.hang_up()
         assert_memory_ok(pair.decode, timeout=FAULT_DEADLINE_S)
     time.sleep(1.0)  # the decode side's abort, queued while the prefill server was stopped, goes through
-    text = abort_message(generate(pair.prefill.url, body, timeout=FAULT_DEADLINE_S))
+    text = failure_message(generate(pair.prefill.url, body, timeout=FAULT_DEADLINE_S))
     assert "the decode side gave the transfer up: the request was aborted" in text, text
     assert_memory_ok(pair.prefill, pair.decode, timeout=FAULT_DEADLINE_S)
     assert_serves(pair)
@@ -248,7 +248,7 @@ def test_prefill_client_hangs_up_while_its_kv_is_sent(pair):
         with kv_in_flight(pair, body, pool, HangingUp) as (decode, client):
             client.hang_up()
             assert_memory_ok(pair.prefill, timeout=FAULT_DEADLINE_S)
-        text = abort_message(decode.result(timeout=FAULT_DEADLINE_S))
+        text = failure_message(decode.result(timeout=FAULT_DEADLINE_S))
     assert "the prefill side gave the transfer up: the prefill side aborted the request" in text, text
     assert_memory_ok(pair.prefill, pair.decode, timeout=FAULT_DEADLINE_S)
     assert_serves(pair)
@@ -264,7 +264,7 @@ def test_prefill_client_hangs_up_while_the_decode_is_waited_for(pair):
     client.hang_up()
     assert_memory_ok(pair.prefill, timeout=FAULT_DEADLINE_S)
     start = time.monotonic()
-    text = abort_message(generate(pair.decode.url, body, timeout=FAULT_DEADLINE_S))
+    text = failure_message(generate(pair.decode.url, body, timeout=FAULT_DEADLINE_S))
     assert time.monotonic() - start < FAULT_DEADLINE_S
     assert "the prefill side gave the transfer up: the prefill side aborted the request" in text, text
     assert_memory_ok(pair.decode, timeout=FAULT_DEADLINE_S)
@@ -288,7 +288,7 @@ def test_decode_client_hangs_up_while_held_back_by_a_full_pool(pair):
             wait_state(pair.decode, lambda s: s["prompt_tokens"] > tokens[1], "the decode server taking the request")
             assert pair.decode.state()["kv_used"] == used + 200, "the request is held back, its KV not reserved"
             client.hang_up()
-            text = abort_message(prefill.result(timeout=FAULT_DEADLINE_S))
+            text = failure_message(prefill.result(timeout=FAULT_DEADLINE_S))
         assert "the decode side gave the transfer up: the request was aborted" in text, text
     finally:
         hog.hang_up()

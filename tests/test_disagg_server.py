@@ -26,7 +26,7 @@ import pytest
 
 import radixserve
 from disagg_server_harness import (
-    DECODE_ARGS, GREEDY, PAGE_SIZE, PDPair, abort_message, assert_memory_ok, generate, model_args, prefill_args,
+    DECODE_ARGS, GREEDY, PAGE_SIZE, PDPair, failure_message, assert_memory_ok, generate, model_args, prefill_args,
 )
 from radixserve.managers.io_struct import MAX_TOP_LOGPROBS
 from radixserve.managers.scheduler import OVERLAP_ON_CPU_ENV
@@ -169,7 +169,7 @@ def test_decode_request_whose_prefill_never_comes(servers):
     start = time.monotonic()
     out = generate(servers["decode"].url, body)
     assert time.monotonic() - start < FAULT_DEADLINE_S
-    text = abort_message(out)
+    text = failure_message(out)
     assert f"KV transfer of bootstrap room {body['bootstrap_room']} failed" in text and "no KV arrived" in text
     assert_memory_ok(servers["decode"])
     _, decode = servers["pair"].generate(PROMPTS[1])
@@ -181,14 +181,14 @@ def test_prefill_request_whose_decode_never_comes(servers):
     start = time.monotonic()
     out = generate(servers["prefill"].url, body)
     assert time.monotonic() - start < FAULT_DEADLINE_S
-    assert "no decode rank registered for it" in abort_message(out)
+    assert "no decode rank registered for it" in failure_message(out)
     assert_memory_ok(servers["prefill"])
 
 
 def test_bootstrap_address_that_does_not_answer(servers):
     body = {**servers["pair"].body(PROMPTS[1]), "bootstrap_port": free_port()}
     out = generate(servers["decode"].url, body, timeout=FAULT_DEADLINE_S)
-    assert "did not answer" in abort_message(out)
+    assert "did not answer" in failure_message(out)
     assert_memory_ok(servers["decode"])
 
 

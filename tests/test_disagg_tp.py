@@ -32,7 +32,7 @@ import torch
 import radixserve
 from disagg_harness import SLOTS, make_kv_args
 from disagg_server_harness import (
-    DECODE_ARGS, GREEDY, PAGE_SIZE, PDPair, abort_message, assert_memory_ok, generate, prefill_args,
+    DECODE_ARGS, GREEDY, PAGE_SIZE, PDPair, failure_message, assert_memory_ok, generate, prefill_args,
 )
 from radixserve.disaggregation import KVPoll, KVTransferConfig, KVTransferError
 from radixserve.disaggregation.bootstrap import KVBootstrapServer
@@ -262,7 +262,7 @@ def test_one_prefill_rank_of_two_killed_mid_transfer(pair, tp1_pair):
         with kv_in_flight(pd, body, pool) as (decode, _):
             os.kill(pd.prefill.children()["scheduler-tp1"], signal.SIGKILL)
             killed = time.monotonic()
-        text = abort_message(decode.result(timeout=FAULT_DEADLINE_S))
+        text = failure_message(decode.result(timeout=FAULT_DEADLINE_S))
     assert time.monotonic() - killed < FAULT_DEADLINE_S
     assert f"KV transfer of bootstrap room {body['bootstrap_room']} failed" in text and "prefill rank" in text, text
     assert_memory_ok(pd.decode, timeout=FAULT_DEADLINE_S)

@@ -10,6 +10,7 @@ import pytest
 from radixserve.managers.io_struct import decode
 from radixserve.managers.schedule_batch import FinishReason, Req
 from radixserve.managers.scheduler_process import UNSTREAMED_OUTPUT_INTERVAL, SchedulerProcess
+from radixserve.managers.tokenizer_manager import RequestFailedError, raise_for_abort
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
@@ -78,3 +79,20 @@ def test_stream_interval_flag_is_checked():
     assert ServerArgs.from_kwargs(model_path="tiny-llama", stream_interval=4).stream_interval == 4
     with pytest.raises(ValueError, match="stream_interval must be >= 1"):
         ServerArgs.from_kwargs(model_path="tiny-llama", stream_interval=0)
+
+
+def test_an_abort_carries_the_status_a_server_answers_it_with():
+    """SGLang's FINISH_ABORT status_code: 400 for a request at fault (a
+    ValueError naming the field), 5xx for a server's failure; none for an
+    abort asked for, which is a finished request."""
+    refused, failed = FinishReason.refused("sampling_params.stop_regex: slow"), FinishReason.failed("KV lost")
+    assert refused.to_json() == {"type": "abort", "message": "sampling_params.stop_regex: slow", "status_code": 400}
+    assert failed.to_json()["status_code"] == 500
+    assert "status_code" not in FinishReason.aborted("aborted by request").to_json()
+    with pytest.raises(ValueError, match=r"^sampling_params\.stop_regex: slow$"):
+        raise_for_abort(refused.to_json())
+    with pytest.raises(RequestFailedError, match="KV lost") as err:
+        raise_for_abort(failed.to_json())
+    assert err.value.status_code == 500
+    for reason in (FinishReason.aborted("aborted by request"), FinishReason.at_length(3), None):
+        raise_for_abort(reason.to_json() if reason else None)

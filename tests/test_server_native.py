@@ -329,9 +329,16 @@ def test_stop_regex_stops_trims_and_never_streams_the_match(client):
 
 
 def test_a_stop_regex_too_slow_to_search_ends_only_its_request(client):
+    """A 400 naming the field, as SGLang answers an abort the request caused
+    (its finish_reason's status_code); streamed, the stream ends with that
+    abort."""
     body = {"text": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 64, "stop_regex": r"(.|..)*\d$"}}
-    reason = client.post("/generate", json=body).json()["meta_info"]["finish_reason"]
-    assert reason["type"] == "abort" and reason["message"].startswith("sampling_params.stop_regex: ")
+    r = client.post("/generate", json=body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "sampling_params.stop_regex" and "took over" in err["message"]
+    reason = sse_events(client.post("/generate", json={**body, "stream": True}).text)[-1]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["status_code"] == 400
+    assert reason["message"].startswith("sampling_params.stop_regex: ")
     assert client.post("/generate", json={"text": PROMPT, "sampling_params": GREEDY}).status_code == 200
 
 

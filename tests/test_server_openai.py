@@ -4,11 +4,13 @@ stop, logprobs, usage with cached tokens, and the error cases."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
 import openai
 import pytest
+from server_harness import wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -150,6 +152,29 @@ def test_stop_regex_on_both_routes(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"stop_regex": "(unclosed"})
     assert err.value.param == "stop_regex" and "invalid regular expression" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:  # refused while it runs: a search that ran out of time
+        client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=64,
+                                       extra_body={"stop_regex": r"(.|..)*\d$"})
+    assert err.value.param == "stop_regex" and "took over" in err.value.message
+
+
+def test_a_request_aborted_by_its_rid_finishes_as_abort(server, client):
+    """/abort_request ends an OpenAI request as SGLang does: a choice whose
+    finish_reason is "abort" (not an error); the server serves on."""
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers(), timeout=120) as ac:
+            body = {"model": MODEL, "prompt": "Go on forever", "max_tokens": 3000, "rid": "openai-to-abort",
+                    "ignore_eos": True}
+            task = asyncio.create_task(ac.post("/v1/completions", json=body))
+            await asyncio.to_thread(wait_for, lambda: server.state()["running"] == 1, 60, "the request's start")
+            assert (await ac.post("/abort_request", json={"rid": "openai-to-abort"})).status_code == 200
+            return await task
+
+    r = asyncio.run(run())
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "abort" and r.json()["usage"]["completion_tokens"] < 3000
+    assert server.wait_idle()["memory_check"] == "ok"
 
 
 # -- tool calls and reasoning (--tool-call-parser, --reasoning-parser) --------------------------------

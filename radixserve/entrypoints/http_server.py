@@ -35,7 +35,8 @@ from radixserve.entrypoints.streaming import incremental, peek, sse_stream
 from radixserve.managers.child_process import freeze_startup_objects
 from radixserve.managers.io_struct import GenerateReqInput
 from radixserve.managers.profiler import check_profile_options
-from radixserve.managers.tokenizer_manager import EngineDeadError, RequestTimeoutError, ServerBusyError
+from radixserve.managers.tokenizer_manager import (EngineDeadError, RequestFailedError, RequestTimeoutError,
+                                                   ServerBusyError)
 from radixserve.server_args import ServerArgs
 from radixserve.validation import FIELD_PREFIX, first_error
 
@@ -186,6 +187,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestTimeoutError)
     async def on_timeout(request: Request, exc: RequestTimeoutError):
         return error_response(str(exc), 504)
+
+    @app.exception_handler(RequestFailedError)
+    async def on_failed(request: Request, exc: RequestFailedError):
+        return error_response(str(exc), exc.status_code)
 
 
 def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:

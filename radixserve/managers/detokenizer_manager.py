@@ -131,7 +131,7 @@ class DetokenizerManager:
                 self.status.pop(rid, None)
                 if not finished:
                     self.failed.add(rid)
-                meta["finish_reason"] = {"type": "abort", "message": f"detokenization failed: {exc}"}
+                meta["finish_reason"] = {"type": "abort", "message": f"detokenization failed: {exc}", "status_code": 500}
                 meta["abort_upstream"] = not finished
                 deltas.append("")
             keep.append(i)

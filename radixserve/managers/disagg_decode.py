@@ -82,7 +82,7 @@ class DecodeDisaggregation(DisaggregationQueues):
         budget = self._kv_budget()
         for req, (state, failure) in zip(self.prealloc_queue, polls):
             if state == KVPoll.Failed:
-                out.append(self._end_decode_transfer(req, FinishReason.aborted(failure)))
+                out.append(self._end_decode_transfer(req, FinishReason.failed(failure)))
             elif state == KVPoll.Bootstrapping or blocked:
                 waiting.append(req)
             elif self._reserve_prompt_kv(req, budget):
@@ -96,7 +96,7 @@ class DecodeDisaggregation(DisaggregationQueues):
             if state == KVPoll.Success:
                 out.append(self._join_running(req))
             elif state == KVPoll.Failed:
-                out.append(self._end_decode_transfer(req, FinishReason.aborted(failure)))
+                out.append(self._end_decode_transfer(req, FinishReason.failed(failure)))
             else:
                 transferring.append(req)
         self.transfer_queue = transferring + self.transfer_queue[len(polled):]

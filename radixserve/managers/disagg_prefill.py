@@ -82,7 +82,7 @@ class PrefillDisaggregation(DisaggregationQueues):
         out, bootstrapping = [], []
         for req, (state, failure) in zip(self.bootstrap_queue, polls):
             if state == KVPoll.Failed:
-                self._end_prefill_transfer(req, FinishReason.aborted(failure))
+                self._end_prefill_transfer(req, FinishReason.failed(failure))
                 out.append(req)
             elif state == KVPoll.Bootstrapping:
                 bootstrapping.append(req)
@@ -93,7 +93,7 @@ class PrefillDisaggregation(DisaggregationQueues):
             if state == KVPoll.Success:
                 self._end_inflight(req, req.disagg_finish)
             elif state == KVPoll.Failed:
-                self._end_inflight(req, FinishReason.aborted(failure))
+                self._end_inflight(req, FinishReason.failed(failure))
             else:
                 in_flight.append(req)
                 continue
@@ -118,7 +118,7 @@ class PrefillDisaggregation(DisaggregationQueues):
         # polled once more: the decode side may have given the room up meanwhile
         for req, (state, failure) in zip(ready, agree_polls(self.s.tp_group, [r.kv_sender for r in ready])):
             if state == KVPoll.Failed:  # it stays in ``updated``, finished: the caller caches its KV
-                self._end_prefill_transfer(req, FinishReason.aborted(failure))
+                self._end_prefill_transfer(req, FinishReason.failed(failure))
             else:
                 self._send_prompt_kv(req)  # unfinished until the transfer ends
         leaving = {id(r) for r in ready if not r.finished()}

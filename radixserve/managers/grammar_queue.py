@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from radixserve.managers.schedule_batch import FinishReason, Req
-from radixserve.sampling.grammar import GrammarBackend
+from radixserve.sampling.grammar import GrammarBackend, grammar_spec
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,8 @@ class GrammarQueue:
                 req.grammar = self.backend.matcher(req.grammar_future.result())
                 ready.append(req)
             except Exception as exc:  # a grammar check at the edge passed, but compiling it failed
-                req.finished_reason = FinishReason.aborted(f"grammar: {exc}")
+                kind = grammar_spec(req.sampling_params)[0]
+                req.finished_reason = FinishReason.refused(f"sampling_params.{kind}: {exc}")
                 failed.append(req)
         self.reqs = still
         return ready, failed
@@ -93,6 +94,6 @@ class GrammarQueue:
         for req, ok in zip(reqs, accepted):
             if not ok:  # the mask allowed it: a bug, but one request's
                 logger.error("request %s aborted: its grammar refused token %d", req.rid, req.output_ids[-1])
-                req.finished_reason = FinishReason.aborted("internal error: the grammar refused a token")
+                req.finished_reason = FinishReason.failed("internal error: the grammar refused a token")
             elif req.finished_reason is None and req.grammar.is_terminated():
                 req.finished_reason = FinishReason.stopped(req.output_ids[-1])

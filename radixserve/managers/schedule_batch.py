@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any, Callable
 
 import torch
@@ -56,12 +57,20 @@ RETRACT_DECODE_STEPS = 20  # tokens of room a retraction leaves each running req
 class FinishReason:
     """Why a request stopped, in SGLang's three kinds; build one with
     ``stopped``, ``at_length`` or ``aborted``. ``to_json`` is SGLang's
-    ``meta_info.finish_reason``."""
+    ``meta_info.finish_reason``.
+
+    An abort's ``status_code`` is the HTTP status a server answers a
+    non-streamed request with, as SGLang's ``FINISH_ABORT`` carries it: 400
+    when the request itself was at fault (its message starts with the field),
+    500 when the server failed it; None when it was aborted on purpose (a
+    client's ``/abort_request``, a closed connection), which is answered as a
+    finished request whose reason is ``abort``."""
 
     type: str  # "stop" | "length" | "abort"
     matched: int | str | None = None  # stop: the stop token id, stop string or stop_regex pattern
     length: int | None = None  # length: output tokens when the limit was reached
     message: str | None = None  # abort: why; length: set when a full KV pool cut the request short
+    status_code: int | None = None  # abort: see above
 
     @classmethod
     def stopped(cls, matched: int | str) -> "FinishReason":
@@ -72,8 +81,18 @@ class FinishReason:
         return cls("length", length=length, message=message)
 
     @classmethod
-    def aborted(cls, message: str) -> "FinishReason":
-        return cls("abort", message=message)
+    def aborted(cls, message: str, status_code: int | None = None) -> "FinishReason":
+        return cls("abort", message=message, status_code=status_code)
+
+    @classmethod
+    def refused(cls, message: str) -> "FinishReason":
+        """An abort the request caused (HTTP 400); ``message`` starts with the field."""
+        return cls.aborted(message, HTTPStatus.BAD_REQUEST)
+
+    @classmethod
+    def failed(cls, message: str) -> "FinishReason":
+        """An abort the server caused (HTTP 500)."""
+        return cls.aborted(message, HTTPStatus.INTERNAL_SERVER_ERROR)
 
     def to_json(self) -> dict:
         out: dict = {"type": self.type}
@@ -83,6 +102,8 @@ class FinishReason:
             out["length"] = self.length
         if self.message:
             out["message"] = self.message
+        if self.status_code is not None:
+            out["status_code"] = int(self.status_code)
         return out
 
 
@@ -213,7 +234,7 @@ class Req:
             found = stop_regex.first_match(self.stop_patterns, tail, regex_timeout_s)
         except stop_regex.StopRegexTimeout as exc:
             self.stop_regex_timed_out = True
-            return FinishReason.aborted(str(exc))
+            return FinishReason.refused(str(exc))
         return None if found is None else FinishReason.stopped(found[0])
 
     def wants_input_logprobs(self) -> bool:

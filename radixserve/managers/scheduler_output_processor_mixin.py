@@ -68,7 +68,7 @@ class SchedulerOutputProcessorMixin:
                         constrained.append(req)
                 except Exception as exc:  # e.g. a stop-string check that cannot decode this output
                     logger.error("request %s aborted: %s: %s", req.rid, type(exc).__name__, exc)
-                    req.finished_reason = FinishReason.aborted(f"internal error: {exc}")
+                    req.finished_reason = FinishReason.failed(f"internal error: {exc}")
                 updated.append(req)
         if constrained:
             self.grammar_queue.advance(constrained)
@@ -91,7 +91,7 @@ class SchedulerOutputProcessorMixin:
         timed_out = set(self._agree_on_rids([r.rid for r in watched if r.stop_regex_timed_out]))
         for req in watched:
             if req.rid in timed_out and not req.stop_regex_timed_out:
-                req.finished_reason = FinishReason.aborted("sampling_params.stop_regex: the search ran out of time")
+                req.finished_reason = FinishReason.refused("sampling_params.stop_regex: the search ran out of time")
                 req.stop_regex_timed_out = True
             elif req.stop_regex_timed_out and req.rid not in timed_out:
                 req.finished_reason, req.stop_regex_timed_out = None, False

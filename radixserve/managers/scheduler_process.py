@@ -254,7 +254,7 @@ class SchedulerProcess:
                 return
             logger.error("request %s refused: %s", msg.rid, exc)
             req = Req(msg.rid, msg.input_ids or [0], SamplingParams())
-            req.finished_reason = FinishReason.aborted(f"invalid request: {exc}")
+            req.finished_reason = FinishReason.refused(f"invalid request: {exc}")
             self.send_outputs([req])
 
     def send_outputs(self, reqs: list[Req]) -> None:

@@ -34,7 +34,7 @@ from radixserve.managers.tokenizer_communicator_mixin import TokenizerCommunicat
 from radixserve.sampling.grammar import check_grammar, grammar_spec
 from radixserve.sampling.grammar_sandbox import GrammarSandbox
 from radixserve.sampling.sampling_params import SamplingParams
-from radixserve.server_args import CompileLimits
+from radixserve.feature_args import CompileLimits
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,29 @@ class ServerBusyError(RuntimeError):
 
 class RequestTimeoutError(RuntimeError):
     """The request ran past ``--request-timeout`` and was aborted (HTTP 504)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The server failed the request (an abort with a 5xx ``status_code``,
+    such as a failed KV transfer); answered with that status."""
+
+    def __init__(self, message: str, status_code: int):
+        super().__init__(message)
+        self.status_code = status_code
+
+
+def raise_for_abort(finish_reason: dict | None) -> None:
+    """As SGLang answers a non-streamed request that ended in an abort with a
+    ``status_code``: ``ValueError`` (HTTP 400, the message names the field)
+    when the request was at fault, ``RequestFailedError`` when the server
+    was. An abort without one (the client's) is a finished request."""
+    status = (finish_reason or {}).get("status_code") if (finish_reason or {}).get("type") == "abort" else None
+    if status is None:
+        return
+    message = finish_reason.get("message") or "the request was aborted"
+    if status == 400:
+        raise ValueError(message)
+    raise RequestFailedError(message, status)
 
 
 @dataclass(frozen=True)
@@ -364,6 +387,8 @@ class TokenizerManager(TokenizerCommunicatorMixin):
             async for st in self._updates(queue, len(states)):
                 # the scheduler sends a stream's tokens every stream_interval (scheduler_process.py)
                 if st.finished or (obj.stream and len(st.output_ids) > st.streamed):
+                    if not obj.stream:  # a stream ends with the abort's reason, as in SGLang
+                        raise_for_abort(st.meta.get("finish_reason"))
                     st.streamed = len(st.output_ids)
                     yield self._result(st, obj, None if single else st.index)
         finally:

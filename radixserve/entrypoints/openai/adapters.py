@@ -215,8 +215,9 @@ def _logprob_args(top_n: int, logprob_start_len: int) -> dict:
 
 def finish_reason_to_openai(finish_reason: dict | None) -> str | None:
     """``meta_info["finish_reason"]`` as OpenAI's string: ``"stop"``,
-    ``"length"``, or SGLang's ``"abort"`` (the server should answer an aborted
-    request with an error rather than a choice); ``None`` while unfinished."""
+    ``"length"``, or SGLang's ``"abort"`` (a request aborted on purpose; one
+    the request or the server failed is answered with an error instead, see
+    ``FinishReason``); ``None`` while unfinished."""
     return None if finish_reason is None else finish_reason["type"]
 
 
@@ -506,6 +507,8 @@ def validation_error_to_openai(errors: list[dict]) -> dict:
 
 _GRAMMAR_ERROR = re.compile(r"sampling_params\.(json_schema|regex|ebnf|structural_tag):")
 _PROMPT_ERROR = re.compile(r"(?:text|input_ids)(\[\d+\])?:")
+_SAMPLING_ERROR = re.compile(r"sampling_params\.(\w+):")
+_OPENAI_NAMES = {sglang: openai for openai, sglang in _SAMPLING_NAMES.items()}
 
 
 def name_request_error(exc: ValueError, req: CompletionRequest | ChatCompletionRequest) -> ValueError:
@@ -513,11 +516,16 @@ def name_request_error(exc: ValueError, req: CompletionRequest | ChatCompletionR
     grammar (``sampling_params.json_schema: ...``): ``response_format``, SGLang's
     ``json_schema``, ``regex`` or ``ebnf``, or else ``tools`` (forced or strict
     calls). A refused prompt (``text[1]: ...``, ``input_ids: ...``): ``prompt[1]``,
-    ``prompt``, or ``messages`` for a chat."""
+    ``prompt``, or ``messages`` for a chat. A sampling parameter the request
+    copies (``sampling_params.stop_regex: ...``, a search that ran out of time):
+    its OpenAI name."""
     message = str(exc)
     if _PROMPT_ERROR.match(message):
         field = "messages" if isinstance(req, ChatCompletionRequest) else r"prompt\1"
         return ValueError(_PROMPT_ERROR.sub(f"{field}:", message, count=1))
+    sampling = _SAMPLING_ERROR.match(message)
+    if sampling and sampling.group(1) in _OPENAI_NAMES:
+        return ValueError(f"{_OPENAI_NAMES[sampling.group(1)]}:{message[sampling.end():]}")
     if not _GRAMMAR_ERROR.match(message):
         return exc
     fmt = req.response_format

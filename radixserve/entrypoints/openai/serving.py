@@ -56,15 +56,6 @@ def _reply_model(tm: TokenizerManager, model: str | None) -> str:
     return model or tm.served_model_name
 
 
-def _aborted(outputs: list[dict]) -> JSONResponse | None:
-    for out in outputs:
-        reason = out["meta_info"]["finish_reason"] or {}
-        if reason.get("type") == "abort":
-            return JSONResponse(A.openai_error(reason.get("message") or "request aborted", "server_error",
-                                               code=500), 500)
-    return None
-
-
 class _Deltas:
     """Per-choice bookkeeping that turns cumulative outputs into deltas."""
 
@@ -110,7 +101,7 @@ def add_openai_routes(app: FastAPI, tm: TokenizerManager, tool_call_parser: str 
         prompts = A.prompt_texts(req, tm.tokenizer) if req.echo else None
         if not req.stream:
             outputs = [o async for o in gen]
-            return _aborted(outputs) or A.build_completion_response(
+            return A.build_completion_response(
                 req, outputs, model, created, request_id=rid, prompts=prompts).model_dump()
         outs = await peek(gen)
         return StreamingResponse(sse_stream(_completion_events(req, model, outs, rid, created, prompts)),
@@ -128,7 +119,7 @@ def add_openai_routes(app: FastAPI, tm: TokenizerManager, tool_call_parser: str 
         parsing = chat_parsing(req, tool_call_parser, reasoning_parser)
         if not req.stream:
             outputs = [o async for o in gen]
-            return _aborted(outputs) or A.build_chat_response(
+            return A.build_chat_response(
                 req, outputs, model, created, request_id=rid, parsing=parsing).model_dump()
         outs = await peek(gen)
         return StreamingResponse(sse_stream(_chat_events(req, model, outs, rid, created, parsing)),
