@@ -53,6 +53,7 @@ from typing import Any, NamedTuple
 import torch
 
 from radixserve.mem_cache.base_prefix_cache import EMPTY_SLOTS, MatchResult
+from radixserve.mem_cache.hicache_file_hooks import FileTierHooks, HostPin
 from radixserve.mem_cache.host_pool import HostKVPool
 from radixserve.mem_cache.radix_cache import EvictionHeap, RadixCache, TreeNode, common_page_len
 from radixserve.feature_args import HICACHE_WRITE_POLICIES
@@ -76,25 +77,13 @@ class _Transfer:
     def __init__(self, kind: TransferKind, nodes: list[TreeNode], keep: tuple):
         self.kind, self.nodes, self.keep = kind, nodes, keep  # keep: its index tensors, alive until done
         self.tokens = [len(n.key) for n in nodes]
-        self.held: list[_HostPin] = []  # file-tier backups below, waiting for this copy to land
+        self.held: list[HostPin] = []  # file-tier backups below, waiting for this copy to land
         self.event = None
         self.finished = False
         self.deadline = math.inf  # a load-back is always waited for
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
-
-
-class _HostPin:
-    """A reader's hold on the host copies of the last ``tokens`` up to the end
-    of ``node`` (whole nodes when taken). A split puts the upper half above
-    the node it cut, with its ``host_ref``, and ``node`` stays the lowest
-    part: the same walk up over ``tokens`` finds every part to release."""
-
-    __slots__ = ("node", "tokens")
-
-    def __init__(self, node: TreeNode, tokens: int):
-        self.node, self.tokens = node, tokens
 
 
 class _Walk(NamedTuple):
@@ -130,7 +119,7 @@ def _no_namespace(namespace: str | None) -> None:
         raise ValueError("the hierarchical cache does not key prefixes by LoRA adapter")
 
 
-class HiRadixCache(RadixCache):
+class HiRadixCache(FileTierHooks, RadixCache):
     def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, page_size: int, host_pool: HostKVPool,
                  write_policy: str = "write_through", eviction_policy: str = "lru", kv_events=None,
                  storage=None, forward_stream=None, tp_group=None):
@@ -155,7 +144,7 @@ class HiRadixCache(RadixCache):
         self._loads: deque[_Transfer] = deque()
         self._arrivals: list[list[int]] = []  # prompts to prefetch from file at the next poll
         # Not cleared by a reset: a backup in flight then releases its pin on the old tree's nodes.
-        self._host_pins: set[_HostPin] = set()
+        self._host_pins: set[HostPin] = set()
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, eviction_policy, kv_events)
 
     def reset(self) -> None:
@@ -534,56 +523,6 @@ class HiRadixCache(RadixCache):
                 stream.synchronize()
         if self.storage is not None:
             self.storage.drain()
-
-    # -- the file tier's hooks ---------------------------------------------------------
-    def host_path(self, node: TreeNode) -> tuple[list[int], torch.Tensor] | None:
-        """The tokens from the root to the end of ``node`` and their host
-        slots, or None if some node on the way has no host copy."""
-        keys, slots = [], []
-        while node is not self.root:
-            if node.host_value is None:
-                return None
-            keys.append(node.key)
-            slots.append(node.host_value)
-            node = node.parent
-        return [t for k in reversed(keys) for t in k], torch.cat(slots[::-1]) if slots else EMPTY_SLOTS
-
-    def pin_host(self, node: TreeNode, n_tokens: int) -> _HostPin:
-        """Keep the host copies of the last ``n_tokens`` up to the end of
-        ``node`` (the nodes holding them) until ``unpin_host``, whatever
-        splits happen meanwhile: a reader reads them off the scheduler's path."""
-        pin = _HostPin(node, self._add_host_ref(node, n_tokens, 1))
-        self._host_pins.add(pin)
-        return pin
-
-    def unpin_host(self, pin: _HostPin) -> None:
-        self._host_pins.remove(pin)
-        self._add_host_ref(pin.node, pin.tokens, -1)
-
-    @staticmethod
-    def _add_host_ref(node: TreeNode, n_tokens: int, delta: int) -> int:
-        """Add ``delta`` to the nodes from ``node`` up that hold the last
-        ``n_tokens`` up to its end; returns the tokens of those nodes."""
-        covered = 0
-        while covered < n_tokens:
-            node.host_ref += delta
-            covered += len(node.key)
-            node = node.parent
-        return covered
-
-    def attach_host(self, tokens: list[int], host_slots: torch.Tensor, start: int) -> int:
-        """Put prefetched KV (host slots of ``tokens[start:]``) into the tree
-        as a host-only leaf after what is cached; frees the slots it does not
-        need. Returns the tokens attached."""
-        walk = self._walk(tokens)
-        have = walk.device_len + walk.host_len
-        if have < start or have >= len(tokens):
-            self.host.allocator.free(host_slots)
-            return 0
-        self.host.allocator.free(host_slots[: have - start])
-        leaf = self._add_leaf(walk.deepest, tokens[have:], None, have)
-        leaf.host_value = host_slots[have - start :]
-        return len(leaf.key)
 
     # -- checks ----------------------------------------------------------------------------
     def _check_node(self, node: TreeNode, problems: list[str]) -> None:
