@@ -10,9 +10,8 @@ import json
 
 import openai
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -21,7 +20,10 @@ from test_openai_protocol import USER_HI, tokenizer  # noqa: F401 - a fixture th
 from radixserve.entrypoints.openai import adapters
 from radixserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.entrypoints.openai.serving import add_openai_routes
+from radixserve.entrypoints.http_server import add_error_handlers
 from radixserve.managers.io_struct import GenerateReqInput
+from radixserve.managers.schedule_batch import FinishReason
+from radixserve.managers.tokenizer_manager import raise_for_abort
 
 
 class FakeTokenizerManager:
@@ -71,6 +73,48 @@ def output(index, text, prompt_tokens=3, completion_tokens=2, cached=0, finish=N
     info = {"id": f"r{index}", "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
     info.update(cached_tokens=cached, finish_reason=finish, e2e_latency=0.1, **meta)
     return {"index": index, "text": text, "output_ids": [8] * completion_tokens, "meta_info": info}
+
+
+class AbortingTokenizerManager(FakeTokenizerManager):
+    """Every request ends in the abort ``reason``, as the TokenizerManager
+    answers it (``raise_for_abort`` for a request not streamed)."""
+
+    def __init__(self, tokenizer, reason: dict):
+        super().__init__(tokenizer)
+        self.reason = reason
+
+    async def generate_request(self, obj: GenerateReqInput, request=None):
+        if not obj.stream:
+            raise_for_abort(self.reason)
+        yield output(0, "p0", finish=self.reason)
+
+
+@pytest.mark.parametrize("reason,status,param", [
+    (FinishReason.refused("sampling_params.stop_regex: the search took over 0.05s").to_json(), 400, "stop_regex"),
+    (FinishReason.refused("sampling_params.json_schema: it does not compile").to_json(), 400, "json_schema"),
+    (FinishReason.failed("KV transfer of bootstrap room 7 failed").to_json(), 500, None),
+    (FinishReason.aborted("aborted by request").to_json(), 200, None),
+])
+def test_an_abort_is_answered_by_its_status(tokenizer, reason, status, param):
+    """As SGLang: 400 naming the OpenAI request's field, 500 for a server's
+    failure, and a choice finished as "abort" for an abort asked for; a
+    stream has answered 200 already and ends with the abort's reason."""
+    app = FastAPI()
+    add_error_handlers(app)
+    add_openai_routes(app, AbortingTokenizerManager(tokenizer, reason))
+    http = TestClient(app)
+    body = {"model": "tiny", "prompt": "hi", "json_schema": "{}"} if param == "json_schema" else {"prompt": "hi"}
+    reply = http.post("/v1/completions", json=body)
+    assert reply.status_code == status, reply.text
+    if status == 200:
+        assert reply.json()["choices"][0]["finish_reason"] == "abort"
+    else:
+        error = reply.json()["error"]
+        assert error["param"] == param and error["message"] == (f"{param}:" if param else "") + (
+            reason["message"].split(":", 1)[1] if param else reason["message"])
+    chunks = [json.loads(line[6:]) for line in http.post("/v1/completions", json={**body, "stream": True}).text
+              .splitlines() if line.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
 
 
 def test_finish_reasons():
@@ -235,10 +279,7 @@ def fake_generate(kwargs: dict) -> list[dict]:
 
 def build_app(tokenizer) -> FastAPI:
     app = FastAPI()
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_request(_: Request, exc: RequestValidationError):
-        return JSONResponse(adapters.validation_error_to_openai(exc.errors()), status_code=400)
+    add_error_handlers(app)  # the server's own
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):

@@ -13,15 +13,15 @@ import json
 import jsonschema
 import openai
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 from openai.types.chat import ChatCompletion
 from pydantic import ValidationError
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from radixserve.entrypoints.http_server import add_error_handlers
 from radixserve.entrypoints.openai import adapters, serving
 from radixserve.entrypoints.openai.chat_parsing import chat_parsing
 from radixserve.entrypoints.openai.protocol import ChatCompletionRequest
@@ -270,10 +270,7 @@ async def fake_outputs(text: str, piece: int):
 
 def build_app(piece: int) -> FastAPI:
     app = FastAPI()
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_request(_: Request, exc: RequestValidationError):
-        return JSONResponse(adapters.validation_error_to_openai(exc.errors()), status_code=400)
+    add_error_handlers(app)  # the server's own
 
     @app.post("/v1/chat/completions")
     async def chat_route(req: ChatCompletionRequest):

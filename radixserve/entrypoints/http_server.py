@@ -156,7 +156,9 @@ def lora_update_response(ok: bool, message: str, loaded: dict[str, str]) -> JSON
     return JSONResponse({**body, **error_body(message, 400, None, match.group(1) if match else None)}, 400)
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def add_error_handlers(app: FastAPI) -> None:
+    """The server's errors in OpenAI's shape: 400 naming the field for a
+    refused request, 429, 503, 504 and a failed request's status."""
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
@@ -198,7 +200,7 @@ def create_app(engine: EngineProcesses, args: ServerArgs) -> FastAPI:
     app.state.engine, app.state.args, app.state.healthy = engine, args, True
     app.state.ready = True  # launch_server holds it False until the warm-up request has finished
     tm = engine.tokenizer_manager
-    _add_error_handlers(app)
+    add_error_handlers(app)
     # Outermost last: errors are caught around everything, then the body
     # limit, then the key is checked before any body is read.
     if args.api_key:
