@@ -56,7 +56,8 @@ RETRACT_DECODE_STEPS = 20  # tokens of room a retraction leaves each running req
 @dataclass(frozen=True)
 class FinishReason:
     """Why a request stopped, in SGLang's three kinds; build one with
-    ``stopped``, ``at_length`` or ``aborted``. ``to_json`` is SGLang's
+    ``stopped``, ``at_length``, or for an abort ``aborted`` (on purpose),
+    ``refused`` or ``failed``. ``to_json`` is SGLang's
     ``meta_info.finish_reason``.
 
     An abort's ``status_code`` is the HTTP status a server answers a
