@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import radixserve
+from radixserve.feature_args import HICACHE_WRITE_POLICIES
 from radixserve.mem_cache import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.mem_cache.hicache_storage import FileTier
 from radixserve.mem_cache import hiradix_cache
@@ -22,7 +23,6 @@ from radixserve.mem_cache.storage import HiCacheFile
 from radixserve.mem_cache.host_pool import HostKVPool, host_pool_tokens, runs
 from radixserve.mem_cache.invariants import check_memory_invariant
 from radixserve.sampling.sampling_params import SamplingParams
-from radixserve.feature_args import HICACHE_WRITE_POLICIES
 from radixserve.server_args import ServerArgs
 from test_engine import GREEDY, hf_greedy, llama  # noqa: F401  (fixture)
 

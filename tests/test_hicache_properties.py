@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
 from mem_harness import Harness, RequestRules, request_tokens
+from radixserve.feature_args import HICACHE_WRITE_POLICIES
 from radixserve.mem_cache import MHATokenToKVPool
 from radixserve.mem_cache import hiradix_cache
 from radixserve.mem_cache.hiradix_cache import HiRadixCache
 from radixserve.mem_cache.host_pool import HostKVPool
-from radixserve.feature_args import HICACHE_WRITE_POLICIES
 
 LAYERS = 2
 THRESHOLD = hiradix_cache.LOAD_BACK_THRESHOLD

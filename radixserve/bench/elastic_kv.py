@@ -21,8 +21,8 @@ import time
 import torch
 
 from radixserve.bench import sync
-from radixserve.mem_cache.elastic_allocator import build_elastic_pool
 from radixserve.feature_args import ElasticKVConfig
+from radixserve.mem_cache.elastic_allocator import build_elastic_pool
 
 
 DEFAULT_PAGES = 64  # pages mapped for the rates, where the memory holds them

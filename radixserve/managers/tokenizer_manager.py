@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Callable
 import zmq
 import zmq.asyncio
 
+from radixserve.feature_args import CompileLimits
 from radixserve.managers.data_parallel_controller import DataParallelController
 from radixserve.managers.io_struct import (
     AbortReq,
@@ -34,7 +35,6 @@ from radixserve.managers.tokenizer_communicator_mixin import TokenizerCommunicat
 from radixserve.sampling.grammar import check_grammar, grammar_spec
 from radixserve.sampling.grammar_sandbox import GrammarSandbox
 from radixserve.sampling.sampling_params import SamplingParams
-from radixserve.feature_args import CompileLimits
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +78,11 @@ def raise_for_abort(finish_reason: dict | None) -> None:
     ``status_code``: ``ValueError`` (HTTP 400, the message names the field)
     when the request was at fault, ``RequestFailedError`` when the server
     was. An abort without one (the client's) is a finished request."""
-    status = (finish_reason or {}).get("status_code") if (finish_reason or {}).get("type") == "abort" else None
+    reason = finish_reason or {}
+    status = reason.get("status_code") if reason.get("type") == "abort" else None
     if status is None:
         return
-    message = finish_reason.get("message") or "the request was aborted"
+    message = reason.get("message") or "the request was aborted"
     if status == 400:
         raise ValueError(message)
     raise RequestFailedError(message, status)

@@ -55,12 +55,12 @@ from typing import Callable
 
 import torch
 
+from radixserve.feature_args import ElasticKVConfig
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator, page_floor, pages_for
 from radixserve.mem_cache.elastic_registry import ElasticRegistry, registry_path
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool
 from radixserve.mem_cache.page_mapper import PageMapper
 from radixserve.mem_cache.virtual_memory import VirtualArena, granularity, make_arena
-from radixserve.feature_args import ElasticKVConfig
 
 logger = logging.getLogger(__name__)
 

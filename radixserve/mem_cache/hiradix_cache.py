@@ -52,11 +52,11 @@ from typing import Any, NamedTuple
 
 import torch
 
+from radixserve.feature_args import HICACHE_WRITE_POLICIES
 from radixserve.mem_cache.base_prefix_cache import EMPTY_SLOTS, MatchResult
 from radixserve.mem_cache.hicache_file_hooks import FileTierHooks, HostPin
 from radixserve.mem_cache.host_pool import HostKVPool
 from radixserve.mem_cache.radix_cache import EvictionHeap, RadixCache, TreeNode, common_page_len
-from radixserve.feature_args import HICACHE_WRITE_POLICIES
 
 SELECTIVE_HITS = 2  # write_through_selective backs a node up at its second hit
 LOAD_BACK_THRESHOLD = 16  # host tokens worth a load-back (fewer are recomputed)

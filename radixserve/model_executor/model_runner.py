@@ -35,6 +35,7 @@ from radixserve.distributed import DEFAULT_TIMEOUT_S, PPGroup, TPGroup, check_tp
 from radixserve.distributed.expert_flags import check_expert_parallel
 from radixserve.distributed.expert_parallel import MoEParallel
 from radixserve.distributed.pipeline import PPHidden, PPStage
+from radixserve.feature_args import ElasticKVConfig
 from radixserve.layers.attention import create_attention_backend
 from radixserve.layers.linear import prepack_linears_for_cpu, quantize_linears
 from radixserve.layers.logits_processor import LogitsProcessorOutput
@@ -48,7 +49,6 @@ from radixserve.mem_cache.virtual_memory import available_ram
 from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner, default_batch_sizes
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ragged_arange
 from radixserve.model_executor.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner, supports_pieces
-from radixserve.feature_args import ElasticKVConfig
 
 if TYPE_CHECKING:
     from radixserve.managers.schedule_batch import ModelWorkerBatch

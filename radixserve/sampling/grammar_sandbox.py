@@ -39,8 +39,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgpack
 
-from radixserve.sampling.grammar import COMPILE_THREADS, compile_spec, first_line
 from radixserve.feature_args import CompileLimits
+from radixserve.sampling.grammar import COMPILE_THREADS, compile_spec, first_line
 
 logger = logging.getLogger(__name__)
 
