@@ -223,14 +223,14 @@ def load_gguf(gguf_path: str, root: str | None = None) -> str:
 
 
 def _lock_if_possible(file) -> None:
+    """The conversion's turn: an exclusive lock on the GGUF file itself (apart
+    from the cache's lock, so that tests can hold ranks at this point)."""
     _flock(file, fcntl.LOCK_EX)
 
 
 def _flock(file, mode: int) -> None:
-    try:
+    with contextlib.suppress(OSError):  # a file system without locks: concurrent conversions still end well (_publish)
         fcntl.flock(file, mode)
-    except OSError:  # a file system without locks: concurrent conversions still end well (_publish)
-        pass
 
 
 def _convert_into(gguf_path: str, final: str) -> None:

@@ -127,7 +127,8 @@ def add_openai_routes(app: FastAPI, tm: TokenizerManager, tool_call_parser: str 
 
 
 async def _naming_fields(gen: AsyncIterator[dict], req) -> AsyncIterator[dict]:
-    """``gen``, with a refused grammar or prompt named by the request's field (``A.name_request_error``)."""
+    """``gen``, with a refused grammar, prompt or sampling parameter named by the request's field
+    (``A.name_request_error``)."""
     try:
         async for out in gen:
             yield out
